@@ -1,0 +1,44 @@
+# Every target a newcomer or CI needs. `make help` lists them.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.DEFAULT_GOAL := help
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP) ## create .venv and install caravan with its dev tools
+
+demo: $(STAMP) ## set up, then validate and render the example profiles
+	$(BIN)/caravan validate examples/profiles/*
+	@for f in examples/profiles/*; do echo "== $$f (replica 0)"; $(BIN)/caravan render $$f --replica 0 | head -n 40; done
+
+lint: $(STAMP) ## ruff (lint + format check) and the import contracts
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+
+type: $(STAMP) ## mypy --strict
+	$(BIN)/mypy caravan scheduler router devcluster caravan_cli
+
+unit: $(STAMP) ## the test suite alone
+	$(BIN)/pytest
+
+test: lint type unit ## everything CI runs: lint, types, tests
+
+fmt: $(STAMP) ## format and autofix
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+golden: $(STAMP) ## regenerate the rendered-job golden files after a deliberate change
+	$(BIN)/pytest tests/unit/scheduler/test_golden.py --update-golden
+
+.PHONY: help venv demo lint type unit test fmt golden

@@ -1,0 +1,129 @@
+"""The service contract: the names, tags, Meta keys and KV paths both sides rely on.
+
+The scheduler writes these (into rendered Nomad jobs and Consul KV); the router
+and the autoscaler read them back (from Consul health entries and KV). Neither
+side imports the other, so this module is the only place where the shape of
+what crosses Consul is written down. Change it in one place, and both sides
+follow.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# Every model service carries this tag; the router discovers models by it.
+SERVICE_TAG = "caravan"
+# Routers register themselves under this service name (clients find them by DNS).
+ROUTER_SERVICE = "caravan-router"
+# The scheduler's own HTTP API registers under this name.
+SCHEDULER_SERVICE = "caravan-scheduler"
+
+# Prefix of every Nomad job id caravan owns; only the scheduler writes these.
+JOB_PREFIX = "caravan-"
+# Prefix of the Consul service of each model.
+MODEL_SERVICE_PREFIX = "caravan-"
+# Profile names that would collide with caravan's own service names.
+RESERVED_MODEL_NAMES = frozenset({"router", "scheduler"})
+
+# A profile name: DNS-safe, and short enough that every derived name stays within
+# the 63 characters RFC 1123 and Nomad's service-name rule allow.
+MODEL_NAME_MAX_LEN = 40
+MODEL_NAME_PATTERN = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+
+# The port label of the engine's HTTP listener in every rendered job.
+HTTP_PORT_LABEL = "http"
+# Task group and task names inside a replica job.
+GROUP_NAME = "engine"
+TASK_NAME = "engine"
+
+
+class JobMetaKey:
+    """Keys of the Nomad job `Meta` of a replica job."""
+
+    MODEL = "caravan_model"
+    REPLICA = "caravan_replica"
+    ENGINE = "caravan_engine"
+    SPEC_HASH = "caravan_spec_hash"
+    MANAGED_BY = "managed_by"
+
+
+MANAGED_BY_VALUE = "caravan"
+
+
+class ServiceMetaKey:
+    """Keys of the Consul service `Meta` of a replica (contract 4).
+
+    Consul Meta keys allow letters, digits, `-` and `_` only, and values are
+    strings, so lists are comma-separated and numbers are decimal text.
+    """
+
+    MODEL = "caravan_model"
+    SERVED_MODELS = "served_models"
+    ENGINE = "engine"
+    REPLICA = "replica"
+    GPU_CLASS = "gpu_class"
+    CAPACITY = "capacity"
+    METRICS_PATH = "metrics_path"
+    METRIC_RUNNING = "metric_running"
+    METRIC_WAITING = "metric_waiting"
+    METRIC_KV_CACHE = "metric_kv_cache"
+    SPEC_HASH = "spec_hash"
+    ALLOC_ID = "alloc_id"
+
+
+def model_service_name(model_name: str) -> str:
+    """The Consul service of a model: `caravan-<name>`."""
+    return f"{MODEL_SERVICE_PREFIX}{model_name}"
+
+
+def replica_job_id(model_name: str, replica: int) -> str:
+    """The deterministic Nomad job id of one replica: `caravan-<name>-<replica>`."""
+    return f"{JOB_PREFIX}{model_name}-{replica}"
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Where caravan keeps its state in Consul KV, under one prefix (contract 2)."""
+
+    prefix: str = "caravan/"
+
+    def __post_init__(self) -> None:
+        if not self.prefix.endswith("/") or self.prefix.startswith("/"):
+            raise ValueError(f"KV prefix must end with '/' and not start with one: {self.prefix!r}")
+
+    @property
+    def models(self) -> str:
+        return f"{self.prefix}models/"
+
+    @property
+    def state(self) -> str:
+        return f"{self.prefix}state/"
+
+    @property
+    def demand(self) -> str:
+        return f"{self.prefix}demand/"
+
+    @property
+    def desired(self) -> str:
+        return f"{self.prefix}desired/"
+
+    @property
+    def leader(self) -> str:
+        return f"{self.prefix}leader"
+
+    def model_key(self, name: str) -> str:
+        """The profile of a model (JSON)."""
+        return f"{self.models}{name}"
+
+    def state_key(self, name: str) -> str:
+        """The autoscaler's memory for a model (JSON; survives restarts)."""
+        return f"{self.state}{name}"
+
+    def demand_key(self, name: str) -> str:
+        """The router's cold-start demand signal for a model at zero replicas."""
+        return f"{self.demand}{name}"
+
+    def desired_key(self, name: str) -> str:
+        """The desired replica count of a model (`caravan scale`, the autoscaler)."""
+        return f"{self.desired}{name}"

@@ -1,0 +1,47 @@
+"""Errors raised by caravan's Nomad and Consul adapters.
+
+    HashiError                      base; `retryable` says if trying again may help
+    ├── HashiUnavailable            connection refused, timeout, 5xx      (retryable)
+    ├── HashiPermissionDenied       403: token missing or lacking a policy
+    ├── HashiNotFound               404 where the caller needed the object
+    ├── HashiConflict               a check-and-set or EnforceIndex lost a race  (retryable)
+    └── HashiBadRequest             400 / validation failure: the request itself is wrong
+
+Messages never include tokens.
+"""
+
+from __future__ import annotations
+
+
+class HashiError(Exception):
+    """Base of every Nomad/Consul adapter error."""
+
+    retryable: bool = False
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class HashiUnavailable(HashiError):
+    """The server could not be reached or answered 5xx; try again later."""
+
+    retryable = True
+
+
+class HashiPermissionDenied(HashiError):
+    """The server refused the token (HTTP 403)."""
+
+
+class HashiNotFound(HashiError):
+    """The object does not exist (HTTP 404)."""
+
+
+class HashiConflict(HashiError):
+    """A compare-and-set lost a race; re-read and try again."""
+
+    retryable = True
+
+
+class HashiBadRequest(HashiError):
+    """The server rejected the request as malformed or invalid."""

@@ -1,0 +1,101 @@
+"""`caravan validate` and `caravan render`: check profiles and show their jobs offline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING
+
+from scheduler.cluster_config import ClusterConfigError, load_cluster_config
+from scheduler.profiles import ProfileError, load_profile
+from scheduler.render import PlacementHints, RenderError, render
+
+if TYPE_CHECKING:
+    from scheduler.profiles import ModelProfile
+
+
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    validate = subparsers.add_parser(
+        "validate",
+        help="validate profile files (exit 1 with one line per problem)",
+        description="Validate model profiles. Prints one line per problem: FILE: FIELD: MESSAGE.",
+    )
+    validate.add_argument("files", nargs="+", metavar="FILE")
+    validate.add_argument("--config", help="cluster config YAML (GPU classes, images)")
+    validate.set_defaults(handler=run_validate)
+
+    render_parser = subparsers.add_parser(
+        "render",
+        help="print the Nomad job JSON of one replica",
+        description="Render one replica of a profile into the body of Nomad's PUT /v1/jobs.",
+    )
+    render_parser.add_argument("file", metavar="FILE")
+    render_parser.add_argument("--replica", type=int, default=0, help="replica index (default 0)")
+    render_parser.add_argument("--config", help="cluster config YAML (GPU classes, images)")
+    render_parser.add_argument(
+        "--avoid-node",
+        action="append",
+        default=[],
+        metavar="NODE_ID",
+        help="Nomad node ID hosting a sibling replica (repeatable; CPU replicas avoid it)",
+    )
+    render_parser.set_defaults(handler=run_render)
+
+
+def _error(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    try:
+        config = load_cluster_config(args.config)
+    except ClusterConfigError as exc:
+        _error(str(exc))
+        return 1
+    problems = 0
+    seen: dict[str, str] = {}
+    for path in args.files:
+        profile: ModelProfile
+        try:
+            profile = load_profile(path)
+            # Rendering catches what the schema alone cannot (an unknown GPU
+            # class, multi-node vLLM), so validation renders replica 0 too.
+            render(profile, 0, config=config)
+        except ProfileError as exc:
+            for problem in exc.problems:
+                _error(f"{path}: {problem}")
+            problems += len(exc.problems)
+            continue
+        except RenderError as exc:
+            _error(f"{path}: {exc}")
+            problems += 1
+            continue
+        if profile.name in seen:
+            _error(f"{path}: name: {profile.name!r} is already used by {seen[profile.name]}")
+            problems += 1
+            continue
+        seen[profile.name] = path
+        print(f"{path}: ok ({profile.name}, {profile.engine.value})")
+    return 1 if problems else 0
+
+
+def run_render(args: argparse.Namespace) -> int:
+    try:
+        config = load_cluster_config(args.config)
+        profile = load_profile(args.file)
+        body = render(
+            profile,
+            args.replica,
+            PlacementHints(sibling_nodes=frozenset(args.avoid_node)),
+            config,
+        )
+    except ProfileError as exc:
+        for problem in exc.problems:
+            _error(f"{args.file}: {problem}")
+        return 1
+    except (RenderError, ClusterConfigError) as exc:
+        _error(f"{args.file}: {exc}")
+        return 1
+    print(json.dumps(body, indent=2))
+    return 0

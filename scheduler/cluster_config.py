@@ -1,0 +1,90 @@
+"""Cluster-wide settings that shape every rendered job.
+
+Read from an optional YAML file (`caravan render --config`, the scheduler's
+`--cluster-config`): where jobs may run, which images and binaries the engines
+use, extra GPU classes. Everything has a default that works on a stock Nomad
+cluster with Docker and the NVIDIA device plugin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from scheduler.gpu_classes import GpuClass, merge_gpu_classes
+from scheduler.profiles import Driver, describe_validation_error
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+# Pinned so a cluster never silently changes engine versions under a profile.
+DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
+DEFAULT_LLAMACPP_IMAGE = "ghcr.io/ggml-org/llama.cpp:server"
+DEFAULT_LLAMACPP_CUDA_IMAGE = "ghcr.io/ggml-org/llama.cpp:server-cuda"
+
+
+class VllmSettings(BaseModel):
+    model_config = _FROZEN
+
+    image: str = DEFAULT_VLLM_IMAGE
+    # Port the OpenAI server listens on inside the container.
+    container_port: int = Field(default=8000, ge=1, le=65535)
+
+
+class LlamaCppSettings(BaseModel):
+    model_config = _FROZEN
+
+    driver: Driver = Driver.RAW_EXEC
+    # Path of `llama-server` on the client nodes, for the raw_exec driver.
+    binary: str = "/usr/local/bin/llama-server"
+    image: str = DEFAULT_LLAMACPP_IMAGE
+    cuda_image: str = DEFAULT_LLAMACPP_CUDA_IMAGE
+    container_port: int = Field(default=8080, ge=1, le=65535)
+
+
+class ClusterConfig(BaseModel):
+    """Settings shared by every replica job of one cluster."""
+
+    model_config = _FROZEN
+
+    datacenters: tuple[str, ...] = ("*",)
+    namespace: str = "default"
+    region: str | None = None
+    # Jobs run at this Nomad priority (1..100).
+    priority: int = Field(default=50, ge=1, le=100)
+    vllm: VllmSettings = Field(default_factory=VllmSettings)
+    llamacpp: LlamaCppSettings = Field(default_factory=LlamaCppSettings)
+    gpu_classes: dict[str, GpuClass] = Field(default_factory=dict)
+    # First delay before Nomad reschedules a failed replica (Nomad's minimum is 5 s).
+    reschedule_delay_s: int = Field(default=30, ge=5)
+    check_interval_s: int = Field(default=5, ge=1)
+    check_timeout_s: int = Field(default=2, ge=1)
+
+    @property
+    def gpu_catalog(self) -> Mapping[str, GpuClass]:
+        """Built-in GPU classes with this cluster's additions and overrides."""
+        return merge_gpu_classes(self.gpu_classes)
+
+
+class ClusterConfigError(ValueError):
+    """The cluster config file could not be read or is invalid."""
+
+
+def load_cluster_config(path: Path | str | None) -> ClusterConfig:
+    """Read a cluster config file; `None` gives the defaults."""
+    if path is None:
+        return ClusterConfig()
+    try:
+        document: Any = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ClusterConfigError(f"{path}: cannot read cluster config: {exc}") from None
+    if not isinstance(document, dict):
+        raise ClusterConfigError(f"{path}: a cluster config must be a mapping")
+    try:
+        return ClusterConfig.model_validate(document)
+    except ValidationError as exc:
+        lines = "; ".join(describe_validation_error(exc))
+        raise ClusterConfigError(f"{path}: {lines}") from None

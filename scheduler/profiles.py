@@ -1,0 +1,386 @@
+"""The model profile: what a user writes to say "serve this model like this".
+
+A profile is a YAML or JSON file validated here. It is frozen and rejects
+unknown keys, so a typo is an error rather than a silently ignored setting.
+Every rule that involves more than one field is checked here too, and each
+error names the field it is about, so `caravan validate` can say exactly what
+to fix. Loading never touches Nomad or Consul: a profile that fails
+validation is never half-applied.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Self
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from caravan.contract import MODEL_NAME_MAX_LEN, MODEL_NAME_PATTERN, RESERVED_MODEL_NAMES
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+# Flags caravan renders itself: a profile may not set them through
+# `engine_args`, because two values for one flag would make the engine's
+# behaviour depend on argument order, and the router and autoscaler read
+# these values from the profile.
+MANAGED_FLAGS: dict[str, frozenset[str]] = {
+    "vllm": frozenset(
+        {
+            "--model",
+            "--served-model-name",
+            "--tensor-parallel-size",
+            "-tp",
+            "--port",
+            "--host",
+            "--max-num-seqs",
+            "--max-model-len",
+        }
+    ),
+    "llamacpp": frozenset(
+        {
+            "-m",
+            "--model",
+            "--host",
+            "--port",
+            "--metrics",
+            "-np",
+            "--parallel",
+            "-c",
+            "--ctx-size",
+            "-a",
+            "--alias",
+        }
+    ),
+}
+
+
+class Engine(StrEnum):
+    VLLM = "vllm"
+    LLAMACPP = "llamacpp"
+
+
+class Driver(StrEnum):
+    DOCKER = "docker"
+    RAW_EXEC = "raw_exec"
+
+
+class GpuRequest(BaseModel):
+    """GPUs per replica, by class from the GPU class catalog."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    gpu_class: str = Field(alias="class", min_length=1)
+    count: int = Field(default=1, ge=1, le=64)
+    # vLLM normally uses exactly `tensor_parallel` GPUs per node; set this to
+    # say that a different count is deliberate (for example spare memory for
+    # a draft model).
+    allow_count_mismatch: bool = False
+
+
+class Replicas(BaseModel):
+    """How many replicas: bounds for scaling and the count to start with."""
+
+    model_config = _FROZEN
+
+    min: int = Field(default=1, ge=0)
+    max: int = Field(default=1, ge=1)
+    initial: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds_are_ordered(self) -> Self:
+        if self.min > self.max:
+            raise ValueError(f"replicas.min ({self.min}) must be <= replicas.max ({self.max})")
+        start = self.start
+        if not self.min <= start <= self.max:
+            raise ValueError(
+                f"replicas.initial ({start}) must lie between replicas.min ({self.min}) "
+                f"and replicas.max ({self.max})"
+            )
+        return self
+
+    @property
+    def start(self) -> int:
+        """The count to start with: `initial`, else `min` but at least one."""
+        if self.initial is not None:
+            return self.initial
+        return max(self.min, 1)
+
+
+class Resources(BaseModel):
+    """CPU and memory reserved for one replica's engine task on its node."""
+
+    model_config = _FROZEN
+
+    cpu_mhz: int | None = Field(default=None, ge=1)
+    cores: int | None = Field(default=None, ge=1)
+    memory_mb: int | None = Field(default=None, ge=10)
+
+    @model_validator(mode="after")
+    def _cpu_or_cores(self) -> Self:
+        # Nomad refuses a task that asks for both ("Task can only ask for
+        # 'cpu' or 'cores' resource, not both.").
+        if self.cpu_mhz is not None and self.cores is not None:
+            raise ValueError("resources: set either cpu_mhz or cores, not both")
+        return self
+
+
+class MetricNames(BaseModel):
+    """Which Prometheus metrics of the engine say running, waiting and KV-cache use.
+
+    The per-profile override of the engine's default mapping. An empty
+    mapping means vLLM's names; a mapping that names its own `running`
+    metric is a complete statement, so the fields it leaves out stay unset.
+    """
+
+    model_config = _FROZEN
+
+    path: str = Field(default="/metrics", pattern=r"^/")
+    running: str | None = None
+    waiting: str | None = None
+    kv_cache_usage: str | None = None
+
+
+class Autoscaling(BaseModel):
+    """The scaling policy of one model (used by the autoscaler in the scheduler).
+
+    Targets are per replica. `target_inflight` is running + waiting requests
+    per replica; `target_kv_cache` is the KV-cache use (0..1) per replica,
+    for engines that report it.
+    """
+
+    model_config = _FROZEN
+
+    enabled: bool = True
+    target_inflight: float | None = Field(default=None, gt=0)
+    target_kv_cache: float | None = Field(default=None, gt=0, le=1)
+    tolerance: float = Field(default=0.1, ge=0, lt=1)
+    scale_up_window_s: float = Field(default=15, ge=0)
+    scale_down_window_s: float = Field(default=300, ge=0)
+    max_step_up: int | None = Field(default=None, ge=1)
+    max_step_down: int | None = Field(default=None, ge=1)
+    scale_to_zero_after_s: float | None = Field(default=None, gt=0)
+    evaluation_interval_s: float = Field(default=5, gt=0)
+
+    @model_validator(mode="after")
+    def _has_a_target(self) -> Self:
+        if self.enabled and self.target_inflight is None and self.target_kv_cache is None:
+            raise ValueError(
+                "autoscaling: set target_inflight and/or target_kv_cache "
+                "(or enabled: false to keep the count manual)"
+            )
+        return self
+
+
+class ModelProfile(BaseModel):
+    """One model served by caravan: engine, model, GPUs, replicas and tuning."""
+
+    model_config = _FROZEN
+
+    name: str = Field(min_length=1, max_length=MODEL_NAME_MAX_LEN)
+    model: str = Field(min_length=1)
+    served_model_name: str | None = Field(default=None, min_length=1)
+    engine: Engine
+    gpu: GpuRequest | None = None
+    tensor_parallel: int = Field(default=1, ge=1, le=64)
+    nodes: int = Field(default=1, ge=1)
+    replicas: Replicas = Field(default_factory=Replicas)
+    resources: Resources = Field(default_factory=Resources)
+    # Concurrent sequences per replica: vLLM --max-num-seqs, llama.cpp --parallel.
+    max_concurrency: int | None = Field(default=None, ge=1)
+    # Context window: vLLM --max-model-len, llama.cpp --ctx-size.
+    context_length: int | None = Field(default=None, ge=16)
+    # How long a replica may take to load its model before Nomad gives up on it.
+    startup_timeout_s: int | None = Field(default=None, ge=10)
+    # How long routers get to drain a replica before its engine is stopped.
+    drain_s: int = Field(default=10, ge=0, le=3600)
+    driver: Driver | None = None
+    image: str | None = Field(default=None, min_length=1)
+    engine_args: tuple[str, ...] = ()
+    env: dict[str, str] = Field(default_factory=dict)
+    autoscaling: Autoscaling | None = None
+    metrics: MetricNames | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_dns_safe(cls, name: str) -> str:
+        if not MODEL_NAME_PATTERN.fullmatch(name):
+            raise ValueError(
+                f"{name!r} is not DNS-safe: use lowercase letters, digits and hyphens, "
+                "starting and ending with a letter or digit (for example 'qwen2-5-7b')"
+            )
+        if name in RESERVED_MODEL_NAMES:
+            raise ValueError(f"{name!r} is reserved for caravan's own services")
+        return name
+
+    @field_validator("env")
+    @classmethod
+    def _env_names_are_valid(cls, env: dict[str, str]) -> dict[str, str]:
+        for key in env:
+            if not _ENV_NAME.fullmatch(key):
+                raise ValueError(f"{key!r} is not a valid environment variable name")
+        return env
+
+    @model_validator(mode="after")
+    def _engine_rules(self) -> Self:
+        if self.engine is Engine.VLLM:
+            self._check_vllm()
+        else:
+            self._check_llamacpp()
+        self._check_engine_args()
+        self._check_scaling()
+        return self
+
+    def _check_vllm(self) -> None:
+        if self.gpu is None:
+            # A typo in `gpu` must never become a vLLM replica placed on a
+            # machine with no GPU.
+            raise ValueError(
+                "gpu: engine 'vllm' needs a gpu block (for example gpu: {class: h100, count: 1}); "
+                "only llama.cpp can run on the CPU"
+            )
+        if self.gpu.count != self.tensor_parallel and not self.gpu.allow_count_mismatch:
+            raise ValueError(
+                f"gpu.count ({self.gpu.count}) must equal tensor_parallel "
+                f"({self.tensor_parallel}) for vLLM (one GPU per tensor-parallel rank per node); "
+                "set gpu.allow_count_mismatch: true if the difference is deliberate"
+            )
+        if self.driver is Driver.RAW_EXEC:
+            raise ValueError("driver: vLLM replicas run with the docker driver only")
+
+    def _check_llamacpp(self) -> None:
+        if self.tensor_parallel > 1:
+            raise ValueError(
+                "tensor_parallel: llama.cpp replicas do not support tensor parallelism "
+                f"(got {self.tensor_parallel}); use vLLM or 1"
+            )
+        if self.nodes > 1:
+            raise ValueError(
+                f"nodes: llama.cpp replicas run on one node (got {self.nodes}); use vLLM or 1"
+            )
+
+    def _check_engine_args(self) -> None:
+        managed = MANAGED_FLAGS[self.engine.value]
+        for arg in self.engine_args:
+            flag = arg.split("=", 1)[0]
+            if flag in managed:
+                raise ValueError(
+                    f"engine_args: {flag} is set by caravan from the profile; "
+                    "use the profile field instead (model, served_model_name, tensor_parallel, "
+                    "max_concurrency, context_length)"
+                )
+
+    def _check_scaling(self) -> None:
+        policy = self.autoscaling
+        if policy is None:
+            return
+        if policy.scale_to_zero_after_s is not None and self.replicas.min != 0:
+            raise ValueError(
+                "autoscaling.scale_to_zero_after_s requires replicas.min: 0 "
+                f"(replicas.min is {self.replicas.min})"
+            )
+        if policy.target_kv_cache is not None and self.engine is Engine.LLAMACPP:
+            raise ValueError(
+                "autoscaling.target_kv_cache: llama-server reports no KV-cache usage metric; "
+                "use target_inflight"
+            )
+
+    @property
+    def served_name(self) -> str:
+        """The OpenAI `model` value clients send: `served_model_name`, else `name`."""
+        return self.served_model_name or self.name
+
+    @property
+    def uses_gpu(self) -> bool:
+        return self.gpu is not None
+
+
+class ProfileError(ValueError):
+    """A profile file could not be read or is invalid; `problems` are one line each."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        super().__init__("\n".join(f"{source}: {p}" for p in problems))
+
+
+def _format_location(loc: tuple[int | str, ...]) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif parts:
+            parts.append(f".{item}")
+        else:
+            parts.append(str(item))
+    return "".join(parts)
+
+
+def describe_validation_error(error: ValidationError) -> list[str]:
+    """One line per problem, each starting with the field it is about."""
+    problems = []
+    for item in error.errors(include_url=False):
+        # pydantic locates "after" validators inside nested models on the
+        # model itself, and adds union/tag segments that mean nothing to a user.
+        loc = tuple(part for part in item["loc"] if not str(part).startswith("function-"))
+        field = _format_location(loc)
+        message = str(item["msg"]).removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown field (check the spelling; see the profile reference)"
+        elif item["type"] == "missing":
+            message = "required field is missing"
+        if field and not message.startswith(f"{field}:") and not message.startswith(field + "."):
+            problems.append(f"{field}: {message}")
+        else:
+            problems.append(message)
+    return problems
+
+
+def parse_profile_text(text: str, source: str) -> ModelProfile:
+    """Parse and validate a profile from YAML or JSON text (JSON is YAML)."""
+    try:
+        document: Any = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+        raise ProfileError(source, [f"YAML syntax error at {where}: {exc.problem}"]) from None
+    except yaml.YAMLError as exc:
+        raise ProfileError(source, [f"YAML syntax error: {exc}"]) from None
+    if not isinstance(document, dict):
+        raise ProfileError(source, ["a profile must be a mapping of fields (got no mapping)"])
+    return profile_from_mapping(document, source)
+
+
+def profile_from_mapping(document: dict[str, Any], source: str) -> ModelProfile:
+    """Validate an already-parsed profile document."""
+    try:
+        return ModelProfile.model_validate(document)
+    except ValidationError as exc:
+        raise ProfileError(source, describe_validation_error(exc)) from None
+
+
+def load_profile(path: Path | str) -> ModelProfile:
+    """Read and validate one profile file."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ProfileError(source, [f"cannot read file: {exc.strerror or exc}"]) from None
+    return parse_profile_text(text, source)
+
+
+def profile_to_json(profile: ModelProfile) -> str:
+    """The canonical JSON form of a profile, as stored in Consul KV."""
+    return json.dumps(profile.model_dump(mode="json", by_alias=True, exclude_none=True), indent=2)

@@ -1,0 +1,334 @@
+"""Render one replica of a model profile into the Nomad job that runs it.
+
+`render(profile, replica, hints, config)` is pure and deterministic: the same
+inputs give byte-identical JSON. The result is the body of `PUT /v1/jobs`
+(`{"Job": {...}}`) and satisfies what a real Nomad accepts (see
+`nomad-consul-facts.md`): durations are integer nanoseconds, every constraint
+has an explicit `Operand`, the service name is valid per RFC 1123, check
+intervals and timeouts are at least one second, and host-mode raw_exec ports
+carry no `To`.
+
+The job's `Meta` carries a spec hash: a hash of everything rendered except the
+placement hints. The scheduler compares hashes, never Nomad's canonicalised
+JSON, so an unchanged profile never causes a re-registration, and fresh hints
+alone never do either.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from caravan.contract import (
+    GROUP_NAME,
+    HTTP_PORT_LABEL,
+    MANAGED_BY_VALUE,
+    SERVICE_TAG,
+    TASK_NAME,
+    JobMetaKey,
+    ServiceMetaKey,
+    model_service_name,
+    replica_job_id,
+)
+from scheduler.cluster_config import ClusterConfig
+from scheduler.engines.base import resolve_metrics
+from scheduler.engines.registry import adapter_for
+from scheduler.gpu_classes import GpuClass, UnknownGpuClassError, lookup_gpu_class
+
+if TYPE_CHECKING:
+    from scheduler.engines.base import EngineAdapter
+    from scheduler.profiles import ModelProfile
+
+NS_PER_S = 1_000_000_000
+SPEC_HASH_LEN = 16
+# Nomad's restart policy for one replica: a crashed engine is restarted twice
+# in place (cheap: weights are in the page cache), then the allocation fails
+# and the reschedule policy moves it to another node.
+RESTART_ATTEMPTS = 2
+RESTART_INTERVAL_S = 30 * 60
+RESTART_DELAY_S = 15
+RESCHEDULE_MAX_DELAY_S = 60 * 60
+# Time after which a passing replica counts as healthy for deployments.
+MIN_HEALTHY_TIME_S = 5
+# Extra time a deployment may take beyond one replica's startup.
+PROGRESS_MARGIN_S = 5 * 60
+# Consecutive critical checks (after the grace) before Nomad restarts the task.
+CHECK_RESTART_LIMIT = 3
+# An engine gets this long to finish in-flight work after SIGTERM before
+# SIGKILL; llama-server can hang on SIGTERM mid-request, so this is also the
+# bound on how long a stuck engine holds its node's resources.
+KILL_TIMEOUT_S = 30
+# Weight of the anti-affinity that keeps CPU replicas of one model apart. The
+# most negative weight Nomad allows: a node hosting a sibling then scores
+# below every node that doesn't, while staying feasible when it is the only one.
+SIBLING_ANTI_AFFINITY_WEIGHT = -100
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementHints:
+    """Where the model's other replicas run now (Nomad node IDs).
+
+    Nomad's `spread` and `distinct_hosts` only see allocations of the same job
+    (facts A.10), and caravan runs one job per replica, so the scheduler
+    passes the nodes of sibling replicas here and rendering turns them into an
+    anti-affinity. It is soft on purpose: a replica is never pinned, so Nomad
+    can still reschedule it on its own when its node dies.
+    """
+
+    sibling_nodes: frozenset[str] = frozenset()
+
+
+NO_HINTS = PlacementHints()
+
+
+class RenderError(ValueError):
+    """The profile is valid but cannot be rendered into a job (yet)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * NS_PER_S)
+
+
+def _constraint(ltarget: str, operand: str, rtarget: str) -> dict[str, str]:
+    return {"LTarget": ltarget, "RTarget": rtarget, "Operand": operand}
+
+
+def _device_request(profile: ModelProfile, gpu_class: GpuClass) -> dict[str, Any]:
+    assert profile.gpu is not None  # noqa: S101 - callers check uses_gpu
+    if len(gpu_class.models) == 1:
+        model_constraint = _constraint("${device.model}", "=", gpu_class.models[0])
+    else:
+        # One model name per comma; NVML names contain no commas (checked in
+        # the catalog), and a device's model is a one-element set.
+        model_constraint = _constraint(
+            "${device.model}", "set_contains_any", ",".join(gpu_class.models)
+        )
+    return {
+        "Name": "nvidia/gpu",
+        "Count": profile.gpu.count,
+        "Constraints": [
+            model_constraint,
+            _constraint("${device.attr.memory}", ">=", f"{gpu_class.min_memory_mib} MiB"),
+        ],
+    }
+
+
+def _resources(
+    profile: ModelProfile, adapter: EngineAdapter, gpu_class: GpuClass | None
+) -> dict[str, Any]:
+    resources: dict[str, Any] = {
+        "MemoryMB": profile.resources.memory_mb or adapter.default_memory_mb(profile)
+    }
+    if profile.resources.cores is not None:
+        resources["Cores"] = profile.resources.cores
+    else:
+        resources["CPU"] = profile.resources.cpu_mhz or adapter.default_cpu_mhz(profile)
+    if gpu_class is not None:
+        resources["Devices"] = [_device_request(profile, gpu_class)]
+    return resources
+
+
+def _service_meta(
+    profile: ModelProfile, replica: int, adapter: EngineAdapter, gpu_class_name: str
+) -> dict[str, str]:
+    metrics = resolve_metrics(adapter.default_metrics(), profile.metrics)
+    return {
+        ServiceMetaKey.MODEL: profile.name,
+        ServiceMetaKey.SERVED_MODELS: profile.served_name,
+        ServiceMetaKey.ENGINE: profile.engine.value,
+        ServiceMetaKey.REPLICA: str(replica),
+        ServiceMetaKey.GPU_CLASS: gpu_class_name,
+        ServiceMetaKey.CAPACITY: str(adapter.capacity(profile)),
+        ServiceMetaKey.METRICS_PATH: metrics.path,
+        ServiceMetaKey.METRIC_RUNNING: metrics.running or "",
+        ServiceMetaKey.METRIC_WAITING: metrics.waiting or "",
+        ServiceMetaKey.METRIC_KV_CACHE: metrics.kv_cache_usage or "",
+        # Filled in by Nomad when it registers the service.
+        ServiceMetaKey.ALLOC_ID: "${NOMAD_ALLOC_ID}",
+    }
+
+
+def _service(
+    profile: ModelProfile,
+    replica: int,
+    adapter: EngineAdapter,
+    config: ClusterConfig,
+    gpu_class_name: str,
+) -> dict[str, Any]:
+    startup_s = adapter.startup_timeout_s(profile)
+    return {
+        "Name": model_service_name(profile.name),
+        "PortLabel": HTTP_PORT_LABEL,
+        "Provider": "consul",
+        "Tags": [SERVICE_TAG, f"engine-{profile.engine.value}", f"replica-{replica}"],
+        "Meta": _service_meta(profile, replica, adapter, gpu_class_name),
+        "Checks": [
+            {
+                "Name": "engine-health",
+                "Type": "http",
+                "Path": adapter.health_path,
+                "Interval": _ns(config.check_interval_s),
+                "Timeout": _ns(config.check_timeout_s),
+                "CheckRestart": {
+                    "Limit": CHECK_RESTART_LIMIT,
+                    # Loading a model is not a failure: the check may stay
+                    # critical for the whole startup time.
+                    "Grace": _ns(startup_s),
+                    # Consul `warning` means saturated, not broken.
+                    "IgnoreWarnings": True,
+                },
+            }
+        ],
+    }
+
+
+def _task(profile: ModelProfile, adapter: EngineAdapter, config: ClusterConfig) -> dict[str, Any]:
+    gpu_class = _gpu_class(profile, config)
+    return {
+        "Name": TASK_NAME,
+        "Driver": adapter.driver(profile, config).value,
+        "Config": adapter.task_config(profile, config),
+        "Env": dict(sorted(profile.env.items())),
+        "Resources": _resources(profile, adapter, gpu_class),
+        "KillTimeout": _ns(KILL_TIMEOUT_S),
+        "KillSignal": "SIGTERM",
+    }
+
+
+def _gpu_class(profile: ModelProfile, config: ClusterConfig) -> GpuClass | None:
+    if profile.gpu is None:
+        return None
+    try:
+        return lookup_gpu_class(profile.gpu.gpu_class, config.gpu_catalog)
+    except UnknownGpuClassError as exc:
+        raise RenderError("gpu.class", str(exc)) from None
+
+
+def _network(
+    profile: ModelProfile, adapter: EngineAdapter, config: ClusterConfig
+) -> dict[str, Any]:
+    port: dict[str, Any] = {"Label": HTTP_PORT_LABEL}
+    container_port = adapter.container_port(profile, config)
+    if container_port is not None:
+        port["To"] = container_port
+    return {"Mode": "host", "DynamicPorts": [port]}
+
+
+def _job_without_hash(profile: ModelProfile, replica: int, config: ClusterConfig) -> dict[str, Any]:
+    if replica < 0:
+        raise RenderError("replica", f"replica index must be >= 0, got {replica}")
+    if profile.nodes > 1:
+        raise RenderError(
+            "nodes",
+            f"multi-node replicas (nodes: {profile.nodes}) are accepted by the schema "
+            "but not supported by rendering yet; use nodes: 1",
+        )
+    adapter = adapter_for(profile.engine)
+    gpu_class_name = profile.gpu.gpu_class if profile.gpu is not None else ""
+    startup_s = adapter.startup_timeout_s(profile)
+    job_id = replica_job_id(profile.name, replica)
+    job: dict[str, Any] = {
+        "ID": job_id,
+        "Name": job_id,
+        "Type": "service",
+        "Namespace": config.namespace,
+        "Priority": config.priority,
+        "Datacenters": list(config.datacenters),
+        "Meta": {
+            JobMetaKey.MODEL: profile.name,
+            JobMetaKey.REPLICA: str(replica),
+            JobMetaKey.ENGINE: profile.engine.value,
+            JobMetaKey.MANAGED_BY: MANAGED_BY_VALUE,
+        },
+        "Constraints": [_constraint("${attr.kernel.name}", "=", "linux")],
+        "Update": {
+            "MaxParallel": 1,
+            "HealthCheck": "checks",
+            "MinHealthyTime": _ns(MIN_HEALTHY_TIME_S),
+            "HealthyDeadline": _ns(startup_s),
+            "ProgressDeadline": _ns(startup_s + PROGRESS_MARGIN_S),
+            "AutoRevert": False,
+            "Canary": 0,
+        },
+        "TaskGroups": [
+            {
+                "Name": GROUP_NAME,
+                "Count": 1,
+                "RestartPolicy": {
+                    "Attempts": RESTART_ATTEMPTS,
+                    "Interval": _ns(RESTART_INTERVAL_S),
+                    "Delay": _ns(RESTART_DELAY_S),
+                    "Mode": "fail",
+                },
+                "ReschedulePolicy": {
+                    "Attempts": 0,
+                    "Interval": 0,
+                    "Delay": _ns(config.reschedule_delay_s),
+                    "DelayFunction": "exponential",
+                    "MaxDelay": _ns(RESCHEDULE_MAX_DELAY_S),
+                    "Unlimited": True,
+                },
+                "Migrate": {
+                    "MaxParallel": 1,
+                    "HealthCheck": "checks",
+                    "MinHealthyTime": _ns(MIN_HEALTHY_TIME_S),
+                    "HealthyDeadline": _ns(startup_s),
+                },
+                "EphemeralDisk": {"SizeMB": 300},
+                "Networks": [_network(profile, adapter, config)],
+                # Nomad deregisters the service, waits this long, then signals
+                # the task: routers stop sending and in-flight requests finish.
+                "ShutdownDelay": _ns(profile.drain_s),
+                "Services": [_service(profile, replica, adapter, config, gpu_class_name)],
+                "Tasks": [_task(profile, adapter, config)],
+            }
+        ],
+    }
+    if config.region is not None:
+        job["Region"] = config.region
+    return job
+
+
+def _canonical_json(document: Any) -> bytes:
+    return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+
+
+def spec_hash(profile: ModelProfile, replica: int, config: ClusterConfig | None = None) -> str:
+    """The hash of a replica's rendered spec, placement hints excluded."""
+    job = _job_without_hash(profile, replica, config or ClusterConfig())
+    return hashlib.sha256(_canonical_json(job)).hexdigest()[:SPEC_HASH_LEN]
+
+
+def _sibling_anti_affinity(hints: PlacementHints) -> dict[str, Any]:
+    return {
+        "LTarget": "${node.unique.id}",
+        "RTarget": ",".join(sorted(hints.sibling_nodes)),
+        "Operand": "set_contains_any",
+        "Weight": SIBLING_ANTI_AFFINITY_WEIGHT,
+    }
+
+
+def render(
+    profile: ModelProfile,
+    replica: int,
+    hints: PlacementHints = NO_HINTS,
+    config: ClusterConfig | None = None,
+) -> dict[str, Any]:
+    """The `PUT /v1/jobs` body that runs replica `replica` of `profile`."""
+    config = config or ClusterConfig()
+    job = _job_without_hash(profile, replica, config)
+    digest = hashlib.sha256(_canonical_json(job)).hexdigest()[:SPEC_HASH_LEN]
+    job["Meta"][JobMetaKey.SPEC_HASH] = digest
+    group = job["TaskGroups"][0]
+    group["Services"][0]["Meta"][ServiceMetaKey.SPEC_HASH] = digest
+    # GPU replicas bin-pack through their device request (Nomad's default
+    # scoring); only CPU replicas are kept apart from their siblings.
+    if not profile.uses_gpu and hints.sibling_nodes:
+        job["Affinities"] = [_sibling_anti_affinity(hints)]
+    return {"Job": job}

@@ -1,0 +1,90 @@
+"""`caravan validate` and `caravan render` as a user runs them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from caravan_cli.main import main
+
+ROOT = Path(__file__).resolve().parents[3]
+EXAMPLES = sorted(str(p) for p in (ROOT / "examples" / "profiles").glob("*.yaml"))
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def test_validate_examples_exits_zero(capsys: pytest.CaptureFixture[str]):
+    """`caravan validate examples/profiles/*` exits 0."""
+    assert main(["validate", *EXAMPLES]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_validate_reports_one_line_per_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """Invalid files exit 1 with FILE: FIELD: MESSAGE lines on stderr and no traceback."""
+    bad = write(
+        tmp_path, "bad.yaml", "name: X\nmodel: m\nengine: vllm\nreplicas: {min: 2, max: 1}\n"
+    )
+    assert main(["validate", bad]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith(f"{bad}: name: 'X' is not DNS-safe")
+    assert lines[1] == f"{bad}: replicas.min (2) must be <= replicas.max (1)"
+    assert len(lines) == 2
+
+
+def test_validate_yaml_error_names_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    """A YAML syntax error names the file and the line."""
+    bad = write(tmp_path, "broken.yaml", "name: x\nmodel: [unclosed\nengine: vllm\n")
+    assert main(["validate", bad]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"{bad}: YAML syntax error at line ")
+    assert "Traceback" not in err
+
+
+def test_validate_catches_render_time_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """An unknown GPU class is caught by validate, listing the known classes."""
+    bad = write(tmp_path, "g.yaml", "name: x\nmodel: m\nengine: vllm\ngpu: {class: h900}\n")
+    assert main(["validate", bad]) == 1
+    err = capsys.readouterr().err
+    assert f"{bad}: gpu.class: unknown GPU class 'h900'; known classes: " in err
+
+
+def test_validate_refuses_duplicate_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """Two files with one model name are a problem naming both."""
+    text = "name: x\nmodel: m\nengine: llamacpp\n"
+    first, second = write(tmp_path, "a.yaml", text), write(tmp_path, "b.yaml", text)
+    assert main(["validate", first, second]) == 1
+    assert f"{second}: name: 'x' is already used by {first}" in capsys.readouterr().err
+
+
+def test_validate_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """A missing file is a one-line error, not a traceback."""
+    missing = str(tmp_path / "nope.yaml")
+    assert main(["validate", missing]) == 1
+    assert capsys.readouterr().err.startswith(f"{missing}: cannot read file")
+
+
+@pytest.mark.parametrize("path", EXAMPLES)
+def test_render_prints_the_job_body(path: str, capsys: pytest.CaptureFixture[str]):
+    """`caravan render FILE --replica N` prints the PUT /v1/jobs body for that replica."""
+    assert main(["render", path, "--replica", "2"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["Job"]["ID"].endswith("-2")
+
+
+def test_render_error_goes_to_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """Rendering a multi-node vLLM profile fails with a message about `nodes`."""
+    path = write(
+        tmp_path, "mn.yaml", "name: x\nmodel: m\nengine: vllm\ngpu: {class: h100}\nnodes: 2\n"
+    )
+    assert main(["render", path]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"{path}: nodes: multi-node" in captured.err

@@ -1,0 +1,269 @@
+"""Rendering a profile into the Nomad job of one replica."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from nomad_facts import nomad_fact_violations
+from profile_builders import make_llamacpp, make_vllm
+
+from caravan.contract import ServiceMetaKey
+from scheduler.cluster_config import ClusterConfig
+from scheduler.gpu_classes import GpuClass
+from scheduler.render import PlacementHints, RenderError, render, spec_hash
+
+
+def group_of(body: dict[str, Any]) -> dict[str, Any]:
+    group: dict[str, Any] = body["Job"]["TaskGroups"][0]
+    return group
+
+
+def task_of(body: dict[str, Any]) -> dict[str, Any]:
+    task: dict[str, Any] = group_of(body)["Tasks"][0]
+    return task
+
+
+def test_job_id_and_meta_identify_the_replica():
+    """The job is `caravan-<name>-<replica>` with model, replica, engine and spec hash in Meta."""
+    body = render(make_vllm(), 3)
+    job = body["Job"]
+    assert job["ID"] == "caravan-qwen-3"
+    assert job["Meta"]["caravan_model"] == "qwen"
+    assert job["Meta"]["caravan_replica"] == "3"
+    assert job["Meta"]["caravan_engine"] == "vllm"
+    assert job["Meta"]["caravan_spec_hash"] == spec_hash(make_vllm(), 3)
+
+
+def test_vllm_task_uses_docker_with_documented_flags():
+    """vLLM runs the configured image with --model, --served-model-name, TP and port."""
+    profile = make_vllm(
+        served_model_name="qwen2.5",
+        tensor_parallel=2,
+        gpu={"class": "h100", "count": 2},
+        engine_args=["--enable-prefix-caching"],
+    )
+    task = task_of(render(profile, 0))
+    assert task["Driver"] == "docker"
+    args = task["Config"]["args"]
+    assert args[:8] == [
+        "--model",
+        "Qwen/Qwen2.5-7B-Instruct",
+        "--served-model-name",
+        "qwen2.5",
+        "--tensor-parallel-size",
+        "2",
+        "--port",
+        "8000",
+    ]
+    assert args[-1] == "--enable-prefix-caching"
+    assert task["Config"]["image"].startswith("vllm/vllm-openai:")
+    assert task["Config"]["ports"] == ["http"]
+    assert task["Config"]["shm_size"] == 2 * 4 * 1024**3
+    port = group_of(render(profile, 0))["Networks"][0]["DynamicPorts"][0]
+    assert port == {"Label": "http", "To": 8000}
+
+
+def test_vllm_gpu_request_selects_the_class_models_and_memory():
+    """The device request asks nvidia/gpu with the class's NVML names and a memory floor."""
+    task = task_of(render(make_vllm(gpu={"class": "h100", "count": 1}), 0))
+    [device] = task["Resources"]["Devices"]
+    assert device["Name"] == "nvidia/gpu"
+    assert device["Count"] == 1
+    assert device["Constraints"] == [
+        {
+            "LTarget": "${device.model}",
+            "RTarget": "NVIDIA H100 80GB HBM3,NVIDIA H100 PCIe",
+            "Operand": "set_contains_any",
+        },
+        {"LTarget": "${device.attr.memory}", "RTarget": "77481 MiB", "Operand": ">="},
+    ]
+    single = task_of(render(make_vllm(gpu={"class": "l4", "count": 1}), 0))
+    assert single["Resources"]["Devices"][0]["Constraints"][0] == {
+        "LTarget": "${device.model}",
+        "RTarget": "NVIDIA L4",
+        "Operand": "=",
+    }
+
+
+def test_unknown_gpu_class_lists_the_known_ones():
+    """An unknown GPU class is an error naming gpu.class and listing the known classes."""
+    with pytest.raises(RenderError) as caught:
+        render(make_vllm(gpu={"class": "h900", "count": 1}), 0)
+    assert caught.value.field == "gpu.class"
+    assert "h900" in str(caught.value)
+    assert "h100" in str(caught.value)
+    assert "a100-80gb" in str(caught.value)
+
+
+def test_cluster_config_adds_gpu_classes():
+    """A cluster config can add a GPU class that profiles then use."""
+    config = ClusterConfig(
+        gpu_classes={"mi300x": GpuClass(models=("AMD MI300X",), memory_mib=196608)}
+    )
+    task = task_of(render(make_vllm(gpu={"class": "mi300x", "count": 1}), 0, config=config))
+    assert task["Resources"]["Devices"][0]["Constraints"][0]["RTarget"] == "AMD MI300X"
+
+
+def test_llamacpp_raw_exec_binds_the_nomad_port_without_to():
+    """llama.cpp on raw_exec listens on NOMAD_IP/PORT of the http label, with no `To`."""
+    body = render(make_llamacpp(served_model_name="tiny-chat", max_concurrency=3), 0)
+    task = task_of(body)
+    assert task["Driver"] == "raw_exec"
+    assert task["Config"]["command"] == "/usr/local/bin/llama-server"
+    assert task["Config"]["args"] == [
+        "-m",
+        "/models/tiny.gguf",
+        "--host",
+        "${NOMAD_IP_http}",
+        "--port",
+        "${NOMAD_PORT_http}",
+        "--metrics",
+        "--parallel",
+        "3",
+        "--ctx-size",
+        "4096",
+        "--alias",
+        "tiny-chat",
+        "-t",
+        "1",
+    ]
+    assert group_of(body)["Networks"][0]["DynamicPorts"] == [{"Label": "http"}]
+    assert "Devices" not in task["Resources"]
+
+
+def test_llamacpp_gpu_on_docker_offloads_layers():
+    """llama.cpp with a GPU on docker uses the CUDA image, -ngl and a device request."""
+    profile = make_llamacpp(driver="docker", gpu={"class": "l4", "count": 1})
+    body = render(profile, 0)
+    task = task_of(body)
+    assert task["Driver"] == "docker"
+    assert task["Config"]["image"].endswith("server-cuda")
+    assert task["Config"]["volumes"] == ["/models:/models:ro"]
+    assert "-ngl" in task["Config"]["args"]
+    assert task["Resources"]["Devices"][0]["Name"] == "nvidia/gpu"
+    assert group_of(body)["Networks"][0]["DynamicPorts"] == [{"Label": "http", "To": 8080}]
+
+
+def test_service_carries_the_router_contract():
+    """The Consul service is `caravan-<name>`, tagged caravan, with the contract Meta."""
+    body = render(make_vllm(served_model_name="qwen2.5", max_concurrency=32), 1)
+    [service] = group_of(body)["Services"]
+    assert service["Name"] == "caravan-qwen"
+    assert "caravan" in service["Tags"]
+    meta = service["Meta"]
+    assert meta[ServiceMetaKey.SERVED_MODELS] == "qwen2.5"
+    assert meta[ServiceMetaKey.ENGINE] == "vllm"
+    assert meta[ServiceMetaKey.CAPACITY] == "32"
+    assert meta[ServiceMetaKey.METRIC_RUNNING] == "vllm:num_requests_running"
+    assert meta[ServiceMetaKey.METRIC_KV_CACHE] == "vllm:kv_cache_usage_perc"
+    assert meta[ServiceMetaKey.GPU_CLASS] == "h100"
+    assert meta[ServiceMetaKey.REPLICA] == "1"
+    assert meta[ServiceMetaKey.SPEC_HASH] == body["Job"]["Meta"]["caravan_spec_hash"]
+    assert all(isinstance(value, str) for value in meta.values())
+
+
+def test_llamacpp_metrics_have_no_kv_cache_name():
+    """llama.cpp's mapping has running and waiting names and no KV-cache metric."""
+    meta = group_of(render(make_llamacpp(), 0))["Services"][0]["Meta"]
+    assert meta[ServiceMetaKey.METRIC_RUNNING] == "llamacpp:requests_processing"
+    assert meta[ServiceMetaKey.METRIC_WAITING] == "llamacpp:requests_deferred"
+    assert meta[ServiceMetaKey.METRIC_KV_CACHE] == ""
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (
+            {},
+            ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"),
+        ),
+        ({"running": "my_running"}, ("my_running", "", "")),
+        (
+            {"running": "r", "waiting": "w", "kv_cache_usage": "k"},
+            ("r", "w", "k"),
+        ),
+        ({"waiting": "w"}, ("vllm:num_requests_running", "w", "vllm:kv_cache_usage_perc")),
+    ],
+)
+def test_metric_override_follows_the_seed_rule(
+    override: dict[str, str], expected: tuple[str, str, str]
+):
+    """Empty override = vLLM names; naming running is complete; otherwise gaps use vLLM's."""
+    meta = group_of(render(make_llamacpp(metrics=override), 0))["Services"][0]["Meta"]
+    actual = (
+        meta[ServiceMetaKey.METRIC_RUNNING],
+        meta[ServiceMetaKey.METRIC_WAITING],
+        meta[ServiceMetaKey.METRIC_KV_CACHE],
+    )
+    assert expected == actual
+
+
+def test_health_check_and_lifecycle_are_sized_for_model_load():
+    """Checks use /health; grace, healthy deadline and shutdown delay follow the profile."""
+    body = render(make_vllm(startup_timeout_s=1200, drain_s=20), 0)
+    group = group_of(body)
+    [check] = group["Services"][0]["Checks"]
+    assert check["Type"] == "http"
+    assert check["Path"] == "/health"
+    assert check["CheckRestart"]["Grace"] == 1200 * 10**9
+    assert body["Job"]["Update"]["HealthCheck"] == "checks"
+    assert body["Job"]["Update"]["HealthyDeadline"] == 1200 * 10**9
+    assert group["ShutdownDelay"] == 20 * 10**9
+    assert group["ReschedulePolicy"]["Unlimited"] is True
+
+
+def test_cpu_replicas_avoid_sibling_nodes_softly():
+    """CPU replicas get a negative-weight affinity against siblings' nodes, never a pin."""
+    hints = PlacementHints(sibling_nodes=frozenset({"node-b", "node-a"}))
+    job = render(make_llamacpp(), 2, hints)["Job"]
+    assert job["Affinities"] == [
+        {
+            "LTarget": "${node.unique.id}",
+            "RTarget": "node-a,node-b",
+            "Operand": "set_contains_any",
+            "Weight": -100,
+        }
+    ]
+    constraint_targets = [c["LTarget"] for c in job["Constraints"]]
+    assert "${node.unique.id}" not in constraint_targets
+
+
+def test_gpu_replicas_ignore_sibling_hints():
+    """GPU replicas bin-pack: sibling hints add nothing to their job."""
+    hints = PlacementHints(sibling_nodes=frozenset({"node-a"}))
+    assert render(make_vllm(), 0, hints) == render(make_vllm(), 0)
+
+
+def test_hints_do_not_change_the_spec_hash():
+    """Placement hints never change the spec hash."""
+    hints = PlacementHints(sibling_nodes=frozenset({"n1"}))
+    with_hints = render(make_llamacpp(), 0, hints)["Job"]["Meta"]["caravan_spec_hash"]
+    without = render(make_llamacpp(), 0)["Job"]["Meta"]["caravan_spec_hash"]
+    assert with_hints == without
+
+
+def test_changed_profile_changes_the_spec_hash():
+    """Any rendered change (here the image) changes the spec hash."""
+    assert spec_hash(make_vllm(), 0) != spec_hash(make_vllm(image="vllm/vllm-openai:v0.12.0"), 0)
+
+
+def test_multi_node_vllm_is_refused_by_rendering():
+    """nodes > 1 renders to a clear not-supported-yet error about `nodes`."""
+    with pytest.raises(RenderError) as caught:
+        render(make_vllm(nodes=2), 0)
+    assert caught.value.field == "nodes"
+    assert "not supported" in str(caught.value)
+
+
+def test_rendering_is_deterministic_json():
+    """Rendering twice gives byte-identical JSON."""
+    profile = make_vllm(env={"B": "2", "A": "1"})
+    assert json.dumps(render(profile, 0)) == json.dumps(render(profile, 0))
+
+
+@pytest.mark.parametrize("profile", [make_vllm(), make_llamacpp(), make_llamacpp(driver="docker")])
+def test_rendered_jobs_meet_nomad_facts(profile):
+    """Rendered jobs satisfy every rule of the facts sheet that applies."""
+    assert nomad_fact_violations(render(profile, 0, PlacementHints(frozenset({"x"})))) == []
