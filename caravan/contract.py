@@ -109,6 +109,10 @@ class KVLayout:
         return f"{self.prefix}desired/"
 
     @property
+    def draining(self) -> str:
+        return f"{self.prefix}draining/"
+
+    @property
     def leader(self) -> str:
         return f"{self.prefix}leader"
 
@@ -123,6 +127,15 @@ class KVLayout:
     def demand_key(self, name: str) -> str:
         """The router's cold-start demand signal for a model at zero replicas."""
         return f"{self.demand}{name}"
+
+    def draining_key(self, job_id: str) -> str:
+        """Marks a replica job as draining: routers stop sending it new requests.
+
+        Consul maintenance mode is local to the agent that registered the
+        service (the replica's node), which a central scheduler usually cannot
+        reach; a KV marker is seen cluster-wide (ADR 0004).
+        """
+        return f"{self.draining}{job_id}"
 
     def desired_key(self, name: str) -> str:
         """The desired replica count of a model (`caravan scale`, the autoscaler)."""
