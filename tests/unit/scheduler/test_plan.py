@@ -19,12 +19,9 @@ from world_builders import (
 )
 
 from scheduler.plan import (
-    ClearDrainMarker,
-    Deregister,
     PlanSettings,
     Register,
     Replace,
-    StartDrain,
 )
 from scheduler.world import DrainRecord, PlannerMemory
 
@@ -134,7 +131,7 @@ def test_new_spec_that_never_gets_ready_keeps_old_replicas():
 
 
 def test_lost_replica_not_replaced_by_nomad_is_re_registered_with_fresh_hints():
-    """A replica whose only allocation was lost on a dead node long ago is replaced, avoiding live siblings."""
+    """A replica lost on a dead node long ago is re-registered, avoiding live siblings."""
     node_map = nodes("n1", "n2", "n3", down=("n1",))
     stuck = replica(CPU, 0, alloc("n1", "lost", at=NOW - 120))
     sibling = replica(CPU, 1, alloc("n2"))
