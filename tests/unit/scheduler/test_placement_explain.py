@@ -1,0 +1,59 @@
+"""Plain-words explanations of Nomad's failed placements."""
+
+from __future__ import annotations
+
+from profile_builders import make_llamacpp, make_vllm
+
+from scheduler.placement_explain import ReplicaAsk, explain_failed_groups, explain_failed_placement
+from scheduler.render import render
+
+
+def test_missing_gpus_say_how_many_of_which_class():
+    """A device shortage reads 'no node has 2 free H100'."""
+    job = render(make_vllm(tensor_parallel=2, gpu={"class": "h100", "count": 2}), 0)["Job"]
+    ask = ReplicaAsk.from_job(job, gpu_class="h100")
+    metric = {
+        "NodesEvaluated": 5,
+        "ConstraintFiltered": {"missing devices": 3},
+        "DimensionExhausted": {"devices: no devices match request": 2},
+    }
+    expected = (
+        "no node has 2 free H100 (3 nodes have no matching GPU; "
+        "2 nodes have too few free GPUs; 5 nodes evaluated)"
+    )
+    assert expected == explain_failed_placement(metric, ask)
+
+
+def test_exhausted_memory_names_the_request():
+    """A memory shortage names the memory the replica asked for."""
+    job = render(make_llamacpp(resources={"memory_mb": 4096}), 0)["Job"]
+    metric = {"NodesEvaluated": 3, "DimensionExhausted": {"memory": 3}}
+    assert explain_failed_placement(metric, ReplicaAsk.from_job(job)) == (
+        "every matching node is full (3 nodes have less than 4096 MB memory free; 3 nodes evaluated)"
+    )
+
+
+def test_missing_driver_and_constraint():
+    """Missing drivers and failed constraints are named."""
+    ask = ReplicaAsk(driver="raw_exec")
+    metric = {
+        "NodesEvaluated": 2,
+        "ConstraintFiltered": {"missing drivers": 1, "${attr.kernel.name} = linux": 1},
+    }
+    assert explain_failed_placement(metric, ask) == (
+        "no node satisfies the replica's requirements (1 node fails the constraint "
+        "${attr.kernel.name} = linux; 1 node lacks the raw_exec driver; 2 nodes evaluated)"
+    )
+
+
+def test_no_nodes_at_all():
+    """With no node evaluated, the explanation says no client is available."""
+    assert explain_failed_placement({"NodesEvaluated": 0}, ReplicaAsk()).startswith(
+        "no client node is available"
+    )
+
+
+def test_groups_none_when_nothing_failed():
+    """No failed groups means no explanation."""
+    assert explain_failed_groups(None, ReplicaAsk()) is None
+    assert explain_failed_groups({}, ReplicaAsk()) is None
