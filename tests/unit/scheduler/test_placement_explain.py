@@ -29,7 +29,8 @@ def test_exhausted_memory_names_the_request():
     job = render(make_llamacpp(resources={"memory_mb": 4096}), 0)["Job"]
     metric = {"NodesEvaluated": 3, "DimensionExhausted": {"memory": 3}}
     assert explain_failed_placement(metric, ReplicaAsk.from_job(job)) == (
-        "every matching node is full (3 nodes have less than 4096 MB memory free; 3 nodes evaluated)"
+        "every matching node is full "
+        "(3 nodes have less than 4096 MB memory free; 3 nodes evaluated)"
     )
 
 
