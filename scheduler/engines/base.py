@@ -11,68 +11,58 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from caravan.engine_metrics import (
+    LLAMACPP_METRIC_NAMES,
+    VLLM_METRIC_NAMES,
+    MetricNames,
+    resolve_metric_names,
+)
+
 if TYPE_CHECKING:
     from scheduler.cluster_config import ClusterConfig
-    from scheduler.profiles import Driver, Engine, MetricNames, ModelProfile
+    from scheduler.profiles import Driver, Engine, ModelProfile
+    from scheduler.profiles import MetricNames as ProfileMetricNames
 
 
 @dataclass(frozen=True, slots=True)
 class ResolvedMetrics:
-    """The metric names a replica's `/metrics` is read with; `None` = not reported."""
+    """Where a replica's metrics are and which names say running, waiting, KV use."""
 
     path: str
-    running: str | None
-    waiting: str | None
-    kv_cache_usage: str | None
+    names: MetricNames
+
+    @property
+    def running(self) -> str | None:
+        return self.names.running
+
+    @property
+    def waiting(self) -> str | None:
+        return self.names.waiting
+
+    @property
+    def kv_cache_usage(self) -> str | None:
+        return self.names.kv_cache_usage
 
 
-VLLM_METRICS = ResolvedMetrics(
-    path="/metrics",
-    running="vllm:num_requests_running",
-    waiting="vllm:num_requests_waiting",
-    kv_cache_usage="vllm:kv_cache_usage_perc",
-)
-
-LLAMACPP_METRICS = ResolvedMetrics(
-    path="/metrics",
-    running="llamacpp:requests_processing",
-    waiting="llamacpp:requests_deferred",
-    # llama-server removed its KV-cache usage metric (llama.cpp PR #13660).
-    kv_cache_usage=None,
-)
+METRICS_PATH = "/metrics"
+VLLM_METRICS = ResolvedMetrics(path=METRICS_PATH, names=VLLM_METRIC_NAMES)
+LLAMACPP_METRICS = ResolvedMetrics(path=METRICS_PATH, names=LLAMACPP_METRIC_NAMES)
 
 
 def resolve_metrics(
-    engine_default: ResolvedMetrics, override: MetricNames | None
+    engine_default: ResolvedMetrics, override: ProfileMetricNames | None
 ) -> ResolvedMetrics:
     """Apply a profile's metric override to its engine's default mapping.
 
-    The seed's rule: no override means the engine's own names; an override
-    that names no metric at all means vLLM's names; an override that names
-    its own running metric is a complete statement, so what it leaves out
-    stays unset; an override without a running metric fills its gaps from
-    vLLM's names.
+    No override means the engine's own names; an override follows the seed's
+    rule (`caravan.engine_metrics.resolve_metric_names`).
     """
     if override is None:
-        return ResolvedMetrics(
-            path=engine_default.path,
-            running=engine_default.running,
-            waiting=engine_default.waiting,
-            kv_cache_usage=engine_default.kv_cache_usage,
-        )
-    if override.running is not None:
-        return ResolvedMetrics(
-            path=override.path,
-            running=override.running,
-            waiting=override.waiting,
-            kv_cache_usage=override.kv_cache_usage,
-        )
-    return ResolvedMetrics(
-        path=override.path,
-        running=VLLM_METRICS.running,
-        waiting=override.waiting or VLLM_METRICS.waiting,
-        kv_cache_usage=override.kv_cache_usage or VLLM_METRICS.kv_cache_usage,
+        return engine_default
+    names = resolve_metric_names(
+        running=override.running, waiting=override.waiting, kv_cache_usage=override.kv_cache_usage
     )
+    return ResolvedMetrics(path=override.path, names=names)
 
 
 class EngineAdapter(Protocol):

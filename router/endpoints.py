@@ -1,0 +1,286 @@
+"""Endpoints and the immutable snapshot the router reads, built from Consul health entries.
+
+`snapshot_from_health` is pure: the discovery loop hands it what
+`GET /v1/health/service/<name>` returned for every model service (plain dicts,
+as Consul sends them) and swaps the result in with one assignment. Everything
+a request needs is precomputed here, once per Consul change, not per request:
+the endpoints of each served model name sorted by id, split by health, and the
+model's hash ring.
+
+An entry that does not carry caravan's service Meta (contract 4) is skipped
+with a reason, never crashed on, so one hand-registered service cannot take
+routing down for every model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from caravan.contract import ServiceMetaKey
+from caravan.engine_metrics import MetricNames, resolve_metric_names
+from router.affinity import DEFAULT_VIRTUAL_NODES, HashRing
+
+DEFAULT_METRICS_PATH = "/metrics"
+
+
+class CheckStatus(StrEnum):
+    PASSING = "passing"
+    WARNING = "warning"
+    CRITICAL = "critical"
+
+
+_SEVERITY = {CheckStatus.PASSING: 0, CheckStatus.WARNING: 1, CheckStatus.CRITICAL: 2}
+# Consul adds these checks, always critical, when an operator puts a service
+# (`_service_maintenance:<service id>`) or a whole node into maintenance mode.
+_SERVICE_MAINTENANCE_PREFIX = "_service_maintenance:"
+_NODE_MAINTENANCE = "_node_maintenance"
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One model replica as Consul sees it; immutable, replaced on every Consul change."""
+
+    id: str  # the Consul service ID (Nomad: `_nomad-task-<alloc>-...`)
+    service: str  # the Consul service name of the model, `caravan-<name>`
+    address: str
+    port: int
+    served_models: tuple[str, ...]  # the OpenAI `model` values it answers to
+    engine: str
+    metrics_path: str
+    metric_names: MetricNames
+    capacity: int | None  # max concurrent sequences; None = not stated
+    node: str
+    gpu_class: str | None  # None = runs on the CPU
+    status: CheckStatus
+    spec_hash: str | None
+    replica: int
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"http://{host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEndpoints:
+    """Everything the balancer needs for one served model name, precomputed."""
+
+    model: str
+    endpoints: tuple[Endpoint, ...]  # every status, sorted by id
+    ring: HashRing  # over every endpoint, so a health flap does not reshuffle keys
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointSnapshot:
+    """What Consul said at one index: endpoints by served model name and by id."""
+
+    index: int
+    models: Mapping[str, ModelEndpoints] = field(default_factory=dict)
+    by_id: Mapping[str, Endpoint] = field(default_factory=dict)
+
+    def for_model(self, model: str) -> ModelEndpoints | None:
+        """The endpoints serving this model name; None when no endpoint serves it."""
+        return self.models.get(model)
+
+
+EMPTY_SNAPSHOT = EndpointSnapshot(index=0)
+
+
+@dataclass(frozen=True, slots=True)
+class SkippedEntry:
+    """A health entry left out of the snapshot, with why (for one log line)."""
+
+    service: str
+    service_id: str | None
+    reason: str
+
+
+class MalformedEntryError(ValueError):
+    """A health entry lacks what the router needs; the message names the field."""
+
+
+def aggregate_status(checks: Sequence[Mapping[str, Any]]) -> CheckStatus:
+    """The worst status of all the entry's checks, node checks (`serfHealth`) included.
+
+    No checks at all reads as passing, as in Consul's own aggregation. A
+    maintenance check makes the entry critical whatever its status says, and so
+    does a status this code does not know.
+    """
+    worst = CheckStatus.PASSING
+    for check in checks:
+        check_id = str(check.get("CheckID", ""))
+        if check_id == _NODE_MAINTENANCE or check_id.startswith(_SERVICE_MAINTENANCE_PREFIX):
+            return CheckStatus.CRITICAL
+        try:
+            status = CheckStatus(str(check.get("Status")))
+        except ValueError:
+            return CheckStatus.CRITICAL
+        if _SEVERITY[status] > _SEVERITY[worst]:
+            worst = status
+    return worst
+
+
+def endpoint_from_entry(entry: Mapping[str, Any]) -> Endpoint:
+    """One endpoint from one `/v1/health/service` entry.
+
+    Raises MalformedEntryError naming the field when the entry cannot be routed to.
+    """
+    node = _mapping(entry.get("Node"), "Node")
+    service = _mapping(entry.get("Service"), "Service")
+    checks = entry.get("Checks") or []
+    if not isinstance(checks, list) or not all(isinstance(check, Mapping) for check in checks):
+        raise MalformedEntryError("Checks is not a list of objects")
+
+    service_id = _required_str(service.get("ID"), "Service.ID")
+    address = service.get("Address") or node.get("Address")
+    if not isinstance(address, str) or not address:
+        raise MalformedEntryError("neither Service.Address nor Node.Address is set")
+    port = service.get("Port")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise MalformedEntryError(f"Service.Port is not a TCP port: {port!r}")
+
+    meta = service.get("Meta")
+    if not isinstance(meta, Mapping) or not meta:
+        raise MalformedEntryError("Service.Meta is missing")
+    served_models = _served_models(meta)
+    metrics_path = _meta_str(meta, ServiceMetaKey.METRICS_PATH) or DEFAULT_METRICS_PATH
+    if not metrics_path.startswith("/"):
+        raise MalformedEntryError(
+            f"Meta.{ServiceMetaKey.METRICS_PATH} must start with '/': {metrics_path!r}"
+        )
+    return Endpoint(
+        id=service_id,
+        service=_required_str(service.get("Service"), "Service.Service"),
+        address=address,
+        port=port,
+        served_models=served_models,
+        engine=_required_str(meta.get(ServiceMetaKey.ENGINE), f"Meta.{ServiceMetaKey.ENGINE}"),
+        metrics_path=metrics_path,
+        metric_names=resolve_metric_names(
+            running=_meta_str(meta, ServiceMetaKey.METRIC_RUNNING),
+            waiting=_meta_str(meta, ServiceMetaKey.METRIC_WAITING),
+            kv_cache_usage=_meta_str(meta, ServiceMetaKey.METRIC_KV_CACHE),
+        ),
+        capacity=_capacity(meta),
+        node=str(node.get("Node") or ""),
+        gpu_class=_meta_str(meta, ServiceMetaKey.GPU_CLASS),
+        status=aggregate_status(checks),
+        spec_hash=_meta_str(meta, ServiceMetaKey.SPEC_HASH),
+        replica=_replica(meta),
+    )
+
+
+def snapshot_from_health(
+    entries_by_service: Mapping[str, Sequence[Mapping[str, Any]]],
+    index: int,
+    previous: EndpointSnapshot | None = None,
+    *,
+    virtual_nodes: int = DEFAULT_VIRTUAL_NODES,
+) -> tuple[EndpointSnapshot, tuple[SkippedEntry, ...]]:
+    """Build the snapshot from the health entries of every model service.
+
+    `previous` lets a model whose set of endpoint ids did not change keep its
+    hash ring, so a health flip costs no rehashing. Entries are skipped, with a
+    reason, when malformed or when their service ID repeats one already taken.
+    """
+    by_id: dict[str, Endpoint] = {}
+    skipped: list[SkippedEntry] = []
+    for service_name in sorted(entries_by_service):
+        for entry in entries_by_service[service_name]:
+            try:
+                endpoint = endpoint_from_entry(entry)
+            except MalformedEntryError as exc:
+                skipped.append(SkippedEntry(service_name, _service_id_of(entry), str(exc)))
+                continue
+            if endpoint.id in by_id:
+                skipped.append(
+                    SkippedEntry(
+                        service_name, endpoint.id, "service ID already seen on another node"
+                    )
+                )
+                continue
+            by_id[endpoint.id] = endpoint
+
+    grouped: dict[str, list[Endpoint]] = {}
+    for endpoint_id in sorted(by_id):
+        endpoint = by_id[endpoint_id]
+        for model in endpoint.served_models:
+            grouped.setdefault(model, []).append(endpoint)
+
+    models: dict[str, ModelEndpoints] = {}
+    for model, endpoints in grouped.items():
+        ids = tuple(endpoint.id for endpoint in endpoints)
+        old = previous.models.get(model) if previous is not None else None
+        reusable = (
+            old is not None
+            and old.ring.endpoint_ids == ids
+            and _same_density(old.ring, virtual_nodes)
+        )
+        ring = old.ring if reusable and old is not None else HashRing.build(ids, virtual_nodes)
+        models[model] = ModelEndpoints(model=model, endpoints=tuple(endpoints), ring=ring)
+    return EndpointSnapshot(index=index, models=models, by_id=by_id), tuple(skipped)
+
+
+def _same_density(ring: HashRing, virtual_nodes: int) -> bool:
+    return len(ring.points) == virtual_nodes * len(ring.endpoint_ids)
+
+
+def _mapping(value: Any, name: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise MalformedEntryError(f"{name} is missing or not an object")
+    return value
+
+
+def _required_str(value: Any, name: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise MalformedEntryError(f"{name} is missing or empty")
+    return value
+
+
+def _meta_str(meta: Mapping[str, Any], key: str) -> str | None:
+    """A Meta value; an absent key and an empty string both mean absent."""
+    value = meta.get(key)
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise MalformedEntryError(f"Meta.{key} is not a string: {value!r}")
+    return value
+
+
+def _served_models(meta: Mapping[str, Any]) -> tuple[str, ...]:
+    raw = _meta_str(meta, ServiceMetaKey.SERVED_MODELS)
+    names = dict.fromkeys(name.strip() for name in (raw or "").split(","))
+    names.pop("", None)
+    if not names:
+        raise MalformedEntryError(f"Meta.{ServiceMetaKey.SERVED_MODELS} names no model")
+    return tuple(names)
+
+
+def _capacity(meta: Mapping[str, Any]) -> int | None:
+    raw = _meta_str(meta, ServiceMetaKey.CAPACITY)
+    if raw is None:
+        return None
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
+        raise MalformedEntryError(
+            f"Meta.{ServiceMetaKey.CAPACITY} is not a positive integer: {raw!r}"
+        )
+    return int(raw)
+
+
+def _replica(meta: Mapping[str, Any]) -> int:
+    raw = _meta_str(meta, ServiceMetaKey.REPLICA)
+    if raw is None or not (raw.isascii() and raw.isdigit()):
+        raise MalformedEntryError(
+            f"Meta.{ServiceMetaKey.REPLICA} is not a non-negative integer: {raw!r}"
+        )
+    return int(raw)
+
+
+def _service_id_of(entry: Mapping[str, Any]) -> str | None:
+    service = entry.get("Service")
+    if isinstance(service, Mapping) and isinstance(service.get("ID"), str):
+        return str(service["ID"])
+    return None

@@ -1,0 +1,157 @@
+"""Errors the router answers clients with, each knowing its HTTP status and OpenAI shape.
+
+    RouterError                   base; `retryable` says if sending the request again may help
+    ├── InvalidRequest            400  the body is not JSON, has no `model`, ...
+    ├── ModelNotFound             404  no endpoint serves the model and none is declared
+    ├── NoHealthyEndpoint         503  endpoints exist, none can take the request   (retryable)
+    ├── AdmissionRejected         429/503 with Retry-After                          (retryable)
+    │   ├── QueueFull             429  the model's queue is at its bound
+    │   └── QueueTimeout          503  queued past its deadline (capacity or cold start)
+    └── UpstreamError             502  the engine failed the request
+        ├── UpstreamConnectError  502  no connection, or reset before any response  (retryable)
+        ├── UpstreamStatusError   502/503/504 as the engine said (retryable for 5xx gateway codes)
+        ├── UpstreamProtocolError 502  the response broke HTTP/SSE framing
+        └── UpstreamTimeout       504  no response within the read timeout
+
+The proxy retries only a retryable error, only on another endpoint, and only
+before the first byte has gone to the client. Messages name the model or the
+endpoint id, never request bodies, headers or keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RouterError(Exception):
+    """Base of every error the router turns into an HTTP answer."""
+
+    retryable: bool = False
+    status: int = 500
+    error_type: str = "server_error"
+    code: str = "internal_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidRequest(RouterError):
+    status = 400
+    error_type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class ModelNotFound(RouterError):
+    status = 404
+    error_type = "invalid_request_error"
+    # The code OpenAI's own API answers an unknown model with.
+    code = "model_not_found"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model '{model}' does not exist or has no replicas declared.")
+        self.model = model
+
+
+class NoHealthyEndpoint(RouterError):
+    retryable = True
+    status = 503
+    # llama.cpp's server uses this type for its own 503s.
+    error_type = "unavailable_error"
+    code = "no_healthy_endpoint"
+
+    def __init__(self, model: str, reason: str, retry_after_s: int) -> None:
+        super().__init__(f"No replica of model '{model}' can take the request ({reason}).")
+        self.model = model
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+class AdmissionRejected(RouterError):
+    retryable = True
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class QueueFull(AdmissionRejected):
+    status = 429
+    error_type = "rate_limit_error"
+    code = "queue_full"
+
+    def __init__(self, model: str, retry_after_s: int) -> None:
+        super().__init__(
+            f"Model '{model}' is at capacity and its queue is full; retry later.", retry_after_s
+        )
+        self.model = model
+
+
+class QueueTimeout(AdmissionRejected):
+    status = 503
+    error_type = "unavailable_error"
+    code = "queue_timeout"
+
+    def __init__(self, model: str, retry_after_s: int, *, cold_start: bool) -> None:
+        waited_for = "a first replica to start" if cold_start else "free capacity"
+        super().__init__(
+            f"Timed out waiting for {waited_for} of model '{model}'; retry later.", retry_after_s
+        )
+        self.model = model
+        self.cold_start = cold_start
+
+
+class UpstreamError(RouterError):
+    status = 502
+    error_type = "server_error"
+    code = "upstream_error"
+
+    def __init__(self, endpoint_id: str, detail: str) -> None:
+        super().__init__(f"Replica {endpoint_id} failed the request: {detail}")
+        self.endpoint_id = endpoint_id
+
+
+class UpstreamConnectError(UpstreamError):
+    # Nothing reached the engine, so another endpoint can safely take the request.
+    retryable = True
+    code = "upstream_connect_error"
+
+
+class UpstreamStatusError(UpstreamError):
+    code = "upstream_status_error"
+    # Statuses that mean "this replica cannot serve now", not "the request is bad".
+    RETRYABLE_STATUSES = frozenset({500, 502, 503, 504})
+
+    def __init__(self, endpoint_id: str, upstream_status: int) -> None:
+        super().__init__(endpoint_id, f"answered HTTP {upstream_status}")
+        self.upstream_status = upstream_status
+        self.retryable = upstream_status in self.RETRYABLE_STATUSES
+        self.status = upstream_status if upstream_status in {503, 504} else 502
+
+
+class UpstreamProtocolError(UpstreamError):
+    code = "upstream_protocol_error"
+
+
+class UpstreamTimeout(UpstreamError):
+    # Not retryable: the engine may still be working on it, and a retry doubles the load.
+    status = 504
+    code = "upstream_timeout"
+
+
+def error_body(error: RouterError) -> dict[str, Any]:
+    """The OpenAI-style JSON error body for an error."""
+    return {
+        "error": {
+            "message": error.message,
+            "type": error.error_type,
+            "param": None,
+            "code": error.code,
+        }
+    }
+
+
+def retry_after_s(error: RouterError) -> int | None:
+    """The Retry-After value to send with the error, if it has one."""
+    value = getattr(error, "retry_after_s", None)
+    return value if isinstance(value, int) else None
