@@ -39,6 +39,6 @@ fmt: $(STAMP) ## format and autofix
 	$(BIN)/ruff check --fix .
 
 golden: $(STAMP) ## regenerate the rendered-job golden files after a deliberate change
-	$(BIN)/pytest tests/unit/scheduler/test_golden.py --update-golden
+	$(BIN)/pytest tests/unit/scheduler/test_golden.py tests/deploy/test_deploy_replica_examples.py --update-golden
 
 .PHONY: help venv demo lint type unit test fmt golden
