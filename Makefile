@@ -21,6 +21,9 @@ demo: $(STAMP) ## set up, then validate and render the example profiles
 	$(BIN)/caravan validate examples/profiles/*
 	@for f in examples/profiles/*; do echo "== $$f (replica 0)"; $(BIN)/caravan render $$f --replica 0 | head -n 40; done
 
+llama-server: $(STAMP) ## build the real llama-server and the tiny GGUF model (cached in ~/.cache/caravan)
+	PYTHON=$(abspath $(BIN)/python) bash scripts/build-llama-server.sh
+
 lint: $(STAMP) ## ruff (lint + format check) and the import contracts
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -41,4 +44,4 @@ fmt: $(STAMP) ## format and autofix
 golden: $(STAMP) ## regenerate the rendered-job golden files after a deliberate change
 	$(BIN)/pytest tests/unit/scheduler/test_golden.py tests/deploy/test_deploy_replica_examples.py --update-golden
 
-.PHONY: help venv demo lint type unit test fmt golden
+.PHONY: help venv demo llama-server lint type unit test fmt golden

@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Protocol
 
-from caravan_cli import profile_commands
+from caravan_cli import model_commands, profile_commands, scheduler_command
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -21,7 +21,11 @@ class CommandModule(Protocol):
         """Register this module's subcommands; each sets `handler` via set_defaults."""
 
 
-COMMAND_MODULES: tuple[CommandModule, ...] = (profile_commands,)
+COMMAND_MODULES: tuple[CommandModule, ...] = (
+    profile_commands,
+    model_commands,
+    scheduler_command,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,9 +1,12 @@
-"""`python -m devcluster`: run the local Consul stand-in until SIGINT/SIGTERM.
+"""`python -m devcluster`: run the local Consul and Nomad stand-ins until SIGINT/SIGTERM.
 
 Once ready it prints, each on its own line and flushed:
 
     export CONSUL_HTTP_ADDR=127.0.0.1:<port>
     export CARAVAN_DNS_PORT=<port>
+    export NOMAD_ADDR=http://127.0.0.1:<port>
+
+On SIGTERM every task process the simulated Nomad nodes started is stopped.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Sequence
 from devcluster.cluster import ClusterConfig, DevCluster
 from devcluster.consul.durations import parse_go_duration_s
 from devcluster.consul.server import ConsulConfig
+from devcluster.nomad.settings import add_nomad_arguments, settings_from_args
 
 
 def _port(text: str) -> int:
@@ -40,7 +44,7 @@ def _duration(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m devcluster",
-        description="A local stand-in for `consul agent -dev` (Nomad follows).",
+        description="A local stand-in for `consul agent -dev` and `nomad agent -dev`.",
     )
     parser.add_argument("--consul-port", type=_port, default=8500, help="HTTP port (0 = any free)")
     parser.add_argument("--dns-port", type=_port, default=8600, help="DNS port (0 = any free)")
@@ -68,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="floor on DeregisterCriticalServiceAfter (Consul: 1m)",
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (stderr)")
+    add_nomad_arguments(parser)
     return parser
 
 
@@ -110,12 +115,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         deregister_critical_min_s=args.deregister_critical_min,
     )
     try:
-        return asyncio.run(run(ClusterConfig(consul=consul)))
+        nomad = settings_from_args(args)
+    except ValueError as exc:
+        sys.stderr.write(f"devcluster: {exc}\n")
+        return 2
+    try:
+        return asyncio.run(run(ClusterConfig(consul=consul, nomad=nomad)))
     except OSError as exc:
         # Typically a port in use: say which, and how to get a free one.
         sys.stderr.write(
-            f"devcluster: cannot listen ({exc}); ports {args.consul_port}/{args.dns_port} "
-            "(use --consul-port 0 --dns-port 0 for free ports)\n"
+            f"devcluster: cannot listen ({exc}); ports {args.consul_port}/{args.dns_port}/"
+            f"{args.nomad_port} (use --consul-port 0 --dns-port 0 --nomad-port 0 for free ports)\n"
         )
         return 1
 

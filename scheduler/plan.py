@@ -377,7 +377,7 @@ def _finish_drains(observed: Observation, now: float) -> list[Action]:
 
 
 def _orphans(
-    desired: Mapping[str, DesiredModel],
+    desired: Mapping[str, DesiredModel | None],
     observed: Observation,
     memory: PlannerMemory,
     settings: PlanSettings,
@@ -419,8 +419,13 @@ def plan(
     config: ClusterConfig,
     settings: PlanSettings,
     now: float,
+    leave_alone: frozenset[str] = frozenset(),
 ) -> Plan:
-    """Decide the actions that move `observed` towards `desired`."""
+    """Decide the actions that move `observed` towards `desired`.
+
+    Models in `leave_alone` (their profile in KV is invalid) are neither
+    planned nor treated as deleted: their replicas keep running as they are.
+    """
     actions: list[Action] = _finish_drains(observed, now)
     reports: list[ModelReport] = []
     errors: dict[str, str] = {}
@@ -434,7 +439,8 @@ def plan(
             continue
         actions.extend(planner.actions)
         waiting = waiting or planner.waiting
-    orphan_actions, orphaned, orphan_wait = _orphans(desired, observed, memory, settings, now)
+    protected = {**desired, **dict.fromkeys(leave_alone)}
+    orphan_actions, orphaned, orphan_wait = _orphans(protected, observed, memory, settings, now)
     actions.extend(orphan_actions)
     if observed.draining:
         waiting = True

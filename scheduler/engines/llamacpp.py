@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 # Slots per replica when the profile does not say (llama-server's own default
 # is auto; a fixed number keeps capacity known to the router).
 DEFAULT_PARALLEL = 4
-# Total context across slots when the profile does not say.
-DEFAULT_CTX_SIZE = 4096
+# Context per sequence when the profile does not say.
+DEFAULT_CONTEXT_PER_SLOT = 4096
 # Offload every layer when the replica has a GPU.
 ALL_LAYERS = "999"
 _THREAD_FLAGS = frozenset({"-t", "--threads"})
@@ -89,8 +89,11 @@ class LlamaCppAdapter:
             "--metrics",
             "--parallel",
             str(self.capacity(profile)),
+            # llama-server splits --ctx-size across its slots, while a
+            # profile's context_length is per request (as vLLM's
+            # --max-model-len): give every slot the whole window.
             "--ctx-size",
-            str(profile.context_length or DEFAULT_CTX_SIZE),
+            str((profile.context_length or DEFAULT_CONTEXT_PER_SLOT) * self.capacity(profile)),
             "--alias",
             profile.served_name,
         ]

@@ -123,7 +123,7 @@ def test_llamacpp_raw_exec_binds_the_nomad_port_without_to():
         "--parallel",
         "3",
         "--ctx-size",
-        "4096",
+        "12288",
         "--alias",
         "tiny-chat",
         "-t",

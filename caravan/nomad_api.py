@@ -1,0 +1,730 @@
+"""caravan's async Nomad adapter, a thin aiohttp client over Nomad's HTTP API.
+
+    settings = NomadSettings.from_env(os.environ)            # wiring only
+    async with NomadClient(settings) as nomad:
+        result = await nomad.register_job(body, enforce_index=job.job_modify_index)
+        allocs = await nomad.job_allocations("caravan-qwen-0")
+        allocs = await nomad.job_allocations("caravan-qwen-0", index=allocs.index, wait_s=60)
+        async for frame in nomad.events(["Allocation", "Job:caravan-qwen-0"]):
+            ...
+
+Why not python-nomad: it is synchronous (requests), so every call would
+need a thread, and it has no blocking queries (`index`/`wait`) at all,
+which the scheduler's watches are built on. The API surface caravan needs
+is small, so it lives here with Nomad's field names.
+
+Results are frozen dataclasses with the fields caravan reads and the raw JSON
+kept in `raw`. Failures are `caravan.errors` types: connection errors,
+timeouts and 5xx are `HashiUnavailable`; 403 `HashiPermissionDenied`; 404
+`HashiNotFound` (reads of one object return None instead); 400 and Nomad's
+validation failures (HTTP 500 whose text says "validation failed" or
+"error occurred") `HashiBadRequest` with Nomad's message; a lost
+`EnforceIndex` race `HashiConflict`. The token travels in `X-Nomad-Token`
+only and never appears in logs or messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import ssl
+import urllib.parse
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType, TracebackType
+from typing import Any, Generic, Self, TypeVar
+
+import aiohttp
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from caravan.errors import (
+    HashiBadRequest,
+    HashiConflict,
+    HashiError,
+    HashiNotFound,
+    HashiPermissionDenied,
+    HashiUnavailable,
+)
+
+log = logging.getLogger(__name__)
+
+Json = dict[str, Any]
+T = TypeVar("T")
+
+DEFAULT_ADDRESS = "http://127.0.0.1:4646"
+# Nomad caps a blocking query at 5 minutes and adds up to wait/16 of jitter.
+MAX_WAIT_S = 300.0
+JITTER_FRACTION = 16
+# Nomad sends `{}` every 30 s on the event stream; silence past this means a dead link.
+EVENT_IDLE_TIMEOUT_S = 90.0
+EVENT_BACKOFF_MIN_S = 0.1
+EVENT_BACKOFF_MAX_S = 5.0
+MESSAGE_BODY_LIMIT = 2000
+_TRUE = frozenset({"1", "t", "T", "TRUE", "true", "True"})
+_FALSE = frozenset({"0", "f", "F", "FALSE", "false", "False"})
+_VALIDATION_MARKERS = ("validation failed", "error occurred", "errors occurred")
+_ENFORCE_MARKER = "Enforcing job modify index"
+
+
+def _parse_bool(name: str, value: str) -> bool:
+    """Go's strconv.ParseBool, as the Nomad CLI reads its NOMAD_* variables."""
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name} must be a boolean (true/false/1/0), got {value!r}")
+
+
+class NomadSettings(BaseModel):
+    """Where Nomad is and how to talk to it; build it with `from_env(os.environ)`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    address: str = DEFAULT_ADDRESS
+    token: SecretStr | None = None
+    namespace: str | None = None
+    region: str | None = None
+    ca_cert: str | None = None
+    ca_path: str | None = None
+    client_cert: str | None = None
+    client_key: str | None = None
+    skip_verify: bool = False
+    tls_server_name: str | None = None
+    request_timeout_s: float = Field(default=10.0, gt=0)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> NomadSettings:
+        """Read the variables the Nomad CLI reads (NOMAD_ADDR, _TOKEN, _NAMESPACE, TLS files)."""
+        address = environ.get("NOMAD_ADDR", "").strip() or DEFAULT_ADDRESS
+        if "://" not in address:
+            address = f"http://{address}"
+        parsed = urllib.parse.urlsplit(address)
+        if parsed.scheme not in {"http", "https"} or not parsed.hostname:
+            raise ValueError(f"NOMAD_ADDR must be http(s)://host[:port], got {address!r}")
+        try:
+            _ = parsed.port
+        except ValueError as exc:
+            raise ValueError(f"NOMAD_ADDR has an invalid port: {address!r}") from exc
+        client_cert = environ.get("NOMAD_CLIENT_CERT") or None
+        client_key = environ.get("NOMAD_CLIENT_KEY") or None
+        if bool(client_cert) != bool(client_key):
+            raise ValueError("NOMAD_CLIENT_CERT and NOMAD_CLIENT_KEY must be set together")
+        skip = environ.get("NOMAD_SKIP_VERIFY", "")
+        token = environ.get("NOMAD_TOKEN", "").strip()
+        return cls(
+            address=address.rstrip("/"),
+            token=SecretStr(token) if token else None,
+            namespace=environ.get("NOMAD_NAMESPACE") or None,
+            region=environ.get("NOMAD_REGION") or None,
+            ca_cert=environ.get("NOMAD_CACERT") or None,
+            ca_path=environ.get("NOMAD_CAPATH") or None,
+            client_cert=client_cert,
+            client_key=client_key,
+            skip_verify=_parse_bool("NOMAD_SKIP_VERIFY", skip) if skip else False,
+            tls_server_name=environ.get("NOMAD_TLS_SERVER_NAME") or None,
+        )
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The TLS context for https (None for plain http)."""
+        if not self.address.startswith("https://"):
+            return None
+        context = ssl.create_default_context(cafile=self.ca_cert, capath=self.ca_path)
+        if self.skip_verify:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        if self.client_cert and self.client_key:
+            context.load_cert_chain(self.client_cert, self.client_key)
+        return context
+
+
+# -- results ---------------------------------------------------------------
+
+
+def _frozen(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return MappingProxyType(dict(mapping or {}))
+
+
+@dataclass(frozen=True, slots=True)
+class QueryResult(Generic[T]):
+    """A read with Nomad's `X-Nomad-Index`, to pass back as `index=` to block."""
+
+    index: int
+    value: T
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterResult:
+    eval_id: str
+    eval_create_index: int
+    job_modify_index: int
+    warnings: str
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeregisterResult:
+    eval_id: str
+    job_modify_index: int
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    id: str
+    namespace: str
+    version: int
+    status: str
+    stop: bool
+    meta: Mapping[str, str]
+    job_modify_index: int
+    modify_index: int
+    raw: Mapping[str, Any] = field(repr=False)
+
+    @classmethod
+    def from_api(cls, data: Mapping[str, Any]) -> Job:
+        return cls(
+            id=str(data.get("ID", "")),
+            namespace=str(data.get("Namespace", "default")),
+            version=int(data.get("Version") or 0),
+            status=str(data.get("Status", "")),
+            stop=bool(data.get("Stop", False)),
+            meta=_frozen(data.get("Meta")),
+            job_modify_index=int(data.get("JobModifyIndex") or 0),
+            modify_index=int(data.get("ModifyIndex") or 0),
+            raw=_frozen(data),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AllocatedPort:
+    label: str
+    value: int
+    to: int
+    host_ip: str
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """An allocation; `ports` is None when the answer carried no resources."""
+
+    id: str
+    name: str
+    namespace: str
+    job_id: str
+    job_version: int
+    task_group: str
+    node_id: str
+    node_name: str
+    desired_status: str
+    client_status: str
+    deployment_healthy: bool | None
+    create_index: int
+    modify_index: int
+    ports: tuple[AllocatedPort, ...] | None
+    raw: Mapping[str, Any] = field(repr=False)
+
+    @property
+    def terminal(self) -> bool:
+        return self.desired_status in {"stop", "evict"} or self.client_status in {
+            "complete",
+            "failed",
+            "lost",
+        }
+
+    @classmethod
+    def from_api(cls, data: Mapping[str, Any]) -> Allocation:
+        resources = data.get("AllocatedResources")
+        ports: tuple[AllocatedPort, ...] | None = None
+        if isinstance(resources, Mapping):
+            shared = resources.get("Shared") or {}
+            ports = tuple(
+                AllocatedPort(
+                    label=str(port.get("Label", "")),
+                    value=int(port.get("Value") or 0),
+                    to=int(port.get("To") or 0),
+                    host_ip=str(port.get("HostIP", "")),
+                )
+                for port in shared.get("Ports") or []
+            )
+        health = (data.get("DeploymentStatus") or {}).get("Healthy")
+        return cls(
+            id=str(data.get("ID", "")),
+            name=str(data.get("Name", "")),
+            namespace=str(data.get("Namespace", "default")),
+            job_id=str(data.get("JobID", "")),
+            job_version=int(data.get("JobVersion") or (data.get("Job") or {}).get("Version") or 0),
+            task_group=str(data.get("TaskGroup", "")),
+            node_id=str(data.get("NodeID", "")),
+            node_name=str(data.get("NodeName", "")),
+            desired_status=str(data.get("DesiredStatus", "")),
+            client_status=str(data.get("ClientStatus", "")),
+            deployment_healthy=health if isinstance(health, bool) else None,
+            create_index=int(data.get("CreateIndex") or 0),
+            modify_index=int(data.get("ModifyIndex") or 0),
+            ports=ports,
+            raw=_frozen(data),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class NodeDevice:
+    vendor: str
+    type: str
+    name: str
+    healthy_instances: int
+    memory_mib: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """A client node; resource fields are None when the answer carried no resources."""
+
+    id: str
+    name: str
+    address: str
+    datacenter: str
+    node_class: str
+    node_pool: str
+    status: str
+    eligibility: str
+    drain: bool
+    cpu_mhz: int | None
+    memory_mb: int | None
+    devices: tuple[NodeDevice, ...] | None
+    raw: Mapping[str, Any] = field(repr=False)
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready" and self.eligibility == "eligible" and not self.drain
+
+    @classmethod
+    def from_api(cls, data: Mapping[str, Any]) -> Node:
+        resources = data.get("NodeResources")
+        cpu_mhz = memory_mb = None
+        devices: tuple[NodeDevice, ...] | None = None
+        if isinstance(resources, Mapping):
+            cpu_mhz = int((resources.get("Cpu") or {}).get("CpuShares") or 0)
+            memory_mb = int((resources.get("Memory") or {}).get("MemoryMB") or 0)
+            devices = tuple(
+                NodeDevice(
+                    vendor=str(device.get("Vendor", "")),
+                    type=str(device.get("Type", "")),
+                    name=str(device.get("Name", "")),
+                    healthy_instances=sum(
+                        1 for instance in device.get("Instances") or [] if instance.get("Healthy")
+                    ),
+                    memory_mib=(device.get("Attributes") or {}).get("memory", {}).get("Int"),
+                )
+                for device in resources.get("Devices") or []
+            )
+        return cls(
+            id=str(data.get("ID", "")),
+            name=str(data.get("Name", "")),
+            address=str(data.get("Address") or data.get("HTTPAddr", "").split(":")[0]),
+            datacenter=str(data.get("Datacenter", "")),
+            node_class=str(data.get("NodeClass", "")),
+            node_pool=str(data.get("NodePool", "default")),
+            status=str(data.get("Status", "")),
+            eligibility=str(data.get("SchedulingEligibility", "")),
+            drain=bool(data.get("Drain", False)),
+            cpu_mhz=cpu_mhz,
+            memory_mb=memory_mb,
+            devices=devices,
+            raw=_frozen(data),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    id: str
+    job_id: str
+    status: str
+    status_description: str
+    triggered_by: str
+    blocked_eval: str
+    failed_tg_allocs: Mapping[str, Any]
+    queued_allocations: Mapping[str, int]
+    create_index: int
+    modify_index: int
+    raw: Mapping[str, Any] = field(repr=False)
+
+    @classmethod
+    def from_api(cls, data: Mapping[str, Any]) -> Evaluation:
+        return cls(
+            id=str(data.get("ID", "")),
+            job_id=str(data.get("JobID", "")),
+            status=str(data.get("Status", "")),
+            status_description=str(data.get("StatusDescription", "")),
+            triggered_by=str(data.get("TriggeredBy", "")),
+            blocked_eval=str(data.get("BlockedEval", "")),
+            failed_tg_allocs=_frozen(data.get("FailedTGAllocs")),
+            queued_allocations=_frozen(data.get("QueuedAllocations")),
+            create_index=int(data.get("CreateIndex") or 0),
+            modify_index=int(data.get("ModifyIndex") or 0),
+            raw=_frozen(data),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PlanResult:
+    failed_tg_allocs: Mapping[str, Any]
+    desired_updates: Mapping[str, Any]
+    job_modify_index: int
+    warnings: str
+    raw: Mapping[str, Any] = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    topic: str
+    type: str
+    key: str
+    index: int
+    payload: Mapping[str, Any] = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class EventFrame:
+    index: int
+    events: tuple[Event, ...]
+
+
+# -- the client ------------------------------------------------------------
+
+
+def _job_body(job: Mapping[str, Any]) -> Json:
+    """Accept `{"Job": {...}}` (what rendering produces) or a bare job."""
+    return dict(job) if "Job" in job else {"Job": dict(job)}
+
+
+def _wait_param(wait_s: float) -> str:
+    return f"{round(min(max(wait_s, 0.0), MAX_WAIT_S) * 1000)}ms"
+
+
+class NomadClient:
+    """Async Nomad HTTP client; use as `async with NomadClient(settings) as nomad:`."""
+
+    def __init__(
+        self, settings: NomadSettings, *, session: aiohttp.ClientSession | None = None
+    ) -> None:
+        self.settings = settings
+        self._session = session
+        self._owns_session = session is None
+
+    async def __aenter__(self) -> Self:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(ssl=self.settings.ssl_context() or False)
+            self._session = aiohttp.ClientSession(connector=connector)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._owns_session and self._session is not None:
+            await self._session.close()
+        self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("NomadClient is not open; use `async with NomadClient(...)`")
+        return self._session
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Accept": "application/json"}
+        if self.settings.token is not None:
+            headers["X-Nomad-Token"] = self.settings.token.get_secret_value()
+        return headers
+
+    def _params(self, params: Mapping[str, Any] | None) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        for key, value in (params or {}).items():
+            if value is None:
+                continue
+            if isinstance(value, list | tuple):
+                out.extend((key, str(item)) for item in value)
+            elif isinstance(value, bool):
+                out.append((key, "true" if value else "false"))
+            else:
+                out.append((key, str(value)))
+        keys = {key for key, _ in out}
+        if self.settings.namespace and "namespace" not in keys:
+            out.append(("namespace", self.settings.namespace))
+        if self.settings.region and "region" not in keys:
+            out.append(("region", self.settings.region))
+        return out
+
+    @staticmethod
+    def _error(method: str, path: str, status: int, text: str) -> HashiError:
+        body = text.strip()[:MESSAGE_BODY_LIMIT]
+        message = f"Nomad {method} {path}: HTTP {status}: {body}"
+        if status == 403:
+            return HashiPermissionDenied(message, status=status)
+        if status == 404:
+            return HashiNotFound(message, status=status)
+        if status == 409 or _ENFORCE_MARKER in body:
+            return HashiConflict(message, status=status)
+        if status == 400 or (
+            status == 500 and any(marker in body for marker in _VALIDATION_MARKERS)
+        ):
+            return HashiBadRequest(message, status=status)
+        if 400 < status < 500:
+            return HashiBadRequest(message, status=status)
+        return HashiUnavailable(message, status=status)
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        body: Any = None,
+        wait_s: float | None = None,
+    ) -> tuple[int, Any]:
+        """(X-Nomad-Index or 0, decoded JSON body); errors mapped to `caravan.errors`."""
+        timeout_s = self.settings.request_timeout_s
+        if wait_s is not None:
+            timeout_s += wait_s + wait_s / JITTER_FRACTION
+        url = f"{self.settings.address}{path}"
+        try:
+            async with self.session.request(
+                method,
+                url,
+                params=self._params(params),
+                json=body,
+                headers=self._headers(),
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as response:
+                text = await response.text()
+                if response.status >= 300:
+                    raise self._error(method, path, response.status, text)
+                index = int(response.headers.get("X-Nomad-Index", "0") or 0)
+                try:
+                    return index, json.loads(text) if text else None
+                except ValueError:
+                    raise HashiUnavailable(
+                        f"Nomad {method} {path}: answer is not JSON", status=response.status
+                    ) from None
+        except HashiError:
+            raise
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise HashiUnavailable(
+                f"Nomad {method} {path} at {self.settings.address} failed: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+
+    @staticmethod
+    def _blocking(index: int | None, wait_s: float | None) -> tuple[dict[str, Any], float | None]:
+        if index is None:
+            return {}, None
+        wait = MAX_WAIT_S if wait_s is None else min(wait_s, MAX_WAIT_S)
+        return {"index": max(index, 1), "wait": _wait_param(wait)}, wait
+
+    # -- jobs ---------------------------------------------------------------
+
+    async def register_job(
+        self, job: Mapping[str, Any], *, enforce_index: int | None = None
+    ) -> RegisterResult:
+        """`PUT /v1/jobs`; with `enforce_index`, only if the stored JobModifyIndex matches
+        (0: only if the job does not exist), else `HashiConflict`."""
+        body = _job_body(job)
+        if enforce_index is not None:
+            body["EnforceIndex"] = True
+            body["JobModifyIndex"] = enforce_index
+        index, data = await self._call("PUT", "/v1/jobs", body=body)
+        return RegisterResult(
+            eval_id=str(data.get("EvalID", "")),
+            eval_create_index=int(data.get("EvalCreateIndex") or 0),
+            job_modify_index=int(data.get("JobModifyIndex") or 0),
+            warnings=str(data.get("Warnings") or ""),
+            index=int(data.get("Index") or index),
+        )
+
+    async def get_job(self, job_id: str) -> Job | None:
+        """The job, or None when Nomad has no such job."""
+        try:
+            _, data = await self._call("GET", f"/v1/job/{urllib.parse.quote(job_id, safe='')}")
+        except HashiNotFound:
+            return None
+        return Job.from_api(data)
+
+    async def list_jobs(
+        self,
+        prefix: str = "",
+        *,
+        meta: bool = False,
+        index: int | None = None,
+        wait_s: float | None = None,
+    ) -> QueryResult[list[Json]]:
+        """Job stubs (`GET /v1/jobs`); blocks when `index` is given."""
+        params, wait = self._blocking(index, wait_s)
+        params.update({"prefix": prefix or None, "meta": True if meta else None})
+        got, data = await self._call("GET", "/v1/jobs", params=params, wait_s=wait)
+        return QueryResult(got, list(data or []))
+
+    async def deregister_job(self, job_id: str, *, purge: bool = True) -> DeregisterResult:
+        """`DELETE /v1/job/:id`; an unknown job is not an error (Nomad answers 200)."""
+        _, data = await self._call(
+            "DELETE",
+            f"/v1/job/{urllib.parse.quote(job_id, safe='')}",
+            params={"purge": purge},
+        )
+        return DeregisterResult(
+            eval_id=str(data.get("EvalID", "")),
+            job_modify_index=int(data.get("JobModifyIndex") or 0),
+            index=int(data.get("Index") or 0),
+        )
+
+    async def plan_job(self, job: Mapping[str, Any], *, diff: bool = False) -> PlanResult:
+        body = _job_body(job)
+        body["Diff"] = diff
+        job_id = urllib.parse.quote(str(body["Job"].get("ID", "")), safe="")
+        _, data = await self._call("POST", f"/v1/job/{job_id}/plan", body=body)
+        return PlanResult(
+            failed_tg_allocs=_frozen(data.get("FailedTGAllocs")),
+            desired_updates=_frozen((data.get("Annotations") or {}).get("DesiredTGUpdates")),
+            job_modify_index=int(data.get("JobModifyIndex") or 0),
+            warnings=str(data.get("Warnings") or ""),
+            raw=_frozen(data),
+        )
+
+    async def job_allocations(
+        self, job_id: str, *, index: int | None = None, wait_s: float | None = None
+    ) -> QueryResult[list[Allocation]]:
+        params, wait = self._blocking(index, wait_s)
+        got, data = await self._call(
+            "GET",
+            f"/v1/job/{urllib.parse.quote(job_id, safe='')}/allocations",
+            params=params,
+            wait_s=wait,
+        )
+        return QueryResult(got, [Allocation.from_api(item) for item in data or []])
+
+    async def job_evaluations(
+        self, job_id: str, *, index: int | None = None, wait_s: float | None = None
+    ) -> QueryResult[list[Evaluation]]:
+        params, wait = self._blocking(index, wait_s)
+        got, data = await self._call(
+            "GET",
+            f"/v1/job/{urllib.parse.quote(job_id, safe='')}/evaluations",
+            params=params,
+            wait_s=wait,
+        )
+        return QueryResult(got, [Evaluation.from_api(item) for item in data or []])
+
+    # -- allocations, nodes, evaluations ------------------------------------
+
+    async def allocation(self, alloc_id: str) -> Allocation | None:
+        """The full allocation (with ports), or None when it does not exist."""
+        try:
+            _, data = await self._call("GET", f"/v1/allocation/{alloc_id}")
+        except HashiNotFound:
+            return None
+        return Allocation.from_api(data)
+
+    async def list_allocations(
+        self,
+        prefix: str = "",
+        *,
+        resources: bool = False,
+        index: int | None = None,
+        wait_s: float | None = None,
+    ) -> QueryResult[list[Allocation]]:
+        params, wait = self._blocking(index, wait_s)
+        params.update({"prefix": prefix or None, "resources": True if resources else None})
+        got, data = await self._call("GET", "/v1/allocations", params=params, wait_s=wait)
+        return QueryResult(got, [Allocation.from_api(item) for item in data or []])
+
+    async def list_nodes(
+        self, *, resources: bool = True, index: int | None = None, wait_s: float | None = None
+    ) -> QueryResult[list[Node]]:
+        params, wait = self._blocking(index, wait_s)
+        params["resources"] = True if resources else None
+        got, data = await self._call("GET", "/v1/nodes", params=params, wait_s=wait)
+        return QueryResult(got, [Node.from_api(item) for item in data or []])
+
+    async def node(self, node_id: str) -> Node | None:
+        try:
+            _, data = await self._call("GET", f"/v1/node/{node_id}")
+        except HashiNotFound:
+            return None
+        return Node.from_api(data)
+
+    async def evaluation(self, eval_id: str) -> Evaluation | None:
+        try:
+            _, data = await self._call("GET", f"/v1/evaluation/{eval_id}")
+        except HashiNotFound:
+            return None
+        return Evaluation.from_api(data)
+
+    # -- events ---------------------------------------------------------------
+
+    async def _stream_once(
+        self, topics: Sequence[str], start: int, idle_timeout_s: float
+    ) -> AsyncIterator[EventFrame]:
+        params = self._params({"index": start, "topic": list(topics)})
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=self.settings.request_timeout_s, sock_read=idle_timeout_s
+        )
+        async with self.session.get(
+            f"{self.settings.address}/v1/event/stream",
+            params=params,
+            headers=self._headers(),
+            timeout=timeout,
+        ) as response:
+            if response.status >= 300:
+                raise self._error("GET", "/v1/event/stream", response.status, await response.text())
+            async for raw_line in response.content:
+                line = raw_line.strip()
+                if not line:
+                    continue
+                frame = json.loads(line)
+                if not frame:
+                    continue  # the `{}` heartbeat
+                index = int(frame.get("Index") or 0)
+                yield EventFrame(
+                    index=index,
+                    events=tuple(
+                        Event(
+                            topic=str(event.get("Topic", "")),
+                            type=str(event.get("Type", "")),
+                            key=str(event.get("Key", "")),
+                            index=int(event.get("Index") or index),
+                            payload=_frozen(event.get("Payload")),
+                        )
+                        for event in frame.get("Events") or []
+                    ),
+                )
+
+    async def events(
+        self,
+        topics: Sequence[str] = (),
+        *,
+        index: int = 0,
+        idle_timeout_s: float = EVENT_IDLE_TIMEOUT_S,
+    ) -> AsyncIterator[EventFrame]:
+        """Frames of `GET /v1/event/stream`, heartbeats skipped, reconnecting after
+        the last index seen (with jittered backoff) when the stream breaks.
+
+        Topics are Nomad's `Topic` or `Topic:key`. A refused request (400, 403)
+        raises; an unreachable server is retried for as long as you iterate.
+        """
+        next_index = index
+        backoff = EVENT_BACKOFF_MIN_S
+        while True:
+            try:
+                async for frame in self._stream_once(topics, next_index, idle_timeout_s):
+                    backoff = EVENT_BACKOFF_MIN_S
+                    next_index = frame.index + 1
+                    yield frame
+            except HashiUnavailable as exc:
+                log.warning("nomad_event_stream_unavailable", extra={"error": str(exc)})
+            except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as exc:
+                log.info("nomad_event_stream_broken", extra={"error": type(exc).__name__})
+            await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+            backoff = min(backoff * 2, EVENT_BACKOFF_MAX_S)

@@ -1,0 +1,361 @@
+"""`caravan submit | list | status | delete | scale`: manage models.
+
+By default these talk to Consul KV and Nomad directly (found through
+`CONSUL_HTTP_ADDR`, `NOMAD_ADDR` and friends); with `--scheduler URL` (or
+`CARAVAN_SCHEDULER_ADDR`) they go through a scheduler's HTTP API instead.
+Both paths run the same `ModelService` code and print the same output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+
+from caravan.contract import KVLayout
+from caravan.errors import HashiError
+from scheduler.app import scheduler_clients
+from scheduler.cluster_config import ClusterConfigError, load_cluster_config
+from scheduler.model_service import ModelService, SubmissionRejectedError
+from scheduler.model_store import ModelStore, ScaleOutOfBoundsError, UnknownModelError
+from scheduler.status import InvalidStoredProfileError, StatusReader
+
+
+class CommandError(Exception):
+    """A failure to report on stderr as one line, with exit code 1."""
+
+
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--scheduler",
+        default=os.environ.get("CARAVAN_SCHEDULER_ADDR"),
+        metavar="URL",
+        help="go through a scheduler's HTTP API instead of Consul and Nomad directly",
+    )
+    common.add_argument(
+        "--kv-prefix",
+        default=os.environ.get("CARAVAN_KV_PREFIX", "caravan/"),
+        help="Consul KV prefix (default caravan/)",
+    )
+    common.add_argument("--config", help="cluster config YAML used to validate profiles")
+    common.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    submit = subparsers.add_parser(
+        "submit", parents=[common], help="validate profiles and submit them"
+    )
+    submit.add_argument("files", nargs="+", metavar="FILE")
+    submit.add_argument("--wait", action="store_true", help="wait until the replicas are ready")
+    submit.add_argument("--timeout", type=float, default=600.0, help="--wait limit in seconds")
+    submit.set_defaults(handler=_runner(_submit))
+
+    listing = subparsers.add_parser("list", parents=[common], help="list models")
+    listing.set_defaults(handler=_runner(_list))
+
+    status = subparsers.add_parser("status", parents=[common], help="show one model in detail")
+    status.add_argument("name")
+    status.set_defaults(handler=_runner(_status))
+
+    delete = subparsers.add_parser("delete", parents=[common], help="remove a model")
+    delete.add_argument("name")
+    delete.set_defaults(handler=_runner(_delete))
+
+    scale = subparsers.add_parser("scale", parents=[common], help="set a model's replica count")
+    scale.add_argument("name")
+    scale.add_argument("replicas", type=int)
+    scale.set_defaults(handler=_runner(_scale))
+
+
+class Models(Protocol):
+    """The model operations, whichever way they are reached."""
+
+    async def submit(self, documents: list[tuple[str, str]]) -> list[str]: ...
+    async def list(self) -> list[dict[str, Any]]: ...
+    async def describe(self, name: str) -> dict[str, Any]: ...
+    async def delete(self, name: str) -> None: ...
+    async def scale(self, name: str, count: int) -> None: ...
+
+
+class DirectModels:
+    """Through Consul and Nomad, with the same ModelService the scheduler API uses."""
+
+    def __init__(self, service: ModelService) -> None:
+        self.service = service
+
+    async def submit(self, documents: list[tuple[str, str]]) -> list[str]:
+        return [p.name for p in await self.service.submit(documents)]
+
+    async def list(self) -> list[dict[str, Any]]:
+        return [m.to_json() for m in await self.service.list()]
+
+    async def describe(self, name: str) -> dict[str, Any]:
+        return (await self.service.describe(name)).to_json()
+
+    async def delete(self, name: str) -> None:
+        await self.service.delete(name)
+
+    async def scale(self, name: str, count: int) -> None:
+        await self.service.scale(name, count)
+
+
+class RemoteModels:
+    """Through a scheduler's HTTP API."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str) -> None:
+        self.session = session
+        self.base_url = base_url.rstrip("/")
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            async with self.session.request(method, self.base_url + path, **kwargs) as response:
+                body = await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise CommandError(f"scheduler at {self.base_url} unreachable: {exc}") from None
+        if response.status >= 400:
+            error = body.get("error", {}) if isinstance(body, dict) else {}
+            problems = error.get("problems") or []
+            raise CommandError("\n".join(problems) or error.get("message") or str(body))
+        return body
+
+    async def submit(self, documents: list[tuple[str, str]]) -> list[str]:
+        names = []
+        for source, text in documents:
+            # The scheduler validates again; the CLI already refused bad input.
+            name = _profile_name(source, text)
+            await self._call("PUT", f"/v1/models/{name}", data=text.encode())
+            names.append(name)
+        return names
+
+    async def list(self) -> list[dict[str, Any]]:
+        body = await self._call("GET", "/v1/models")
+        return list(body["models"])
+
+    async def describe(self, name: str) -> dict[str, Any]:
+        body: dict[str, Any] = await self._call("GET", f"/v1/models/{name}")
+        return body
+
+    async def delete(self, name: str) -> None:
+        await self._call("DELETE", f"/v1/models/{name}")
+
+    async def scale(self, name: str, count: int) -> None:
+        await self._call("POST", f"/v1/models/{name}/scale", json={"replicas": count})
+
+
+def _profile_name(source: str, text: str) -> str:
+    from scheduler.profiles import parse_profile_text  # noqa: PLC0415 - only this path needs it
+
+    return parse_profile_text(text, source).name
+
+
+@asynccontextmanager
+async def _models(args: argparse.Namespace) -> AsyncIterator[Models]:
+    config = load_cluster_config(args.config)
+    if args.scheduler:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            yield RemoteModels(session, args.scheduler)
+        return
+    async with scheduler_clients(os.environ) as (consul, nomad):
+        store = ModelStore(consul, KVLayout(args.kv_prefix))
+        service = ModelService(
+            store=store, status=StatusReader(store=store, nomad=nomad, health=consul), config=config
+        )
+        yield DirectModels(service)
+
+
+Command = Callable[[argparse.Namespace, Models], Coroutine[Any, Any, int]]
+
+
+def _runner(command: Command) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        async def main() -> int:
+            async with _models(args) as models:
+                return await command(args, models)
+
+        try:
+            return asyncio.run(main())
+        except SubmissionRejectedError as exc:
+            for problem in exc.problems:
+                print(problem, file=sys.stderr)
+            print("nothing was submitted", file=sys.stderr)
+        except (
+            CommandError,
+            UnknownModelError,
+            InvalidStoredProfileError,
+            ScaleOutOfBoundsError,
+            ClusterConfigError,
+        ) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+        except HashiError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            if exc.retryable:
+                print(
+                    "hint: check NOMAD_ADDR / CONSUL_HTTP_ADDR and that both answer",
+                    file=sys.stderr,
+                )
+        return 1
+
+    return run
+
+
+def _read_documents(files: list[str]) -> list[tuple[str, str]]:
+    documents = []
+    for path in files:
+        try:
+            documents.append((path, Path(path).read_text(encoding="utf-8")))
+        except OSError as exc:
+            raise CommandError(f"{path}: cannot read file: {exc.strerror or exc}") from None
+    return documents
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def format_list(models: list[dict[str, Any]]) -> str:
+    if not models:
+        return "no models (submit one with `caravan submit PROFILE.yaml`)"
+    rows = [["NAME", "ENGINE", "GPU", "READY/DESIRED", "STATUS"]]
+    for m in models:
+        status = m["status"] if not m.get("problem") else f"{m['status']}: {m['problem']}"
+        rows.append([m["name"], m["engine"], m["gpu"], f"{m['ready']}/{m['desired']}", status])
+    return _table(rows)
+
+
+def format_status(model: dict[str, Any], now: float) -> str:
+    header = (
+        f"{model['name']} ({model['engine']}, served as {model['served_model_name']}, "
+        f"{model['gpu']}): {model['ready']}/{model['desired']} ready, {model['status']}; "
+        f"replicas {model['min']}..{model['max']}"
+    )
+    lines = [header]
+    replicas = model.get("replicas") or []
+    if replicas:
+        rows = [["REPLICA", "JOB", "ALLOC", "NODE", "STATE", "HEALTH", "SINCE", "LAST EVENT"]]
+        rows.extend(
+            [
+                str(r["replica"]),
+                r["job_id"] + ("" if r["current"] else " (outdated)"),
+                r.get("alloc_id") or "-",
+                r.get("node") or "-",
+                r["state"],
+                r.get("health") or "-",
+                _age(r.get("since_s")),
+                r.get("last_event") or "-",
+            ]
+            for r in replicas
+        )
+        lines.append(_table(rows))
+        lines.extend(
+            f"  replica {r['replica']} pending: {r['pending_reason']}"
+            for r in replicas
+            if r.get("pending_reason")
+        )
+    else:
+        lines.append("no replicas")
+    autoscaler = model.get("autoscaler") or {}
+    for key, label in (("last_decision", "last decision"), ("last_scale", "last scaling")):
+        record = autoscaler.get(key)
+        if record:
+            lines.append(
+                f"autoscaler {label} {_age(now - float(record['at']))} ago: "
+                f"{record['direction']} to {record['target']}: {record['reason']}"
+            )
+    return "\n".join(lines)
+
+
+def _emit(args: argparse.Namespace, document: Any, text: str) -> None:
+    print(json.dumps(document, indent=2) if args.json else text)
+
+
+async def _submit(args: argparse.Namespace, models: Models) -> int:
+    documents = _read_documents(args.files)
+    names = await models.submit(documents)
+    for name in names:
+        print(f"submitted {name}")
+    if not args.wait:
+        return 0
+    return await _wait_ready(models, names, args.timeout)
+
+
+async def _wait_ready(models: Models, names: list[str], timeout_s: float) -> int:
+    deadline = time.monotonic() + timeout_s
+    last: dict[str, str] = {}
+    while True:
+        done = True
+        latest: dict[str, dict[str, Any]] = {}
+        for name in names:
+            model = await models.describe(name)
+            latest[name] = model
+            states = ", ".join(f"r{r['replica']} {r['state']}" for r in model["replicas"])
+            line = f"{name}: {model['ready']}/{model['desired']} ready ({states or 'no replicas'})"
+            if last.get(name) != line:
+                print(line, flush=True)
+                last[name] = line
+            if model["status"] != "ready" or model["ready"] < model["desired"]:
+                done = False
+        if done:
+            print("all replicas ready")
+            return 0
+        if time.monotonic() > deadline:
+            print(f"timed out after {timeout_s:.0f}s waiting for replicas:", file=sys.stderr)
+            for name, model in latest.items():
+                reasons = [r for r in model["replicas"] if r.get("pending_reason")]
+                for replica in reasons:
+                    print(
+                        f"  {name} replica {replica['replica']}: {replica['pending_reason']}",
+                        file=sys.stderr,
+                    )
+                if not model["replicas"]:
+                    print(
+                        f"  {name}: no replica job exists yet; is `caravan scheduler` running?",
+                        file=sys.stderr,
+                    )
+            return 1
+        await asyncio.sleep(1.0)
+
+
+async def _list(args: argparse.Namespace, models: Models) -> int:
+    found = await models.list()
+    _emit(args, found, format_list(found))
+    return 0
+
+
+async def _status(args: argparse.Namespace, models: Models) -> int:
+    model = await models.describe(args.name)
+    _emit(args, model, format_status(model, time.time()))
+    return 0
+
+
+async def _delete(args: argparse.Namespace, models: Models) -> int:
+    await models.delete(args.name)
+    print(f"deleted {args.name}: its replicas drain and stop")
+    return 0
+
+
+async def _scale(args: argparse.Namespace, models: Models) -> int:
+    await models.scale(args.name, args.replicas)
+    print(f"scaled {args.name} to {args.replicas} replicas")
+    return 0

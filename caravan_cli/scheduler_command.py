@@ -1,0 +1,81 @@
+"""`caravan scheduler`: run the control plane (reconcile loop, autoscaler, HTTP API)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+
+from caravan.contract import KVLayout
+from scheduler.app import SchedulerOptions, SchedulerProcess, scheduler_clients
+from scheduler.cluster_config import ClusterConfig, ClusterConfigError, load_cluster_config
+
+
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "scheduler",
+        help="run the scheduler (reconcile loop, autoscaler, HTTP API)",
+        description=(
+            "Keep one Nomad job per replica of every model in Consul KV. Several schedulers may "
+            "run; one leads (Consul session lock on <prefix>leader). Nomad and Consul are found "
+            "through NOMAD_ADDR, NOMAD_TOKEN, CONSUL_HTTP_ADDR, CONSUL_HTTP_TOKEN and friends."
+        ),
+    )
+    parser.add_argument("--http-host", default="127.0.0.1", help="API address (default 127.0.0.1)")
+    parser.add_argument("--http-port", type=int, default=8090, help="API port (default 8090)")
+    parser.add_argument(
+        "--kv-prefix",
+        default=os.environ.get("CARAVAN_KV_PREFIX", "caravan/"),
+        help="Consul KV prefix (default caravan/)",
+    )
+    parser.add_argument("--cluster-config", help="cluster config YAML (GPU classes, images)")
+    parser.add_argument(
+        "--no-autoscale", action="store_true", help="keep counts manual (caravan scale)"
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    parser.set_defaults(handler=run_scheduler)
+
+
+def run_scheduler(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    try:
+        config = load_cluster_config(args.cluster_config)
+        KVLayout(args.kv_prefix)
+    except (ClusterConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    options = SchedulerOptions(
+        http_host=args.http_host,
+        http_port=args.http_port,
+        kv_prefix=args.kv_prefix,
+        autoscale=not args.no_autoscale,
+    )
+    return asyncio.run(_serve(options, config))
+
+
+async def _serve(options: SchedulerOptions, config: ClusterConfig) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    async with scheduler_clients(os.environ) as (consul, nomad):
+        process = SchedulerProcess(options=options, config=config, consul=consul, nomad=nomad)
+        task = asyncio.create_task(process.run())
+        await process.ready.wait()
+        print(
+            f"caravan scheduler listening on http://{options.http_host}:{process.bound_port}",
+            flush=True,
+        )
+        waiter = asyncio.create_task(stop.wait())
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        task.cancel()
+        waiter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    return 0

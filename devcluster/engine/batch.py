@@ -1,0 +1,484 @@
+"""The simulated engines' performance model: continuous batching over a paged KV cache.
+
+This is the decision core (admit, step, evict, preempt). It holds state but no
+clock, no I/O and no asyncio: the caller passes `now` in and sleeps for the
+durations it returns, so tests drive it as plain function calls.
+
+How a step works, in the order a real continuous-batching engine does it:
+
+1. Running sequences go first, in admission order. Each computes what it
+   still needs (one token when decoding, a chunk of its prompt while
+   prefilling), within a per-step token budget (chunked prefill). A sequence
+   that needs a KV block when none is free preempts the most recently
+   admitted one (vLLM's recompute preemption): its blocks are released and it
+   goes back to the head of the queue.
+2. Waiting sequences are admitted first-in first-out while a sequence slot,
+   budget and KV blocks remain. Prompt blocks found in the prefix cache are
+   reused and skip prefill.
+3. The step lasts `step_seconds + decode_seconds_per_seq * decoding sequences
+   + prefill_seconds_per_token * prefill tokens`; at its end each sequence
+   that has computed everything it needs samples one token.
+
+KV cache: a fixed number of blocks of `block_size` tokens. Full prompt blocks
+are registered in the prefix cache under a hash chain of their tokens; when no
+sequence holds them any more they stay cached and are evicted least recently
+used first when a block is needed. Usage counts the blocks held by sequences,
+as vLLM's `kv_cache_usage_perc` does (cached but idle blocks count as free).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+class RequestTooLargeError(ValueError):
+    """The request can never fit in the KV cache, however empty."""
+
+
+@dataclass(frozen=True, slots=True)
+class PerfModel:
+    """How fast one engine instance is and how much it holds."""
+
+    max_num_seqs: int
+    kv_cache_tokens: int
+    block_size: int = 16
+    max_batched_tokens: int = 8192
+    step_seconds: float = 0.015
+    decode_seconds_per_seq: float = 0.0002
+    prefill_seconds_per_token: float = 0.00005
+    prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "kv_cache_tokens", "block_size", "max_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("step_seconds", "decode_seconds_per_seq", "prefill_seconds_per_token"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.kv_cache_tokens < self.block_size:
+            raise ValueError(
+                f"kv_cache_tokens ({self.kv_cache_tokens}) is smaller than one block "
+                f"({self.block_size} tokens)"
+            )
+
+    @property
+    def total_blocks(self) -> int:
+        return self.kv_cache_tokens // self.block_size
+
+    def step_duration(self, *, prefill_tokens: int, decode_seqs: int) -> float:
+        """Seconds one forward pass takes; the decode part grows with the batch."""
+        return (
+            self.step_seconds
+            + self.decode_seconds_per_seq * decode_seqs
+            + self.prefill_seconds_per_token * prefill_tokens
+        )
+
+
+def prompt_block_hashes(tokens: Sequence[str], block_size: int) -> tuple[int, ...]:
+    """The hash chain of the prompt's full blocks: equal prefixes give equal hashes."""
+    hashes: list[int] = []
+    parent = 0
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash((parent, tuple(tokens[start : start + block_size])))
+        hashes.append(parent)
+    return tuple(hashes)
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceSpec:
+    """What the core needs to know about a request (not its text)."""
+
+    request_id: str
+    prompt_len: int
+    block_hashes: tuple[int, ...]
+    output_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    request_id: str
+    prompt_len: int
+    cached_tokens: int
+    ttft_seconds: float
+    queue_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    request_id: str
+    prompt_len: int
+    generated: int
+    e2e_seconds: float
+    queue_seconds: float
+    prefill_seconds: float
+    decode_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One scheduled step: who computes how many tokens, and for how long."""
+
+    started_at: float
+    duration: float
+    chunks: tuple[tuple[str, int], ...]
+    prefill_tokens: int
+    decode_seqs: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    """What a finished step produced."""
+
+    emitted: tuple[str, ...]
+    first_tokens: tuple[FirstToken, ...]
+    finished: tuple[Finished, ...]
+    prefill_tokens: int
+    decode_seqs: int
+    busy_seqs: int
+    duration: float
+
+
+@dataclass(frozen=True, slots=True)
+class CoreStats:
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    prefix_queries_tokens: int
+    prefix_hits_tokens: int
+    preemptions: int
+
+
+@dataclass(slots=True, eq=False)
+class _Seq:
+    spec: SequenceSpec
+    arrival: float
+    computed: int = 0
+    generated: int = 0
+    cached_hashes: list[int] = field(default_factory=list)
+    private_blocks: int = 0
+    slot: int = -1
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    cached_tokens: int = 0
+
+    @property
+    def target(self) -> int:
+        """Tokens to compute before the next sample: the prompt plus what was sampled."""
+        return self.spec.prompt_len + self.generated
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.cached_hashes) + self.private_blocks
+
+
+class BlockPool:
+    """Fixed KV blocks: private to a sequence, or cached under a prompt-block hash."""
+
+    def __init__(self, total_blocks: int) -> None:
+        self.total = total_blocks
+        self.free = total_blocks
+        self._refs: dict[int, int] = {}
+        # Cached blocks no sequence holds, least recently used first.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+
+    @property
+    def available(self) -> int:
+        return self.free + len(self._evictable)
+
+    @property
+    def usage(self) -> float:
+        return (self.total - self.available) / self.total
+
+    def cached_prefix(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of `hashes` are in the cache."""
+        count = 0
+        for block_hash in hashes:
+            if block_hash not in self._refs:
+                break
+            count += 1
+        return count
+
+    def acquire(self, block_hash: int) -> None:
+        refs = self._refs[block_hash]
+        if refs == 0:
+            del self._evictable[block_hash]
+        self._refs[block_hash] = refs + 1
+
+    def release(self, block_hash: int) -> None:
+        refs = self._refs[block_hash] - 1
+        self._refs[block_hash] = refs
+        if refs == 0:
+            self._evictable[block_hash] = None
+
+    def allocate(self, count: int) -> bool:
+        """Take `count` private blocks, evicting idle cached ones if needed."""
+        if count > self.available:
+            return False
+        while self.free < count:
+            evicted, _ = self._evictable.popitem(last=False)
+            del self._refs[evicted]
+            self.free += 1
+        self.free -= count
+        return True
+
+    def free_private(self, count: int) -> None:
+        self.free += count
+
+    def register(self, block_hash: int) -> bool:
+        """Publish a just-computed private block under `block_hash`; False if already cached."""
+        if block_hash in self._refs:
+            return False
+        self._refs[block_hash] = 1
+        return True
+
+
+class BatchCore:
+    """One engine instance's scheduler: a FIFO queue, a running batch and a KV cache."""
+
+    def __init__(self, model: PerfModel) -> None:
+        self.model = model
+        self._pool = BlockPool(model.total_blocks)
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._by_id: dict[str, _Seq] = {}
+        self._free_slots = list(range(model.max_num_seqs))
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+        self._preemptions = 0
+
+    # --- requests -------------------------------------------------------
+
+    def submit(self, spec: SequenceSpec, now: float) -> None:
+        if spec.request_id in self._by_id:
+            raise ValueError(f"request id {spec.request_id!r} is already in the engine")
+        if spec.prompt_len < 1 or spec.output_len < 0:
+            raise ValueError(
+                f"prompt_len must be >= 1 and output_len >= 0, got {spec.prompt_len}, "
+                f"{spec.output_len}"
+            )
+        needed = -(-(spec.prompt_len + spec.output_len) // self.model.block_size)
+        if needed > self._pool.total:
+            raise RequestTooLargeError(
+                f"{spec.prompt_len + spec.output_len} tokens need {needed} KV blocks; "
+                f"the cache has {self._pool.total}"
+            )
+        seq = _Seq(spec=spec, arrival=now)
+        self._by_id[spec.request_id] = seq
+        self._waiting.append(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is (client gone); False if unknown or already done."""
+        seq = self._by_id.pop(request_id, None)
+        if seq is None:
+            return False
+        if seq in self._running:
+            self._running.remove(seq)
+            self._release(seq)
+        else:
+            self._waiting.remove(seq)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def slot_of(self, request_id: str) -> int | None:
+        """The sequence slot a running request holds (llama.cpp's slot id), else None."""
+        seq = self._by_id.get(request_id)
+        if seq is None or seq.slot < 0:
+            return None
+        return seq.slot
+
+    def running_ids(self) -> list[str]:
+        return [seq.spec.request_id for seq in self._running]
+
+    def stats(self) -> CoreStats:
+        return CoreStats(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            kv_cache_usage=self._pool.usage,
+            prefix_queries_tokens=self._prefix_queries,
+            prefix_hits_tokens=self._prefix_hits,
+            preemptions=self._preemptions,
+        )
+
+    # --- stepping -------------------------------------------------------
+
+    def schedule(self, now: float) -> StepPlan | None:
+        """Pick this step's work; None when there is nothing to do."""
+        budget = self.model.max_batched_tokens
+        chunks: list[tuple[str, int]] = []
+        prefill_tokens = 0
+        decode_seqs = 0
+
+        for seq in list(self._running):
+            if budget == 0:
+                break
+            if seq not in self._running:  # preempted earlier in this loop
+                continue
+            need = seq.target - seq.computed
+            chunk = min(need, budget)
+            if not self._make_room(seq, seq.computed + chunk):
+                continue
+            chunks.append((seq.spec.request_id, chunk))
+            budget -= chunk
+            if need == 1 and seq.generated > 0:
+                decode_seqs += 1
+            else:
+                prefill_tokens += chunk
+
+        while self._waiting and len(self._running) < self.model.max_num_seqs and budget > 0:
+            seq = self._waiting[0]
+            first_chunk = self._admit(seq, budget, now)
+            if first_chunk is None:
+                break
+            chunks.append((seq.spec.request_id, first_chunk))
+            budget -= first_chunk
+            prefill_tokens += first_chunk
+
+        if not chunks:
+            return None
+        return StepPlan(
+            started_at=now,
+            duration=self.model.step_duration(
+                prefill_tokens=prefill_tokens, decode_seqs=decode_seqs
+            ),
+            chunks=tuple(chunks),
+            prefill_tokens=prefill_tokens,
+            decode_seqs=decode_seqs,
+        )
+
+    def complete(self, plan: StepPlan, now: float) -> StepOutcome:
+        """Apply a step that has run: advance, sample, finish."""
+        emitted: list[str] = []
+        first_tokens: list[FirstToken] = []
+        finished: list[Finished] = []
+        for request_id, chunk in plan.chunks:
+            seq = self._by_id.get(request_id)
+            if seq is None or seq.slot < 0:  # aborted or preempted meanwhile
+                continue
+            seq.computed += chunk
+            if self.model.prefix_caching:
+                self._publish_prompt_blocks(seq)
+            if seq.computed < seq.target:
+                continue  # prompt not finished yet (chunked prefill)
+            if seq.generated < seq.spec.output_len:
+                seq.generated += 1
+                emitted.append(request_id)
+                if seq.first_token_at is None:
+                    seq.first_token_at = now
+                    first_tokens.append(
+                        FirstToken(
+                            request_id=request_id,
+                            prompt_len=seq.spec.prompt_len,
+                            cached_tokens=seq.cached_tokens,
+                            ttft_seconds=now - seq.arrival,
+                            queue_seconds=(seq.admitted_at or now) - seq.arrival,
+                        )
+                    )
+            if seq.generated >= seq.spec.output_len:
+                finished.append(self._finish(seq, now))
+        return StepOutcome(
+            emitted=tuple(emitted),
+            first_tokens=tuple(first_tokens),
+            finished=tuple(finished),
+            prefill_tokens=plan.prefill_tokens,
+            decode_seqs=plan.decode_seqs,
+            busy_seqs=len(plan.chunks),
+            duration=plan.duration,
+        )
+
+    # --- internals ------------------------------------------------------
+
+    def _admit(self, seq: _Seq, budget: int, now: float) -> int | None:
+        """Admit the queue head if its first chunk fits; its chunk size, else None."""
+        bs = self.model.block_size
+        hit_blocks = 0
+        if self.model.prefix_caching:
+            hit_blocks = self._pool.cached_prefix(seq.spec.block_hashes)
+            # At least one token is always computed, to sample from.
+            hit_blocks = min(hit_blocks, (seq.target - 1) // bs)
+        hits = seq.spec.block_hashes[:hit_blocks]
+        for block_hash in hits:
+            self._pool.acquire(block_hash)
+        cached = hit_blocks * bs
+        chunk = min(seq.target - cached, budget)
+        new_blocks = -(-(cached + chunk) // bs) - hit_blocks
+        if not self._pool.allocate(new_blocks):
+            for block_hash in hits:
+                self._pool.release(block_hash)
+            return None
+        self._waiting.popleft()
+        seq.cached_hashes = list(hits)
+        seq.private_blocks = new_blocks
+        seq.computed = cached
+        seq.cached_tokens = cached
+        seq.slot = heapq.heappop(self._free_slots)
+        if seq.admitted_at is None:
+            seq.admitted_at = now
+        self._running.append(seq)
+        self._prefix_queries += seq.spec.prompt_len
+        self._prefix_hits += cached
+        return chunk
+
+    def _make_room(self, seq: _Seq, tokens: int) -> bool:
+        """Give `seq` blocks for `tokens`, preempting the newest sequences if needed.
+
+        False when `seq` itself had to be preempted.
+        """
+        missing = -(-tokens // self.model.block_size) - seq.num_blocks
+        while missing > 0 and not self._pool.allocate(missing):
+            victim = self._running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        if missing > 0:
+            seq.private_blocks += missing
+        return True
+
+    def _preempt(self, seq: _Seq) -> None:
+        self._running.remove(seq)
+        self._release(seq)
+        seq.computed = 0
+        self._waiting.appendleft(seq)
+        self._preemptions += 1
+
+    def _release(self, seq: _Seq) -> None:
+        # Tail blocks first, so they are evicted before the head of the prefix (as vLLM does).
+        for block_hash in reversed(seq.cached_hashes):
+            self._pool.release(block_hash)
+        self._pool.free_private(seq.private_blocks)
+        seq.cached_hashes = []
+        seq.private_blocks = 0
+        heapq.heappush(self._free_slots, seq.slot)
+        seq.slot = -1
+
+    def _publish_prompt_blocks(self, seq: _Seq) -> None:
+        """Put the prompt's newly completed full blocks into the prefix cache."""
+        full = min(seq.computed, seq.spec.prompt_len) // self.model.block_size
+        for index in range(len(seq.cached_hashes), min(full, len(seq.spec.block_hashes))):
+            block_hash = seq.spec.block_hashes[index]
+            if not self._pool.register(block_hash):
+                # Another sequence computed the same block first: share its copy.
+                self._pool.acquire(block_hash)
+                self._pool.free_private(1)
+            seq.cached_hashes.append(block_hash)
+            seq.private_blocks -= 1
+
+    def _finish(self, seq: _Seq, now: float) -> Finished:
+        self._running.remove(seq)
+        self._release(seq)
+        del self._by_id[seq.spec.request_id]
+        admitted = seq.admitted_at if seq.admitted_at is not None else now
+        first = seq.first_token_at if seq.first_token_at is not None else now
+        return Finished(
+            request_id=seq.spec.request_id,
+            prompt_len=seq.spec.prompt_len,
+            generated=seq.generated,
+            e2e_seconds=now - seq.arrival,
+            queue_seconds=admitted - seq.arrival,
+            prefill_seconds=first - admitted,
+            decode_seconds=now - first,
+        )

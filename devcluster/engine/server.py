@@ -1,0 +1,683 @@
+"""The HTTP face of a simulated engine: aiohttp routes over the batch loop.
+
+Loading behaves like each real engine. llama-server listens at once and
+answers every route with 503 `Loading model` until the model is loaded. vLLM
+binds its port first but only listens once the engine is built, so during the
+load a client is refused at TCP level (`vllm/entrypoints/openai/api_server.py`
+creates the socket before the engine and serves it afterwards).
+
+Faults (`--sim-failure-rate`, `--sim-disconnect-rate`, `--sim-hang-rate`) are
+drawn per request from a generator seeded with `--sim-seed`, in arrival order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from aiohttp import web
+
+from devcluster.engine.batch import (
+    BatchCore,
+    RequestTooLargeError,
+    SequenceSpec,
+    StepOutcome,
+    prompt_block_hashes,
+)
+from devcluster.engine.flags import LLAMACPP_TRAINED_CONTEXT, EngineSettings
+from devcluster.engine.loop import EngineLoop, RequestHandle
+from devcluster.engine.metrics import (
+    PROMETHEUS_TEXT_CONTENT_TYPE,
+    LlamacppMetrics,
+    VllmMetrics,
+)
+from devcluster.engine.openai_requests import (
+    ApiError,
+    GenerateRequest,
+    parse_chat_request,
+    parse_completion_request,
+)
+from devcluster.engine.shapes import (
+    LLAMACPP_BUILD_INFO,
+    ApiShape,
+    LlamacppShape,
+    Reply,
+    VllmShape,
+    now_seconds,
+)
+from devcluster.engine.text import (
+    CHATML_TEMPLATE,
+    PlannedOutput,
+    generation_key,
+    natural_length,
+    plan_output,
+    tokenize,
+)
+
+Fault = Literal["fail", "hang", "disconnect"]
+LLAMACPP_LOADING_BODY = {
+    "error": {"message": "Loading model", "type": "unavailable_error", "code": 503}
+}
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    request: GenerateRequest
+    spec: SequenceSpec
+    output: PlannedOutput
+    prompt_tokens: int
+
+
+@dataclass(slots=True)
+class _Active:
+    """A request being served, for llama.cpp's /slots."""
+
+    prompt_tokens: int
+    output_tokens: int
+    handle: RequestHandle
+    task_id: int
+
+
+class SimulatedEngine:
+    """One simulated vLLM or llama.cpp instance: state, metrics and routes."""
+
+    def __init__(
+        self, settings: EngineSettings, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.settings = settings
+        self.core = BatchCore(settings.perf)
+        self.loop = EngineLoop(self.core, clock=clock, observers=(self._observe,))
+        self.ready = asyncio.Event()
+        self._faults = random.Random(settings.sim.seed)
+        self._finish_reasons: dict[str, str] = {}
+        self._active: dict[str, _Active] = {}
+        self._task_ids = 0
+        self.shape: ApiShape
+        self._vllm_metrics: VllmMetrics | None = None
+        self._llamacpp_metrics: LlamacppMetrics | None = None
+        if settings.flavor == "vllm":
+            self.shape = VllmShape(include_cached_tokens=settings.include_cached_tokens)
+            self._vllm_metrics = VllmMetrics(
+                model_name=settings.model_name,
+                max_model_len=settings.max_model_len,
+                block_size=settings.perf.block_size,
+                prefix_caching=settings.perf.prefix_caching,
+            )
+        else:
+            self.shape = LlamacppShape()
+            self._llamacpp_metrics = LlamacppMetrics()
+
+    # --- wiring ---------------------------------------------------------
+
+    def make_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._loading_gate], client_max_size=64 * 1024**2)
+        routes = [
+            web.get("/health", self._health),
+            web.get("/v1/models", self._models),
+            web.post("/v1/chat/completions", self._chat),
+            web.post("/v1/completions", self._completions),
+            web.get("/metrics", self._metrics),
+        ]
+        if self.settings.flavor == "vllm":
+            routes += [web.get("/version", self._version), web.get("/ping", self._health)]
+        else:
+            routes += [
+                web.get("/v1/health", self._health),
+                web.get("/slots", self._slots),
+                web.get("/props", self._props),
+                web.get("/models", self._models),
+                web.post("/chat/completions", self._chat),
+                web.post("/completions", self._completions),
+            ]
+        app.add_routes(routes)
+        return app
+
+    @web.middleware
+    async def _loading_gate(
+        self, request: web.Request, handler: Callable[[web.Request], Any]
+    ) -> web.StreamResponse:
+        if not self.ready.is_set():
+            # Only llama.cpp can get here while loading: vLLM does not listen yet.
+            return _json_response(LLAMACPP_LOADING_BODY, status=503)
+        try:
+            response: web.StreamResponse = await handler(request)
+        except web.HTTPException as exc:
+            if exc.status not in (404, 405):
+                raise
+            # FastAPI's and llama-server's own answers for an unknown route.
+            if self.settings.flavor == "vllm":
+                return _json_response({"detail": exc.reason}, status=exc.status)
+            return self._error(ApiError(404, "File Not Found"))
+        return response
+
+    def _observe(self, outcome: StepOutcome) -> None:
+        if self._vllm_metrics is not None:
+            self._vllm_metrics.observe_step(outcome)
+        if self._llamacpp_metrics is not None:
+            self._llamacpp_metrics.observe_step(outcome)
+        for finished in outcome.finished:
+            reason = self._finish_reasons.pop(finished.request_id, "stop")
+            if self._vllm_metrics is not None:
+                self._vllm_metrics.observe_finished(finished, reason)
+            if self._llamacpp_metrics is not None:
+                self._llamacpp_metrics.observe_finished(finished)
+
+    # --- plain routes ---------------------------------------------------
+
+    async def _health(self, _: web.Request) -> web.Response:
+        if self.settings.flavor == "vllm":
+            return web.Response(status=200)
+        return _json_response({"status": "ok"})
+
+    async def _version(self, _: web.Request) -> web.Response:
+        return _json_response({"version": "0.0.0+caravan-sim"})
+
+    async def _models(self, _: web.Request) -> web.Response:
+        created = now_seconds()
+        s = self.settings
+        if s.flavor == "vllm":
+            cards: list[dict[str, Any]] = [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "vllm",
+                    "root": s.model,
+                    "parent": None,
+                    "max_model_len": s.max_model_len,
+                    "permission": [
+                        {
+                            "id": f"modelperm-{uuid.uuid4().hex}",
+                            "object": "model_permission",
+                            "created": created,
+                            "allow_create_engine": False,
+                            "allow_sampling": True,
+                            "allow_logprobs": True,
+                            "allow_search_indices": False,
+                            "allow_view": True,
+                            "allow_fine_tuning": False,
+                            "organization": "*",
+                            "group": None,
+                            "is_blocking": False,
+                        }
+                    ],
+                }
+                for name in s.served_model_names
+            ]
+            return _json_response({"object": "list", "data": cards})
+        card = {
+            "id": s.model_name,
+            "aliases": list(s.served_model_names),
+            "tags": [],
+            "object": "model",
+            "created": created,
+            "owned_by": "llamacpp",
+            "meta": {
+                "vocab_type": 1,
+                "n_vocab": 32000,
+                "n_ctx": s.max_model_len,
+                "n_ctx_train": LLAMACPP_TRAINED_CONTEXT,
+                "n_embd": 64,
+                "n_params": 0,
+                "size": 0,
+                "ftype": "F16",
+            },
+        }
+        entry = {
+            "name": s.model_name,
+            "model": s.model_name,
+            "modified_at": "",
+            "size": "",
+            "digest": "",
+            "type": "model",
+            "description": "",
+            "tags": [""],
+            "capabilities": ["completion"],
+            "parameters": "",
+            "details": {
+                "parent_model": "",
+                "format": "gguf",
+                "family": "",
+                "families": [""],
+                "parameter_size": "",
+                "quantization_level": "",
+            },
+        }
+        return _json_response({"models": [entry], "object": "list", "data": [card]})
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        stats = self.core.stats()
+        if self._vllm_metrics is not None:
+            body = self._vllm_metrics.render(stats)
+            return web.Response(body=body, headers={"Content-Type": PROMETHEUS_TEXT_CONTENT_TYPE})
+        if not self.settings.metrics_enabled or self._llamacpp_metrics is None:
+            return self._error(
+                ApiError(
+                    501,
+                    "This server does not support metrics endpoint. Start it with `--metrics`",
+                )
+            )
+        text = self._llamacpp_metrics.render(stats)
+        return web.Response(text=text, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def _slots(self, request: web.Request) -> web.Response:
+        if not self.settings.slots_enabled:
+            return self._error(
+                ApiError(
+                    501, "This server does not support slots endpoint. Start it with `--slots`"
+                )
+            )
+        slots: list[dict[str, Any]] = [
+            {
+                "id": slot,
+                "n_ctx": self.settings.max_model_len,
+                "speculative": False,
+                "is_processing": False,
+            }
+            for slot in range(self.settings.perf.max_num_seqs)
+        ]
+        busy = 0
+        for request_id, active in self._active.items():
+            slot = self.core.slot_of(request_id)
+            if slot is None:
+                continue
+            busy += 1
+            first = active.handle.first_token
+            cached = first.cached_tokens if first is not None else 0
+            slots[slot].update(
+                {
+                    "is_processing": True,
+                    "id_task": active.task_id,
+                    "n_prompt_tokens": active.prompt_tokens,
+                    "n_prompt_tokens_processed": active.prompt_tokens - cached,
+                    "n_prompt_tokens_cache": cached,
+                    "next_token": [
+                        {
+                            "has_next_token": True,
+                            "has_new_line": False,
+                            "n_remain": active.output_tokens - active.handle.ready,
+                            "n_decoded": active.handle.ready,
+                        }
+                    ],
+                }
+            )
+        if request.query.get("fail_on_no_slot") and busy >= len(slots):
+            return self._error(ApiError(503, "no slot available"))
+        return _json_response(slots)
+
+    async def _props(self, _: web.Request) -> web.Response:
+        s = self.settings
+        n_predict = s.default_max_tokens if s.default_max_tokens is not None else -1
+        return _json_response(
+            {
+                "default_generation_settings": {
+                    "params": {"n_predict": n_predict, "max_tokens": n_predict, "stream": False},
+                    "n_ctx": s.max_model_len,
+                },
+                "total_slots": s.perf.max_num_seqs,
+                "model_alias": s.model_name,
+                "model_ftype": "F16",
+                "model_path": s.model,
+                "modalities": {"vision": False, "video": False, "audio": False},
+                "media_marker": "<__media__>",
+                "endpoint_slots": s.slots_enabled,
+                "endpoint_props": False,
+                "endpoint_metrics": s.metrics_enabled,
+                "ui": False,
+                "ui_settings": {},
+                "chat_template": CHATML_TEMPLATE,
+                "chat_template_caps": {},
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "build_info": LLAMACPP_BUILD_INFO,
+                "is_sleeping": False,
+                "cors_proxy_enabled": False,
+            }
+        )
+
+    def _error(self, err: ApiError) -> web.Response:
+        return _json_response(self.shape.error(err), status=err.status)
+
+    # --- generation -----------------------------------------------------
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def _generate(
+        self, request: web.Request, kind: Literal["chat", "completion"]
+    ) -> web.StreamResponse:
+        try:
+            body = await self._read_json(request)
+            parsed = (
+                parse_chat_request(body, self.settings.flavor)
+                if kind == "chat"
+                else parse_completion_request(body, self.settings.flavor)
+            )
+            self._check_model(parsed)
+            plan = self._plan(parsed)
+        except ApiError as err:
+            return self._error(err)
+
+        fault = self._draw_fault()
+        if fault == "fail":
+            return self._error(ApiError(500, "simulated engine failure (--sim-failure-rate)"))
+        if fault == "hang":
+            # Never answers; the handler is cancelled when the client goes away.
+            await asyncio.Event().wait()
+
+        try:
+            handle = self.loop.submit(plan.spec)
+        except RequestTooLargeError as exc:
+            return self._error(ApiError(400, str(exc)))
+        request_id = plan.spec.request_id
+        self._finish_reasons[request_id] = plan.output.finish_reason
+        self._task_ids += 1
+        self._active[request_id] = _Active(
+            prompt_tokens=plan.prompt_tokens,
+            output_tokens=len(plan.output.tokens),
+            handle=handle,
+            task_id=self._task_ids,
+        )
+        reply = Reply(
+            id=self.shape.id_prefix(kind) + uuid.uuid4().hex,
+            created=now_seconds(),
+            model=self._reported_model(parsed),
+            kind=kind,
+            role=parsed.reply_role,
+            prompt_tokens=plan.prompt_tokens,
+        )
+        try:
+            if parsed.stream:
+                return await self._stream(request, plan, handle, reply, fault == "disconnect")
+            return await self._respond(request, plan, handle, reply, fault == "disconnect")
+        finally:
+            self._active.pop(request_id, None)
+            if self._finish_reasons.pop(request_id, None) is not None:
+                # Still unfinished: the client went away or the connection was dropped.
+                self.loop.abort(request_id)
+                if self._vllm_metrics is not None:
+                    self._vllm_metrics.observe_aborted()
+
+    async def _read_json(self, request: web.Request) -> Any:
+        raw = await request.read()
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            if self.settings.flavor == "llamacpp":
+                raise ApiError(500, f"[json.exception.parse_error] {exc}") from None
+            raise ApiError(400, f"JSON decode error: {exc}") from None
+
+    def _check_model(self, parsed: GenerateRequest) -> None:
+        if self.settings.flavor != "vllm" or parsed.model is None:
+            return
+        if parsed.model not in self.settings.served_model_names:
+            raise ApiError(404, f"The model `{parsed.model}` does not exist.", param="model")
+
+    def _reported_model(self, parsed: GenerateRequest) -> str:
+        # vLLM echoes the served name asked for; llama.cpp always reports its alias.
+        if self.settings.flavor == "vllm" and parsed.model is not None:
+            return parsed.model
+        return self.settings.model_name
+
+    def _plan(self, parsed: GenerateRequest) -> _Plan:
+        s = self.settings
+        prompt_tokens = tokenize(parsed.prompt)
+        n_prompt = len(prompt_tokens)
+        room = s.max_model_len - n_prompt
+        if s.flavor == "vllm":
+            wanted = parsed.max_tokens
+            if room <= 0 or (wanted is not None and wanted > room):
+                asked = n_prompt + (wanted or 0)
+                raise ApiError(
+                    400,
+                    f"This model's maximum context length is {s.max_model_len} tokens. "
+                    f"However, you requested {asked} tokens ({n_prompt} in the messages, "
+                    f"{wanted or 0} in the completion). Please reduce the length of the "
+                    "messages or completion.",
+                )
+            max_new = wanted if wanted is not None else room
+        else:
+            if room <= 0:
+                raise ApiError(
+                    400,
+                    f"request ({n_prompt} tokens) exceeds the available context size "
+                    f"({s.max_model_len} tokens), try increasing it",
+                    error_type="exceed_context_size_error",
+                    details={"n_prompt_tokens": n_prompt, "n_ctx": s.max_model_len},
+                )
+            wanted = parsed.max_tokens if parsed.max_tokens is not None else s.default_max_tokens
+            max_new = min(wanted, room) if wanted is not None else room
+        seed = parsed.seed if parsed.seed is not None else s.sim.seed
+        key = generation_key(parsed.key_prompt)
+        output = plan_output(
+            key=key,
+            seed=seed,
+            start=parsed.continued_tokens,
+            max_new_tokens=max_new,
+            natural_len=(
+                # Past the limit: the reply always ends by length.
+                parsed.continued_tokens + max_new + 1
+                if parsed.ignore_eos
+                else natural_length(key, seed, s.sim.output_tokens)
+            ),
+            stop=parsed.stop,
+        )
+        spec = SequenceSpec(
+            request_id=uuid.uuid4().hex,
+            prompt_len=n_prompt,
+            block_hashes=prompt_block_hashes(prompt_tokens, s.perf.block_size),
+            output_len=len(output.tokens),
+        )
+        return _Plan(request=parsed, spec=spec, output=output, prompt_tokens=n_prompt)
+
+    def _draw_fault(self) -> Fault | None:
+        sim = self.settings.sim
+        if not (sim.failure_rate or sim.hang_rate or sim.disconnect_rate):
+            return None
+        draw = self._faults.random()
+        if draw < sim.failure_rate:
+            return "fail"
+        draw -= sim.failure_rate
+        if draw < sim.hang_rate:
+            return "hang"
+        draw -= sim.hang_rate
+        if draw < sim.disconnect_rate:
+            return "disconnect"
+        return None
+
+    def _final_reply(self, reply: Reply, handle: RequestHandle, sent: int) -> Reply:
+        first = handle.first_token
+        finish = handle.finish
+        prompt_ms = 0.0
+        predicted_ms = 0.0
+        if finish is not None:
+            prompt_ms = 1e3 * finish.prefill_seconds
+            predicted_ms = 1e3 * finish.decode_seconds
+        return replace(
+            reply,
+            cached_tokens=first.cached_tokens if first is not None else 0,
+            completion_tokens=sent,
+            prompt_ms=prompt_ms,
+            predicted_ms=predicted_ms,
+        )
+
+    async def _respond(
+        self,
+        request: web.Request,
+        plan: _Plan,
+        handle: RequestHandle,
+        reply: Reply,
+        disconnect: bool,
+    ) -> web.StreamResponse:
+        while not handle.finished:
+            await handle.wait()
+        if disconnect:
+            _drop_connection(request)
+            return web.Response(status=500)
+        final = self._final_reply(reply, handle, len(plan.output.tokens))
+        text = plan.request.response_echo + plan.output.text
+        body = self.shape.response(final, text, plan.output.finish_reason)
+        return _json_response(body)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        plan: _Plan,
+        handle: RequestHandle,
+        reply: Reply,
+        disconnect: bool,
+    ) -> web.StreamResponse:
+        tokens = plan.output.tokens
+        finish_reason = plan.output.finish_reason
+        # A dropped stream breaks after some tokens, never before the first.
+        drop_after = self._faults.randint(1, max(len(tokens) - 1, 1)) if disconnect else None
+        response = web.StreamResponse(headers=_SSE_HEADERS)
+        await response.prepare(request)
+        sent = 0
+        started = False
+        echo = plan.request.stream_echo
+        while True:
+            if handle.ready == sent and not handle.finished:
+                await handle.wait()
+            chunks: list[dict[str, Any]] = []
+            if not started and (handle.ready > 0 or handle.finished):
+                chunks += self.shape.stream_start(reply)
+                started = True
+            while sent < handle.ready:
+                is_last = sent == len(tokens) - 1
+                text = echo + tokens[sent]
+                echo = ""
+                chunks.append(
+                    self.shape.stream_token(reply, text, finish_reason if is_last else None)
+                )
+                sent += 1
+                if drop_after is not None and sent >= drop_after:
+                    await _write_events(response, chunks)
+                    _drop_connection(request)
+                    return response
+            if handle.finished:
+                if echo:
+                    chunks.append(self.shape.stream_token(reply, echo, None))
+                final = self._final_reply(reply, handle, sent)
+                chunks += self.shape.stream_end(
+                    final,
+                    finish_reason,
+                    include_usage=plan.request.include_usage or self.settings.force_include_usage,
+                    last_sent=bool(tokens),
+                )
+                await _write_events(response, chunks, done=True)
+                await response.write_eof()
+                return response
+            await _write_events(response, chunks)
+
+
+async def _write_events(
+    response: web.StreamResponse, chunks: list[dict[str, Any]], *, done: bool = False
+) -> None:
+    parts = [f"data: {_compact_json(chunk)}\n\n" for chunk in chunks]
+    if done:
+        parts.append("data: [DONE]\n\n")
+    if parts:
+        await response.write("".join(parts).encode())
+
+
+def _compact_json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _json_response(body: Any, *, status: int = 200) -> web.Response:
+    # Both engines write compact JSON (FastAPI's JSONResponse, nlohmann::json::dump()).
+    return web.json_response(body, status=status, dumps=_compact_json)
+
+
+def _drop_connection(request: web.Request) -> None:
+    """Cut the TCP connection under a response, as a crashing engine would."""
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
+
+
+# --- running an instance -----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RunningEngine:
+    """A started instance: where it listens and its engine object."""
+
+    engine: SimulatedEngine
+    host: str
+    port: int
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind without listening: the port is ours, connections are refused until we listen."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)  # noqa: FBT003 (socket's own API)
+    return sock
+
+
+@contextlib.asynccontextmanager
+async def run_engine(
+    settings: EngineSettings, *, clock: Callable[[], float] = time.monotonic
+) -> AsyncIterator[RunningEngine]:
+    """Serve one simulated instance on this event loop until the context exits.
+
+    Returns at once with the bound port; the model "loads" in the background
+    (`engine.ready` is set when it is served). Port 0 picks a free port.
+    """
+    engine = SimulatedEngine(settings, clock=clock)
+    # A short shutdown: in-flight streams are cut rather than waited for.
+    runner = web.AppRunner(
+        engine.make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+    )
+    await runner.setup()
+    tasks: list[asyncio.Task[None]] = []
+    sock: socket.socket | None = None
+    try:
+        sock = bind_socket(settings.host, settings.port)
+        if settings.flavor == "llamacpp":
+            # llama-server listens before loading and answers 503 meanwhile.
+            await web.SockSite(runner, sock).start()
+
+        async def load(listen_on: socket.socket) -> None:
+            await asyncio.sleep(settings.sim.load_seconds)
+            if settings.flavor == "vllm":
+                await web.SockSite(runner, listen_on).start()
+            engine.ready.set()
+
+        tasks.append(asyncio.create_task(engine.loop.run(), name="engine-batch-loop"))
+        tasks.append(asyncio.create_task(load(sock), name="engine-load"))
+        yield RunningEngine(engine=engine, host=settings.host, port=int(sock.getsockname()[1]))
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await runner.cleanup()
+        if sock is not None:
+            sock.close()

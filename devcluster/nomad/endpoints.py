@@ -1,0 +1,519 @@
+"""The Nomad server's RPC semantics, shared by the HTTP API and the simulated clients.
+
+Register, plan, validate and deregister jobs; stop allocations; drain nodes
+and change their eligibility; take client reports (allocation status,
+heartbeats, registrations). Errors carry the HTTP status and body Nomad
+answers with (`ApiError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from devcluster.nomad.canonicalize import add_implied_constraints, canonicalize_job
+from devcluster.nomad.gotext import go_time
+from devcluster.nomad.model import Allocation, DrainStrategy, Evaluation, Node, task_groups
+from devcluster.nomad.state import SERVER_JOB_FIELDS, ClusterState, EnforceIndexError, job_spec
+from devcluster.nomad.validate import (
+    job_warnings,
+    validate_job,
+    validation_failure_text,
+    warnings_text,
+)
+from devcluster.nomad.worker import Scheduler, new_evaluation
+
+Json = dict[str, Any]
+
+NAMESPACES = frozenset({"default"})
+
+
+class ApiError(Exception):
+    """An error Nomad answers with this HTTP status and plain-text body."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(text)
+        self.status = status
+        self.text = text
+
+
+def _namespace_for(job: Json, query_namespace: str | None) -> str:
+    return str(job.get("Namespace") or query_namespace or "default")
+
+
+def _field_diffs(
+    old: Mapping[str, Any], new: Mapping[str, Any], skip: frozenset[str]
+) -> list[Json]:
+    fields: list[Json] = []
+    for name in sorted(set(old) | set(new)):
+        if name in skip:
+            continue
+        before, after = old.get(name), new.get(name)
+        if isinstance(before, dict | list) or isinstance(after, dict | list) or before == after:
+            continue
+        kind = "Added" if before is None else "Deleted" if after is None else "Edited"
+        fields.append(
+            {
+                "Type": kind,
+                "Name": name,
+                "Old": "" if before is None else _diff_text(before),
+                "New": "" if after is None else _diff_text(after),
+                "Annotations": None,
+            }
+        )
+    return fields
+
+
+def _diff_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def job_diff(old: Json | None, new: Json, updates: Mapping[str, Json]) -> Json:
+    """A `JobDiff` with top-level field changes and per-group update counts."""
+    if old is None:
+        kind = "Added"
+    elif job_spec(old) == job_spec(new):
+        kind = "None"
+    else:
+        kind = "Edited"
+    groups = []
+    old_groups = {str(g["Name"]): g for g in task_groups(old or {})}
+    for group in task_groups(new):
+        name = str(group["Name"])
+        before = old_groups.get(name)
+        group_kind = (
+            "Added"
+            if before is None
+            else (
+                "None"
+                if json.dumps(before, sort_keys=True) == json.dumps(group, sort_keys=True)
+                else "Edited"
+            )
+        )
+        counts = updates.get(name, {})
+        update_names = {
+            "Place": "create",
+            "Stop": "destroy",
+            "InPlaceUpdate": "in-place update",
+            "DestructiveUpdate": "create/destroy update",
+            "Migrate": "migrate",
+            "Ignore": "ignore",
+        }
+        groups.append(
+            {
+                "Type": group_kind,
+                "Name": name,
+                "Fields": _field_diffs(before or {}, group, frozenset()) or None,
+                "Objects": None,
+                "Tasks": [
+                    {
+                        "Type": group_kind,
+                        "Name": str(task.get("Name", "")),
+                        "Fields": None,
+                        "Objects": None,
+                        "Annotations": None,
+                    }
+                    for task in group.get("Tasks") or []
+                ],
+                "Updates": {
+                    label: int(counts.get(key, 0))
+                    for key, label in update_names.items()
+                    if counts.get(key)
+                }
+                or None,
+            }
+        )
+    return {
+        "Type": kind,
+        "ID": str(new["ID"]),
+        "Fields": _field_diffs(old or {}, new, SERVER_JOB_FIELDS) or None,
+        "Objects": None,
+        "TaskGroups": groups,
+    }
+
+
+class Endpoints:
+    """What the Nomad server does for each request."""
+
+    def __init__(
+        self,
+        state: ClusterState,
+        scheduler: Scheduler,
+        *,
+        new_id: Callable[[], str],
+        monotonic: Callable[[], float],
+    ) -> None:
+        self.state = state
+        self.scheduler = scheduler
+        self.new_id = new_id
+        self.monotonic = monotonic
+        self.last_heartbeat: dict[str, float] = {}
+
+    # -- admission ----------------------------------------------------------
+
+    def admit(self, decoded_job: Json, query_namespace: str | None) -> tuple[Json, list[str]]:
+        """Canonicalize, add implied constraints, validate: Nomad's admission controllers."""
+        job = dict(decoded_job)
+        job["Namespace"] = _namespace_for(job, query_namespace)
+        job = add_implied_constraints(canonicalize_job(job))
+        errors = validate_job(job)
+        if errors:
+            raise ApiError(500, validation_failure_text(errors))
+        if job["Namespace"] not in NAMESPACES:
+            raise ApiError(
+                500, f'job "{job["ID"]}" is in nonexistent namespace "{job["Namespace"]}"'
+            )
+        return job, job_warnings(job)
+
+    @staticmethod
+    def _require_job(request: Json, path_job_id: str | None, *, plan: bool = False) -> Json:
+        job = request.get("Job")
+        if job is None:
+            raise ApiError(400, "Job must be specified")
+        if "ID" not in job:
+            raise ApiError(
+                400, "Job must have a valid ID" if plan else "Job ID hasn't been provided"
+            )
+        if path_job_id is not None and job["ID"] != path_job_id:
+            raise ApiError(400, "Job ID does not match" if plan else "Job ID does not match name")
+        return dict(job)
+
+    def _new_eval(self, job: Json, triggered_by: str, *, node_id: str = "") -> Evaluation:
+        return new_evaluation(
+            job, triggered_by, eval_id=self.new_id(), now_ns=self.state.clock_ns(), node_id=node_id
+        )
+
+    def create_evals(self, jobs: list[Json], triggered_by: str, *, node_id: str = "") -> list[str]:
+        evaluations = [self._new_eval(job, triggered_by, node_id=node_id) for job in jobs]
+        if not evaluations:
+            return []
+        self.state.upsert_evals(evaluations)
+        for evaluation in evaluations:
+            self.scheduler.enqueue(self.state.evals[evaluation.id])
+        return [evaluation.id for evaluation in evaluations]
+
+    # -- jobs -----------------------------------------------------------------
+
+    def register_job(
+        self, request: Json, path_job_id: str | None, query_namespace: str | None
+    ) -> Json:
+        decoded = self._require_job(request, path_job_id)
+        priority = int(request.get("EvalPriority", 0))
+        if priority != 0 and not 1 <= priority <= 100:
+            raise ApiError(400, "Eval priority must be between 1 and 100 inclusively")
+        job, warnings = self.admit(decoded, query_namespace)
+        enforce = int(request.get("JobModifyIndex", 0)) if request.get("EnforceIndex") else None
+        existing = self.state.job(job["Namespace"], job["ID"])
+        try:
+            stored, evaluation, index, changed = self.state.register_job(
+                job,
+                enforce_index=enforce,
+                make_eval=lambda stored: self._new_eval(stored, "job-register"),
+            )
+        except EnforceIndexError as exc:
+            raise ApiError(500, str(exc)) from None
+        if evaluation is not None:
+            self.scheduler.enqueue(evaluation)
+        job_modify_index = (
+            int(stored["JobModifyIndex"])
+            if changed or existing is None
+            else int(existing["ModifyIndex"])
+        )
+        return {
+            "EvalID": evaluation.id if evaluation is not None else "",
+            "EvalCreateIndex": index if evaluation is not None else 0,
+            "JobModifyIndex": job_modify_index,
+            "Warnings": warnings_text(warnings),
+            "Index": index,
+            "LastContact": 0,
+            "KnownLeader": False,
+            "NextToken": "",
+        }
+
+    def validate_job_request(self, request: Json, query_namespace: str | None) -> Json:
+        decoded = request.get("Job")
+        if decoded is None:
+            raise ApiError(400, "Job must be specified")
+        job = dict(decoded)
+        job["Namespace"] = _namespace_for(job, query_namespace)
+        job = add_implied_constraints(canonicalize_job(job))
+        errors = validate_job(job)
+        return {
+            "DriverConfigValidated": True,
+            "ValidationErrors": errors or None,
+            "Error": validation_failure_text(errors) if errors else "",
+            "Warnings": warnings_text(job_warnings(job)),
+        }
+
+    def plan_job(self, request: Json, path_job_id: str | None, query_namespace: str | None) -> Json:
+        decoded = self._require_job(request, path_job_id, plan=True)
+        job, warnings = self.admit(decoded, query_namespace)
+        existing = self.state.job(job["Namespace"], job["ID"])
+        candidate = dict(job)
+        if existing is None:
+            candidate.update({"Version": 0, "CreateIndex": 0, "JobModifyIndex": 0})
+        else:
+            changed = job_spec(existing) != job_spec(job)
+            candidate.update(
+                {
+                    "Version": int(existing["Version"]) + (1 if changed else 0),
+                    "CreateIndex": existing["CreateIndex"],
+                    "JobModifyIndex": existing["JobModifyIndex"],
+                }
+            )
+        evaluation = self._new_eval(candidate, "job-register")
+        plan = self.scheduler.dry_run(evaluation, candidate)
+        desired = {name: updates.to_api() for name, updates in plan.desired_updates.items()}
+        failed = {name: metric.to_api() for name, metric in plan.failures.items()}
+        created: list[Json] | None = None
+        if failed:
+            blocked = dataclasses.replace(
+                new_evaluation(
+                    candidate,
+                    "queued-allocs",
+                    eval_id=self.new_id(),
+                    now_ns=self.state.clock_ns(),
+                    status="blocked",
+                    previous_eval=evaluation.id,
+                ),
+                status_description="created to place remaining allocations",
+                failed_tg_allocs=failed,
+                queued_allocations=dict(plan.queued),
+            )
+            created = [blocked.to_api()]
+        response: Json = {
+            "Annotations": {"DesiredTGUpdates": desired, "PreemptedAllocs": None},
+            "FailedTGAllocs": failed or None,
+            "JobModifyIndex": int(existing["JobModifyIndex"]) if existing else 0,
+            "CreatedEvals": created,
+            "Diff": job_diff(existing, candidate, desired) if request.get("Diff") else None,
+            "NextPeriodicLaunch": go_time(None),
+            "Warnings": warnings_text(warnings),
+            "Index": self.state.index,
+        }
+        return response
+
+    def deregister_job(self, namespace: str, job_id: str, *, purge: bool) -> Json:
+        evaluation, index, job_modify_index = self.state.deregister_job(
+            namespace,
+            job_id,
+            purge=purge,
+            make_eval=lambda job: self._new_eval(job, "job-deregister"),
+        )
+        if evaluation is not None:
+            self.scheduler.enqueue(evaluation)
+        return {
+            "EvalID": evaluation.id if evaluation is not None else "",
+            "EvalCreateIndex": index,
+            "JobModifyIndex": job_modify_index,
+            "VolumeEvalID": "",
+            "VolumeEvalIndex": 0,
+            "Index": index,
+            "LastContact": 0,
+            "KnownLeader": False,
+            "NextToken": "",
+        }
+
+    # -- allocations --------------------------------------------------------
+
+    def stop_alloc(self, alloc_id: str) -> Json:
+        alloc = self.state.allocs.get(alloc_id)
+        if alloc is None:
+            raise ApiError(404, "alloc not found")
+        self.state.set_desired_transition([alloc_id], {"Migrate": True})
+        job = self.state.job(alloc.namespace, alloc.job_id) or {
+            "ID": alloc.job_id,
+            "Namespace": alloc.namespace,
+        }
+        eval_ids = self.create_evals([job], "alloc-stop")
+        return {"EvalID": eval_ids[0], "Index": self.state.index}
+
+    def client_update(self, allocs: list[Allocation]) -> None:
+        """A client reports allocation status; failures and freed capacity trigger evals."""
+        before = {alloc.id: self.state.allocs.get(alloc.id) for alloc in allocs}
+        self.state.client_update(allocs)
+        failed_jobs: dict[tuple[str, str], Json] = {}
+        freed = False
+        for alloc in allocs:
+            previous = before[alloc.id]
+            became_terminal = alloc.client_terminal and not (previous and previous.client_terminal)
+            freed = freed or became_terminal
+            if (
+                alloc.client_status == "failed"
+                and (previous is None or previous.client_status != "failed")
+                and alloc.desired_status == "run"
+            ):
+                job = self.state.job(alloc.namespace, alloc.job_id)
+                if job is not None and not job.get("Stop"):
+                    failed_jobs[(alloc.namespace, alloc.job_id)] = job
+        if failed_jobs:
+            self.create_evals(list(failed_jobs.values()), "alloc-failure")
+        if freed:
+            self.scheduler.capacity_changed()
+
+    # -- nodes --------------------------------------------------------------
+
+    def node(self, node_id_or_prefix: str) -> Node:
+        node = self.state.nodes.get(node_id_or_prefix)
+        if node is not None:
+            return node
+        matches = [n for n in self.state.nodes.values() if n.id.startswith(node_id_or_prefix)]
+        if len(matches) == 1:
+            return matches[0]
+        if len(matches) > 1:
+            raise ApiError(400, f"Ambiguous identifier: {node_id_or_prefix}")
+        raise ApiError(404, "node not found")
+
+    def _node_event(self, message: str, subsystem: str = "Cluster") -> Json:
+        return {
+            "Message": message,
+            "Subsystem": subsystem,
+            "Details": None,
+            "Timestamp": go_time(self.state.clock_ns()),
+            "CreateIndex": self.state.index + 1,
+        }
+
+    def register_node(self, node: Node) -> Node:
+        """A client (re)registers: `initializing`, then `ready` once fingerprinted."""
+        self.last_heartbeat[node.id] = self.monotonic()
+        previous = self.state.nodes.get(node.id)
+        message = "Node registered" if previous is None else "Node re-registered"
+        events = (*(previous.events if previous else ()), self._node_event(message))[-10:]
+        stored = self.state.upsert_node(
+            dataclasses.replace(
+                node,
+                status="initializing",
+                events=events,
+                eligibility=previous.eligibility if previous else node.eligibility,
+                drain=previous.drain if previous else None,
+                status_updated_at_s=self.state.clock_ns() // 1_000_000_000,
+            ),
+            "NodeRegistration",
+        )
+        return self.set_node_status(stored.id, "ready")
+
+    def set_node_status(self, node_id: str, status: str, message: str | None = None) -> Node:
+        node = self.state.nodes[node_id]
+        events = node.events
+        if message:
+            events = (*events, self._node_event(message))[-10:]
+        stored = self.state.upsert_node(
+            dataclasses.replace(
+                node,
+                status=status,
+                events=events,
+                status_updated_at_s=self.state.clock_ns() // 1_000_000_000,
+            ),
+            "NodeStreamEvent",
+        )
+        if status == "ready":
+            self.scheduler.capacity_changed()
+        else:
+            self.create_node_evals(node_id, "node-update")
+        return stored
+
+    def heartbeat(self, node_id: str) -> None:
+        self.last_heartbeat[node_id] = self.monotonic()
+        node = self.state.nodes.get(node_id)
+        if node is not None and node.status == "down":
+            self.set_node_status(node_id, "ready", "Node reregistered by heartbeat")
+
+    def create_node_evals(self, node_id: str, triggered_by: str) -> list[str]:
+        jobs: dict[tuple[str, str], Json] = {}
+        for alloc in self.state.allocs_of_node(node_id):
+            if alloc.terminal:
+                continue
+            job = self.state.job(alloc.namespace, alloc.job_id)
+            if job is not None:
+                jobs[(alloc.namespace, alloc.job_id)] = job
+        return self.create_evals(list(jobs.values()), triggered_by, node_id=node_id)
+
+    def drain_node(
+        self, node_id: str, drain_spec: Json | None, *, mark_eligible: bool, meta: Mapping[str, str]
+    ) -> Json:
+        node = self.node(node_id)
+        now = self.state.clock_ns()
+        if drain_spec is None:
+            last = node.last_drain
+            if node.drain is not None:
+                last = {
+                    "StartedAt": go_time(node.drain.started_at_ns),
+                    "UpdatedAt": go_time(now),
+                    "Status": "canceled",
+                    "AccessorID": "",
+                    "Meta": dict(meta) or None,
+                }
+            stored = self.state.upsert_node(
+                dataclasses.replace(
+                    node,
+                    drain=None,
+                    last_drain=last,
+                    eligibility="eligible" if mark_eligible else node.eligibility,
+                ),
+                "NodeDrain",
+            )
+            if mark_eligible:
+                self.scheduler.capacity_changed()
+            return {
+                "EvalCreateIndex": 0,
+                "EvalIDs": None,
+                "Index": stored.modify_index,
+                "NodeModifyIndex": stored.modify_index,
+            }
+        deadline = int(drain_spec.get("Deadline", 0))
+        force_at = None
+        if deadline < 0:
+            force_at = now
+        elif deadline > 0:
+            force_at = now + deadline
+        strategy = DrainStrategy(
+            deadline_ns=deadline,
+            ignore_system_jobs=bool(drain_spec.get("IgnoreSystemJobs", False)),
+            force_deadline_ns=force_at,
+            started_at_ns=now,
+        )
+        stored = self.state.upsert_node(
+            dataclasses.replace(
+                node,
+                drain=strategy,
+                eligibility="ineligible",
+                last_drain={
+                    "StartedAt": go_time(now),
+                    "UpdatedAt": go_time(now),
+                    "Status": "draining",
+                    "AccessorID": "",
+                    "Meta": dict(meta) or None,
+                },
+            ),
+            "NodeDrain",
+        )
+        return {
+            "EvalCreateIndex": 0,
+            "EvalIDs": None,
+            "Index": stored.modify_index,
+            "NodeModifyIndex": stored.modify_index,
+        }
+
+    def set_eligibility(self, node_id: str, eligibility: str) -> Json:
+        node = self.node(node_id)
+        if eligibility not in {"eligible", "ineligible"}:
+            raise ApiError(400, f'invalid scheduling eligibility "{eligibility}"')
+        if node.drain is not None and eligibility == "eligible":
+            raise ApiError(
+                500, "can not set node's scheduling eligibility to eligible while it is draining"
+            )
+        stored = self.state.upsert_node(
+            dataclasses.replace(node, eligibility=eligibility), "NodeEligibility"
+        )
+        if eligibility == "eligible":
+            self.scheduler.capacity_changed()
+        return {
+            "EvalCreateIndex": 0,
+            "EvalIDs": None,
+            "Index": stored.modify_index,
+            "NodeModifyIndex": stored.modify_index,
+        }

@@ -1,0 +1,256 @@
+"""`NomadServer`: the in-process stand-in for `nomad agent -dev` with simulated nodes.
+
+    async with NomadServer(consul_addr=consul.address, nodes=3) as nomad:
+        nomad.address          # "http://127.0.0.1:PORT"
+        await nomad.add_node(NodeSpec(gpus=2))
+        await nomad.kill_node(node_id)
+
+It runs the HTTP API, the scheduler worker, the leader's background work and
+one simulated client per node, each node on its own loopback address
+(127.0.0.2, 127.0.0.3, ...). Leaving the context stops every process it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import aiohttp
+from aiohttp import web
+
+from devcluster.nomad.client import ClientNode
+from devcluster.nomad.consul_sync import ConsulAgentClient
+from devcluster.nomad.drivers import DriverSettings, load_image_mappings
+from devcluster.nomad.endpoints import ApiError, Endpoints
+from devcluster.nomad.fingerprint import NOMAD_VERSION, loopback_address, node_from_spec
+from devcluster.nomad.http_api import build_app
+from devcluster.nomad.leader import Leader
+from devcluster.nomad.model import Node
+from devcluster.nomad.settings import NodeSpec, NomadServerSettings, default_nodes
+from devcluster.nomad.state import ClusterState
+from devcluster.nomad.worker import Scheduler
+
+SHUTDOWN_TIMEOUT_S = 0.5
+
+
+class NomadServer:
+    """A Nomad server with simulated clients, in this process, on loopback."""
+
+    def __init__(
+        self,
+        settings: NomadServerSettings | None = None,
+        *,
+        consul_addr: str | None = None,
+        consul_token: str | None = None,
+        nodes: int | Sequence[NodeSpec] | None = None,
+        heartbeat_grace_s: float | None = None,
+        token: str | None = None,
+        port: int | None = None,
+    ) -> None:
+        base = settings or NomadServerSettings()
+        changes: dict[str, Any] = {}
+        if isinstance(nodes, int):
+            changes["nodes"] = default_nodes(cpu_nodes=nodes)
+        elif nodes is not None:
+            changes["nodes"] = tuple(nodes)
+        elif settings is None:
+            changes["nodes"] = default_nodes()
+        if heartbeat_grace_s is not None:
+            changes["heartbeat_grace_s"] = heartbeat_grace_s
+        if token is not None:
+            changes["token"] = token
+        if port is not None:
+            changes["port"] = port
+        self.settings = base.model_copy(update=changes)
+        self.consul_addr = consul_addr
+        self.consul_token = consul_token
+        self.outage = False
+        self.nomad_version = NOMAD_VERSION
+        self.host = self.settings.host
+        self.port = 0
+        self.clients: dict[str, ClientNode] = {}
+        self._rng = random.Random(self.settings.seed)
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._consul: ConsulAgentClient | None = None
+        self._owns_data_dir = self.settings.data_dir is None
+        self.data_dir = self.settings.data_dir or Path(tempfile.mkdtemp(prefix="devcluster-nomad-"))
+        self.state = ClusterState(time.time_ns)
+        self.scheduler = Scheduler(self.state, rng=self._rng, new_id=self.new_id)
+        self.endpoints = Endpoints(
+            self.state, self.scheduler, new_id=self.new_id, monotonic=time.monotonic
+        )
+        self.leader = Leader(
+            self.endpoints,
+            heartbeat_grace_s=self.settings.heartbeat_grace_s,
+            monotonic=time.monotonic,
+        )
+        self.driver_settings = DriverSettings(
+            image_mappings=load_image_mappings(self.settings.image_map)
+        )
+
+    def new_id(self) -> str:
+        return str(uuid.UUID(int=self._rng.getrandbits(128), version=4))
+
+    @property
+    def address(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def member(self) -> dict[str, Any]:
+        return {
+            "Name": "devcluster-server.global",
+            "Addr": self.host,
+            "Port": self.port,
+            "Tags": {"role": "nomad", "region": "global", "dc": "dc1", "build": NOMAD_VERSION},
+            "Status": "alive",
+            "ProtocolMin": 1,
+            "ProtocolMax": 5,
+            "ProtocolCur": 2,
+            "DelegateMin": 2,
+            "DelegateMax": 5,
+            "DelegateCur": 2,
+        }
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self._start()
+        except BaseException:
+            await self._stop()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self._stop()
+
+    async def _start(self) -> None:
+        if self.consul_addr:
+            self._session = aiohttp.ClientSession()
+            self._consul = ConsulAgentClient(self.consul_addr, self.consul_token, self._session)
+        self._runner = web.AppRunner(
+            build_app(self),
+            access_log=None,
+            handler_cancellation=True,
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
+        await site.start()
+        sockets = self._runner.addresses
+        self.port = int(sockets[0][1])
+        self._tasks.append(asyncio.create_task(self.scheduler.run(), name="nomad-scheduler"))
+        self._tasks.append(asyncio.create_task(self.leader.run(), name="nomad-leader"))
+        for spec in self.settings.nodes:
+            await self.add_node(spec)
+
+    async def _stop(self) -> None:
+        for client in self.clients.values():
+            with contextlib.suppress(Exception):
+                await client.shutdown()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        self.scheduler.stop_timers()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self._owns_data_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    # -- nodes ------------------------------------------------------------
+
+    async def add_node(self, spec: NodeSpec) -> Node:
+        """Start one more simulated client node; returns it as registered."""
+        number = len(self.clients) + 1
+        name = spec.name or f"node-{number}"
+        if any(client.node.name == name for client in self.clients.values()):
+            raise ApiError(400, f"node name {name!r} is already in use")
+        node_id = self.new_id()
+        node = node_from_spec(
+            spec,
+            node_id=node_id,
+            name=name,
+            address=loopback_address(number),
+            registered_at_ns=self.state.clock_ns(),
+        )
+        client = ClientNode(
+            node,
+            self.endpoints,
+            consul=self._consul,
+            data_dir=self.data_dir,
+            driver_settings=self.driver_settings,
+            heartbeat_interval_s=min(self.settings.heartbeat_grace_s / 4, 1.0),
+            clock_ns=self.state.clock_ns,
+            rng=self._rng,
+        )
+        self.clients[node_id] = client
+        await client.start()
+        return self.state.nodes[node_id]
+
+    def _client(self, node_id: str) -> ClientNode:
+        client = self.clients.get(node_id)
+        if client is None:
+            raise ApiError(404, "node not found")
+        return client
+
+    async def kill_node(self, node_id: str) -> None:
+        """Power off a node: its processes die, heartbeats stop, its Consul agent fails."""
+        client = self._client(node_id)
+        client.kill()
+        await client.wait_stopped()
+        if self._consul is not None:
+            await self._consul.fail_node(client.node.name)
+
+    async def restart_node(self, node_id: str) -> None:
+        """Bring a node back, empty, and ready for new allocations."""
+        client = self._client(node_id)
+        if not client.killed:
+            client.kill()
+        if self.state.nodes[node_id].status != "down":
+            # Coming back empty means its allocations are lost, as if the grace had passed.
+            self.endpoints.set_node_status(node_id, "down", "Node heartbeat missed")
+        await client.restart()
+
+    def crash_alloc(self, alloc_id: str, task: str | None = None) -> list[int]:
+        """SIGKILL the processes of one allocation (or one of its tasks); their PIDs."""
+        for client in self.clients.values():
+            runner = client.runners.get(alloc_id)
+            if runner is None:
+                continue
+            pids = []
+            for name, task_runner in runner.tasks.items():
+                if task is not None and name != task:
+                    continue
+                if task_runner.process is not None and task_runner.state.state == "running":
+                    pids.append(task_runner.process.pid)
+                    task_runner.process.kill_group()
+            return pids
+        raise ApiError(404, "alloc not found")
+
+    def processes(self) -> list[int]:
+        """PIDs of every task process this server started (running or not)."""
+        return [
+            task_runner.process.pid
+            for client in self.clients.values()
+            for runner in client.runners.values()
+            for task_runner in runner.tasks.values()
+            if task_runner.process is not None
+        ]

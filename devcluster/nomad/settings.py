@@ -1,0 +1,185 @@
+"""Settings of the Nomad stand-in: its simulated nodes and its command-line flags.
+
+`add_nomad_arguments` adds the flags to the `python -m devcluster` parser and
+`settings_from_args` turns them into `NomadServerSettings`; tests build
+`NomadServerSettings`/`NodeSpec` directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_pascal
+
+from devcluster.nomad.gotext import NS_PER_S, parse_go_duration
+
+DEFAULT_GPU_MODEL = "NVIDIA H100 80GB HBM3"
+# MiB NVML reports for common models (what `${device.attr.memory}` compares against).
+GPU_MEMORY_MIB = {
+    "NVIDIA H100 80GB HBM3": 81559,
+    "NVIDIA H200": 143771,
+    "NVIDIA A100-SXM4-80GB": 81920,
+    "NVIDIA A100-SXM4-40GB": 40960,
+    "NVIDIA A100 80GB PCIe": 81920,
+    "NVIDIA L40S": 46068,
+    "NVIDIA L4": 23034,
+    "Tesla T4": 15360,
+}
+DEFAULT_GPU_MEMORY_MIB = 81559
+# Real Nomad's minimum heartbeat TTL is 10 s plus jitter; tests use shorter.
+DEFAULT_HEARTBEAT_GRACE_S = 10.0
+NOMAD_EVENT_HEARTBEAT_S = 30.0
+
+
+def gpu_memory_for(model: str) -> int:
+    return GPU_MEMORY_MIB.get(model, DEFAULT_GPU_MEMORY_MIB)
+
+
+class NodeSpec(BaseModel):
+    """One simulated client node (`POST /v1/devcluster/node` takes this, PascalCase too)."""
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", alias_generator=to_pascal, populate_by_name=True
+    )
+
+    name: str | None = None
+    node_class: str = ""
+    datacenter: str = "dc1"
+    node_pool: str = "default"
+    meta: dict[str, str] = Field(default_factory=dict)
+    cpu_cores: int = Field(default=4, ge=1, le=1024)
+    cpu_mhz_per_core: int = Field(default=2400, ge=1)
+    memory_mb: int = Field(default=16384, ge=1)
+    disk_mb: int = Field(default=100_000, ge=1)
+    gpus: int = Field(default=0, ge=0, le=64)
+    gpu_model: str = DEFAULT_GPU_MODEL
+    gpu_memory_mib: int | None = Field(default=None, ge=1)
+    drivers: tuple[str, ...] = ("raw_exec", "exec", "docker")
+
+    @property
+    def gpu_memory(self) -> int:
+        return (
+            self.gpu_memory_mib
+            if self.gpu_memory_mib is not None
+            else gpu_memory_for(self.gpu_model)
+        )
+
+
+class NomadServerSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535)
+    token: str | None = None
+    heartbeat_grace_s: float = Field(default=DEFAULT_HEARTBEAT_GRACE_S, gt=0)
+    event_heartbeat_s: float = Field(default=NOMAD_EVENT_HEARTBEAT_S, gt=0)
+    nodes: tuple[NodeSpec, ...] = ()
+    image_map: Path | None = None
+    data_dir: Path | None = None
+    seed: int | None = None
+
+
+def default_nodes(
+    *,
+    cpu_nodes: int = 3,
+    gpu_nodes: int = 0,
+    gpus_per_node: int = 8,
+    gpu_model: str = DEFAULT_GPU_MODEL,
+    gpu_memory_mib: int | None = None,
+    cores: int = 4,
+    cpu_mhz: int = 9600,
+    memory_mb: int = 16384,
+    gpu_node_memory_mb: int = 262144,
+) -> tuple[NodeSpec, ...]:
+    """`cpu_nodes` plain nodes, then `gpu_nodes` with `gpus_per_node` GPUs each."""
+    per_core = max(cpu_mhz // cores, 1)
+    plain = [
+        NodeSpec(cpu_cores=cores, cpu_mhz_per_core=per_core, memory_mb=memory_mb)
+        for _ in range(cpu_nodes)
+    ]
+    gpu = [
+        NodeSpec(
+            node_class="gpu",
+            cpu_cores=cores,
+            cpu_mhz_per_core=per_core,
+            memory_mb=gpu_node_memory_mb,
+            gpus=gpus_per_node,
+            gpu_model=gpu_model,
+            gpu_memory_mib=gpu_memory_mib,
+        )
+        for _ in range(gpu_nodes)
+    ]
+    return (*plain, *gpu)
+
+
+def _seconds(text: str) -> float:
+    """A Go duration (`10s`, `500ms`) or plain seconds, > 0."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        try:
+            seconds = parse_go_duration(text) / NS_PER_S
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{exc} (use a duration like 10s or 500ms)") from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"duration must be positive, got {text}")
+    return seconds
+
+
+def add_nomad_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("nomad", "the Nomad stand-in and its simulated nodes")
+    group.add_argument("--nodes", type=int, default=3, help="CPU-only client nodes (default 3)")
+    group.add_argument("--gpu-nodes", type=int, default=0, help="client nodes with NVIDIA GPUs")
+    group.add_argument("--gpus-per-node", type=int, default=8, help="GPUs on each GPU node")
+    group.add_argument("--gpu-model", default=DEFAULT_GPU_MODEL, help="NVML model name of the GPUs")
+    group.add_argument(
+        "--gpu-memory-mib", type=int, default=None, help="memory of each GPU (default: by model)"
+    )
+    group.add_argument("--node-cores", type=int, default=4, help="CPU cores of each node")
+    group.add_argument(
+        "--node-cpu-mhz", type=int, default=9600, help="total CPU MHz of each node (all cores)"
+    )
+    group.add_argument("--node-memory-mb", type=int, default=16384, help="memory of a CPU node")
+    group.add_argument(
+        "--gpu-node-memory-mb", type=int, default=262144, help="memory of a GPU node"
+    )
+    group.add_argument("--nomad-port", type=int, default=4646, help="HTTP port (0 = any free)")
+    group.add_argument(
+        "--heartbeat-grace",
+        type=_seconds,
+        default=DEFAULT_HEARTBEAT_GRACE_S,
+        help="seconds without heartbeat before a node is down (real Nomad: at least 10 s)",
+    )
+    group.add_argument("--nomad-token", default=None, help="require this X-Nomad-Token")
+    group.add_argument(
+        "--image-map", type=Path, default=None, help="YAML/JSON docker image -> command table"
+    )
+    group.add_argument(
+        "--nomad-data-dir", type=Path, default=None, help="alloc dirs (default: temp)"
+    )
+
+
+def settings_from_args(args: argparse.Namespace, *, host: str = "127.0.0.1") -> NomadServerSettings:
+    if args.nodes < 0 or args.gpu_nodes < 0:
+        raise ValueError("--nodes and --gpu-nodes must be >= 0")
+    return NomadServerSettings(
+        host=host,
+        port=args.nomad_port,
+        token=args.nomad_token,
+        heartbeat_grace_s=args.heartbeat_grace,
+        image_map=args.image_map,
+        data_dir=args.nomad_data_dir,
+        nodes=default_nodes(
+            cpu_nodes=args.nodes,
+            gpu_nodes=args.gpu_nodes,
+            gpus_per_node=args.gpus_per_node,
+            gpu_model=args.gpu_model,
+            gpu_memory_mib=args.gpu_memory_mib,
+            cores=args.node_cores,
+            cpu_mhz=args.node_cpu_mhz,
+            memory_mb=args.node_memory_mb,
+            gpu_node_memory_mb=args.gpu_node_memory_mb,
+        ),
+    )

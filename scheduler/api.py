@@ -1,0 +1,134 @@
+"""The scheduler's HTTP API: models for the CLI and operators, health and metrics.
+
+    GET    /v1/models                 every model with desired / ready and status
+    GET    /v1/models/{name}          one model, replica by replica
+    PUT    /v1/models/{name}          submit a profile (JSON or YAML body)
+    DELETE /v1/models/{name}          remove a model (its replicas drain and stop)
+    POST   /v1/models/{name}/scale    {"replicas": N}: set the desired count
+    GET    /health                    200 while the process runs; says if it leads
+    GET    /metrics                   Prometheus exposition
+
+Errors are JSON `{"error": {"message": ..., "type": ..., "problems": [...]}}`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from caravan.errors import HashiError
+from scheduler.model_service import ModelService, SubmissionRejectedError
+from scheduler.model_store import ScaleOutOfBoundsError, UnknownModelError
+from scheduler.status import InvalidStoredProfileError
+
+SERVICE_KEY = web.AppKey("model_service", ModelService)
+REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
+LEADER_KEY: web.AppKey[Callable[[], bool]] = web.AppKey("is_leader")
+MAX_PROFILE_BYTES = 1 << 20
+
+
+def _error(status: int, message: str, kind: str, **extra: Any) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, **extra}}, status=status)
+
+
+@web.middleware
+async def _errors_as_json(
+    request: web.Request, handler: Callable[[web.Request], Any]
+) -> web.StreamResponse:
+    try:
+        response: web.StreamResponse = await handler(request)
+    except UnknownModelError as exc:
+        return _error(404, str(exc), "not_found")
+    except InvalidStoredProfileError as exc:
+        return _error(409, str(exc), "invalid_stored_profile")
+    except SubmissionRejectedError as exc:
+        return _error(
+            400,
+            "the profile is invalid; nothing was written",
+            "invalid_profile",
+            problems=[str(p) for p in exc.problems],
+        )
+    except ScaleOutOfBoundsError as exc:
+        return _error(400, str(exc), "out_of_bounds")
+    except HashiError as exc:
+        status = 503 if exc.retryable else 502
+        return _error(status, str(exc), "backend_unavailable" if exc.retryable else "backend_error")
+    return response
+
+
+async def list_models(request: web.Request) -> web.Response:
+    models = await request.app[SERVICE_KEY].list()
+    return web.json_response({"models": [m.to_json() for m in models]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    status = await request.app[SERVICE_KEY].describe(request.match_info["name"])
+    return web.json_response(status.to_json())
+
+
+async def put_model(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    if request.content_length is not None and request.content_length > MAX_PROFILE_BYTES:
+        return _error(413, "profile larger than 1 MiB", "too_large")
+    text = await request.text()
+    profiles = await request.app[SERVICE_KEY].submit([(f"PUT /v1/models/{name}", text)])
+    if profiles[0].name != name:
+        return _error(
+            400,
+            f"name: the profile is named {profiles[0].name!r} but was PUT to {name!r}",
+            "invalid_profile",
+        )
+    return web.json_response({"name": name, "submitted": True})
+
+
+async def delete_model(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    await request.app[SERVICE_KEY].delete(name)
+    return web.json_response({"name": name, "deleted": True})
+
+
+async def scale_model(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    try:
+        body = await request.json()
+        count = body["replicas"]
+    except (ValueError, KeyError, TypeError):
+        return _error(400, 'body must be JSON like {"replicas": 2}', "invalid_request")
+    if not isinstance(count, int) or isinstance(count, bool):
+        return _error(400, "replicas must be an integer", "invalid_request")
+    await request.app[SERVICE_KEY].scale(name, count)
+    return web.json_response({"name": name, "replicas": count})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok", "leader": request.app[LEADER_KEY]()})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[REGISTRY_KEY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def create_api(
+    service: ModelService, registry: CollectorRegistry, is_leader: Callable[[], bool]
+) -> web.Application:
+    app = web.Application(middlewares=[_errors_as_json], client_max_size=MAX_PROFILE_BYTES)
+    app[SERVICE_KEY] = service
+    app[REGISTRY_KEY] = registry
+    app[LEADER_KEY] = is_leader
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{name}", get_model)
+    app.router.add_put("/v1/models/{name}", put_model)
+    app.router.add_delete("/v1/models/{name}", delete_model)
+    app.router.add_post("/v1/models/{name}/scale", scale_model)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def dumps(document: Any) -> str:
+    return json.dumps(document, indent=2)

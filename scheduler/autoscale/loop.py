@@ -1,0 +1,236 @@
+"""The autoscaler loop: gather signals, call `decide`, write the desired count.
+
+Runs inside the scheduler process and only while it leads. Every tick, for
+each model with an enabled `autoscaling` block:
+
+1. the replicas passing in Consul are scraped (engine metrics, with the
+   names in their service Meta), and so are the routers' queue metrics;
+2. `decide()` (pure) gets the signals, the current desired count and the
+   memory stored in KV `state/<name>`;
+3. a changed count is written to KV `desired/<name>`, which wakes the
+   reconcile loop; the memory is written back every tick so a restart or a
+   leader change resumes the windows instead of forgetting them.
+
+The autoscaler never talks to Nomad: one writer per resource.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from caravan.consul_api import HealthEntry
+from caravan.contract import ROUTER_SERVICE, ServiceMetaKey, model_service_name
+from caravan.engine_metrics import resolve_metric_names
+from caravan.errors import HashiError
+from scheduler.autoscale.memory import Direction, Memory, memory_from_json, memory_to_json
+from scheduler.autoscale.policy import ScaleDecision, decide
+from scheduler.autoscale.scrape import (
+    ReplicaTarget,
+    RouterTarget,
+    scrape_replicas,
+    scrape_routers,
+)
+from scheduler.autoscale.signals import ModelSignals, RouterQueueReport, router_queue
+from scheduler.controller import HealthSource
+from scheduler.metrics import SchedulerMetrics
+from scheduler.model_store import DesiredState, ModelStore
+from scheduler.profiles import ModelProfile
+from scheduler.world import ObservedReplica
+
+log = logging.getLogger(__name__)
+
+# A demand signal older than this is stale (the router rewrites it while it
+# holds requests).
+DEMAND_FRESH_S = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscalerSettings:
+    tick_s: float = 5.0
+    scrape_timeout_s: float = 2.0
+
+
+def replica_target(entry: HealthEntry) -> ReplicaTarget | None:
+    """Where a passing replica's metrics are, from its Consul entry and Meta."""
+    meta = entry.meta
+    if not entry.address or not entry.port:
+        return None
+    names = resolve_metric_names(
+        running=meta.get(ServiceMetaKey.METRIC_RUNNING),
+        waiting=meta.get(ServiceMetaKey.METRIC_WAITING),
+        kv_cache_usage=meta.get(ServiceMetaKey.METRIC_KV_CACHE),
+    )
+    host = f"[{entry.address}]" if ":" in entry.address else entry.address
+    return ReplicaTarget(
+        replica_id=entry.service_id,
+        base_url=f"http://{host}:{entry.port}",
+        metrics_path=meta.get(ServiceMetaKey.METRICS_PATH) or "/metrics",
+        metric_names=names,
+    )
+
+
+@dataclass(slots=True)
+class Autoscaler:
+    store: ModelStore
+    health: HealthSource
+    metrics: SchedulerMetrics
+    is_leader: Callable[[], bool]
+    settings: AutoscalerSettings = field(default_factory=AutoscalerSettings)
+    clock: Callable[[], float] = time.time
+    # Last engine load seen per replica job, for the planner's scale-down choice.
+    inflight_by_alloc: dict[str, float | None] = field(default_factory=dict)
+    # When the cold start of a model began (demand seen at zero replicas).
+    cold_start_began: dict[str, float] = field(default_factory=dict)
+    last_decisions: dict[str, ScaleDecision] = field(default_factory=dict)
+
+    async def run(self) -> None:
+        async with aiohttp.ClientSession() as session:
+            while True:
+                if self.is_leader():
+                    try:
+                        await self.tick(session)
+                    except HashiError as exc:
+                        log.warning("autoscaler_tick_failed", extra={"error": str(exc)})
+                await asyncio.sleep(self.settings.tick_s)
+
+    async def _router_reports(
+        self, session: aiohttp.ClientSession
+    ) -> tuple[RouterQueueReport, ...]:
+        _, routers = await self.health.health_service(ROUTER_SERVICE, passing=True)
+        targets = [
+            RouterTarget(router_id=r.service_id, base_url=f"http://{r.address}:{r.port}")
+            for r in routers
+            if r.address and r.port
+        ]
+        scrapes = await scrape_routers(session, targets, timeout_s=self.settings.scrape_timeout_s)
+        return tuple(s.report for s in scrapes)
+
+    async def tick(self, session: aiohttp.ClientSession) -> None:
+        state = await self.store.read()
+        scaled = {
+            name: profile
+            for name, profile in state.profiles.items()
+            if profile.autoscaling is not None and profile.autoscaling.enabled
+        }
+        if not scaled:
+            return
+        reports = await self._router_reports(session)
+        for name, profile in sorted(scaled.items()):
+            await self._evaluate(session, name, profile, state, reports)
+
+    async def _evaluate(
+        self,
+        session: aiohttp.ClientSession,
+        name: str,
+        profile: ModelProfile,
+        state: DesiredState,
+        reports: tuple[RouterQueueReport, ...],
+    ) -> None:
+        assert profile.autoscaling is not None  # noqa: S101 - filtered by the caller
+        now = self.clock()
+        _, entries = await self.health.health_service(model_service_name(name), passing=True)
+        targets = [t for t in (replica_target(e) for e in entries) if t is not None]
+        scrapes = await scrape_replicas(
+            session, targets, clock=self.clock, timeout_s=self.settings.scrape_timeout_s
+        )
+        alloc_of = {e.service_id: e.meta.get(ServiceMetaKey.ALLOC_ID, "") for e in entries}
+        for scrape in scrapes:
+            load = scrape.load
+            inflight = (
+                load.running + load.waiting
+                if load.running is not None and load.waiting is not None
+                else None
+            )
+            self.inflight_by_alloc[alloc_of.get(load.replica_id, "")] = inflight
+        queue = router_queue(reports, name)
+        demand = state.demand.get(name)
+        demand_pending = demand is not None and now - demand.at < DEMAND_FRESH_S
+        signals = ModelSignals(
+            replicas=tuple(s.load for s in scrapes),
+            ready_replicas=len(entries),
+            router_queue_depth=queue.depth,
+            router_queue_wait_s=queue.wait_s,
+            demand_pending=demand_pending,
+            last_request_at=None,
+        )
+        raw_memory = state.autoscaler_state.get(name)
+        memory = memory_from_json(raw_memory) if raw_memory else Memory()
+        if memory.load_warning:
+            log.warning(
+                "autoscaler_memory_reset", extra={"model": name, "why": memory.load_warning}
+            )
+        current = state.desired_count(name)
+        decision, memory = decide(
+            signals, current, profile.autoscaling, profile.replicas, memory, now
+        )
+        self.last_decisions[name] = decision
+        self._observe(name, decision, current, len(entries), scrapes_age(signals, now))
+        await self._cold_start(
+            name,
+            current=current,
+            decision=decision,
+            ready=len(entries),
+            demand_pending=demand_pending,
+            now=now,
+        )
+        if decision.target != current:
+            log.info(
+                "autoscale",
+                extra={
+                    "model": name,
+                    "from": current,
+                    "to": decision.target,
+                    "reason": decision.reason,
+                },
+            )
+            await self.store.set_desired(name, decision.target)
+        await self.store.put_autoscaler_state(name, memory_to_json(memory))
+
+    def _observe(
+        self, name: str, decision: ScaleDecision, current: int, ready: int, age: float | None
+    ) -> None:
+        self.metrics.autoscale_decisions.labels(model=name, direction=decision.direction).inc()
+        self.metrics.autoscale_desired.labels(model=name).set(decision.target)
+        self.metrics.autoscale_current.labels(model=name).set(ready)
+        self.metrics.signal_age.labels(model=name).set(math.nan if age is None else age)
+        del current
+
+    async def _cold_start(
+        self,
+        name: str,
+        *,
+        current: int,
+        decision: ScaleDecision,
+        ready: int,
+        demand_pending: bool,
+        now: float,
+    ) -> None:
+        if current == 0 and demand_pending and decision.direction is Direction.UP:
+            self.cold_start_began.setdefault(name, now)
+        began = self.cold_start_began.get(name)
+        if began is not None and ready > 0:
+            self.metrics.cold_start.labels(model=name).observe(now - began)
+            log.info("cold_start_done", extra={"model": name, "seconds": round(now - began, 1)})
+            del self.cold_start_began[name]
+            await self.store.clear_demand(name)
+
+    def inflight_of(self, replica: ObservedReplica) -> float | None:
+        """The engine-reported in-flight requests of a replica, when known."""
+        for alloc in replica.live_allocs():
+            value = self.inflight_by_alloc.get(alloc.id)
+            if value is not None:
+                return value
+        return None
+
+
+def scrapes_age(signals: ModelSignals, now: float) -> float | None:
+    """Age of the oldest successful scrape, or None when nothing was read."""
+    stamps = [r.scraped_at for r in signals.replicas if r.scraped_at is not None]
+    return now - min(stamps) if stamps else None

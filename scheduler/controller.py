@@ -1,0 +1,395 @@
+"""The reconcile loop: observe -> desired -> plan -> apply, on change or on a timer.
+
+`reconcile_once()` follows controller-runtime's contract: it reads the whole
+world (KV desired state, Nomad jobs, allocations and nodes, Consul health of
+the replicas), asks the pure planner what to do, applies the actions with
+bounded concurrency, and says when to come back. It is level-based and
+idempotent, so missing a change notification only delays the next pass.
+
+Safety rules that hold whatever the planner says:
+- nothing is applied while this process is not the leader;
+- a pass whose reads failed applies nothing (outage: retry with backoff);
+- a job list that suddenly comes back empty while profiles exist is suspect:
+  the pass is skipped until the emptiness has been seen for a while.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from caravan.consul_api import HealthEntry
+from caravan.contract import JOB_PREFIX, ServiceMetaKey, model_service_name
+from caravan.errors import HashiError, HashiNotFound
+from caravan.nomad_api import (
+    Allocation,
+    DeregisterResult,
+    Evaluation,
+    Node,
+    QueryResult,
+    RegisterResult,
+)
+from scheduler.cluster_config import ClusterConfig
+from scheduler.metrics import SchedulerMetrics
+from scheduler.model_store import DesiredState, ModelStore
+from scheduler.plan import (
+    Action,
+    ClearDrainMarker,
+    Deregister,
+    Plan,
+    PlanSettings,
+    Register,
+    Replace,
+    StartDrain,
+    drain_record_for,
+    plan,
+)
+from scheduler.world import (
+    DesiredModel,
+    Observation,
+    ObservedReplica,
+    PlannerMemory,
+    alloc_from_stub,
+    node_from_stub,
+    replica_from_job_stub,
+)
+
+log = logging.getLogger(__name__)
+
+
+class NomadReads(Protocol):
+    """The Nomad reads the scheduler needs (implemented by caravan.nomad_api.NomadClient)."""
+
+    async def list_jobs(
+        self,
+        prefix: str = "",
+        *,
+        meta: bool = False,
+        index: int | None = None,
+        wait_s: float | None = None,
+    ) -> QueryResult[list[dict[str, Any]]]: ...
+
+    async def list_allocations(
+        self,
+        prefix: str = "",
+        *,
+        resources: bool = False,
+        index: int | None = None,
+        wait_s: float | None = None,
+    ) -> QueryResult[list[Allocation]]: ...
+
+    async def list_nodes(
+        self, *, resources: bool = True, index: int | None = None, wait_s: float | None = None
+    ) -> QueryResult[list[Node]]: ...
+
+    async def job_evaluations(
+        self, job_id: str, *, index: int | None = None, wait_s: float | None = None
+    ) -> QueryResult[list[Evaluation]]: ...
+
+
+class NomadJobs(NomadReads, Protocol):
+    """Reads plus the two writes the controller makes."""
+
+    async def register_job(
+        self, job: Mapping[str, Any], *, enforce_index: int | None = None
+    ) -> RegisterResult: ...
+
+    async def deregister_job(self, job_id: str, *, purge: bool = True) -> DeregisterResult: ...
+
+
+class HealthSource(Protocol):
+    """Consul health of a service (implemented by caravan.consul_api.ConsulClient)."""
+
+    async def health_service(
+        self,
+        name: str,
+        *,
+        passing: bool = False,
+        tags: tuple[str, ...] = (),
+        filter_expr: str | None = None,
+        index: int = 0,
+        wait_s: float | None = None,
+    ) -> tuple[int, tuple[HealthEntry, ...]]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerSettings:
+    plan: PlanSettings = field(default_factory=PlanSettings)
+    # Periodic resync even when no change was signalled.
+    resync_s: float = 30.0
+    # Actions applied at once.
+    apply_concurrency: int = 4
+    # How long a suddenly empty job list must persist before it is believed.
+    empty_list_confirm_s: float = 30.0
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileResult:
+    """What one pass did and when to come back (None = only on change or resync)."""
+
+    requeue_after_s: float | None
+    plan: Plan | None = None
+    skipped: str | None = None
+    applied: int = 0
+    failed: int = 0
+
+
+@dataclass(slots=True)
+class _ControllerMemory:
+    planner: PlannerMemory = field(default_factory=PlannerMemory)
+    saw_jobs: bool = False
+    empty_since: float | None = None
+
+
+def _passing_by_alloc(entries: tuple[HealthEntry, ...]) -> dict[str, bool]:
+    result: dict[str, bool] = {}
+    for entry in entries:
+        alloc_id = entry.meta.get(ServiceMetaKey.ALLOC_ID)
+        if alloc_id:
+            result[alloc_id] = entry.status == "passing"
+    return result
+
+
+def _with_health(replica: ObservedReplica, passing_by_alloc: Mapping[str, bool]) -> ObservedReplica:
+    states = [passing_by_alloc[a.id] for a in replica.live_allocs() if a.id in passing_by_alloc]
+    passing = any(states) if states else None
+    return replace(replica, passing=passing)
+
+
+class Controller:
+    """Keeps Nomad's caravan jobs equal to what the profiles in KV ask for."""
+
+    def __init__(
+        self,
+        *,
+        store: ModelStore,
+        nomad: NomadJobs,
+        health: HealthSource,
+        config: ClusterConfig,
+        metrics: SchedulerMetrics,
+        settings: ControllerSettings | None = None,
+        is_leader: Callable[[], bool] = lambda: True,
+        inflight: Callable[[ObservedReplica], float | None] = lambda _replica: None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.nomad = nomad
+        self.health = health
+        self.config = config
+        self.metrics = metrics
+        self.settings = settings or ControllerSettings()
+        self.is_leader = is_leader
+        self.inflight = inflight
+        self.clock = clock
+        self._memory = _ControllerMemory()
+        self.last_desired: DesiredState | None = None
+        self.last_observation: Observation | None = None
+        self.last_plan: Plan | None = None
+
+    async def observe(self, desired: DesiredState) -> Observation:
+        """Read Nomad (jobs, allocations, nodes) and Consul health into one snapshot."""
+        job_stubs = (await self.nomad.list_jobs(JOB_PREFIX, meta=True)).value
+        allocations = (await self.nomad.list_allocations()).value
+        node_stubs = [node.raw for node in (await self.nomad.list_nodes(resources=False)).value]
+        allocs_by_job: dict[str, list[Any]] = {}
+        for allocation in allocations:
+            allocs_by_job.setdefault(allocation.job_id, []).append(alloc_from_stub(allocation.raw))
+        replicas: dict[str, ObservedReplica] = {}
+        for stub in job_stubs:
+            replica = replica_from_job_stub(stub)
+            if replica is None:
+                continue
+            with_allocs = replace(replica, allocs=tuple(allocs_by_job.get(replica.job_id, ())))
+            replicas[replica.job_id] = replace(with_allocs, inflight=self.inflight(with_allocs))
+        models = {r.model for r in replicas.values()} | set(desired.profiles)
+        passing: dict[str, bool] = {}
+        for model in sorted(models):
+            _, entries = await self.health.health_service(model_service_name(model))
+            passing.update(_passing_by_alloc(entries))
+        replicas = {job_id: _with_health(r, passing) for job_id, r in replicas.items()}
+        nodes = {stub["ID"]: node_from_stub(stub) for stub in node_stubs}
+        return Observation(
+            replicas=replicas, nodes=nodes, draining=desired.draining, taken_at=self.clock()
+        )
+
+    def _suspect_empty(self, desired: DesiredState, observed: Observation, now: float) -> bool:
+        memory = self._memory
+        if observed.replicas:
+            memory.saw_jobs = True
+            memory.empty_since = None
+            return False
+        if not memory.saw_jobs or not desired.profiles:
+            return False
+        if memory.empty_since is None:
+            memory.empty_since = now
+        if now - memory.empty_since < self.settings.empty_list_confirm_s:
+            return True
+        # Confirmed: believe it (for example the Nomad cluster was rebuilt).
+        memory.saw_jobs = False
+        memory.empty_since = None
+        return False
+
+    def desired_models(self, desired: DesiredState) -> dict[str, DesiredModel]:
+        return {
+            name: DesiredModel(profile=profile, count=desired.desired_count(name))
+            for name, profile in desired.profiles.items()
+        }
+
+    async def reconcile_once(self) -> ReconcileResult:
+        started = time.monotonic()
+        try:
+            return await self._reconcile()
+        finally:
+            self.metrics.reconcile_duration.observe(time.monotonic() - started)
+
+    async def _reconcile(self) -> ReconcileResult:
+        if not self.is_leader():
+            self.metrics.reconcile_passes.labels(outcome="skipped").inc()
+            return ReconcileResult(requeue_after_s=None, skipped="not the leader")
+        desired = await self.store.read()
+        observed = await self.observe(desired)
+        self.last_desired, self.last_observation = desired, observed
+        now = self.clock()
+        for name, problem in desired.invalid.items():
+            self.metrics.errors.labels(kind="invalid_profile").inc()
+            log.error("profile_invalid", extra={"model": name, "problem": problem})
+        if self._suspect_empty(desired, observed, now):
+            log.warning("nomad_job_list_suspect", extra={"reason": "empty after non-empty"})
+            self.metrics.reconcile_passes.labels(outcome="skipped").inc()
+            return ReconcileResult(requeue_after_s=self.settings.plan.requeue_s, skipped="suspect")
+        result = plan(
+            self.desired_models(desired),
+            observed,
+            self._memory.planner,
+            config=self.config,
+            settings=self.settings.plan,
+            now=now,
+            leave_alone=frozenset(desired.invalid),
+        )
+        self._memory.planner = result.memory
+        self.last_plan = result
+        self._record(result)
+        if not self.is_leader():
+            # Leadership can be lost while we read: never write after that.
+            return ReconcileResult(requeue_after_s=None, plan=result, skipped="lost leadership")
+        applied, failed = await self.apply(result.actions)
+        self.metrics.reconcile_passes.labels(outcome="ok" if not failed else "error").inc()
+        requeue = result.requeue_after_s
+        if failed:
+            requeue = self.settings.backoff_initial_s
+        return ReconcileResult(requeue_after_s=requeue, plan=result, applied=applied, failed=failed)
+
+    def _record(self, result: Plan) -> None:
+        for report in result.reports:
+            self.metrics.replicas_desired.labels(model=report.model).set(report.desired)
+            self.metrics.replicas_live.labels(model=report.model).set(report.live)
+            self.metrics.replicas_ready.labels(model=report.model).set(report.ready)
+            self.metrics.replicas_unplaced.labels(model=report.model).set(len(report.unplaced))
+        for name, problem in result.errors.items():
+            self.metrics.errors.labels(kind="render").inc()
+            log.error("profile_unrenderable", extra={"model": name, "problem": problem})
+
+    async def apply(self, actions: tuple[Action, ...]) -> tuple[int, int]:
+        """Apply actions with bounded concurrency; returns (applied, failed)."""
+        if not actions:
+            return 0, 0
+        semaphore = asyncio.Semaphore(self.settings.apply_concurrency)
+        outcomes: list[bool] = []
+
+        async def one(action: Action) -> None:
+            async with semaphore:
+                if not self.is_leader():
+                    outcomes.append(False)
+                    return
+                outcomes.append(await self._apply_one(action))
+
+        async with asyncio.TaskGroup() as group:
+            for action in actions:
+                group.create_task(one(action))
+        failed = outcomes.count(False)
+        return len(outcomes) - failed, failed
+
+    async def _apply_one(self, action: Action) -> bool:
+        kind = type(action).__name__.lower()
+        try:
+            await self._dispatch(action)
+        except HashiError as exc:
+            self.metrics.actions.labels(kind=kind, outcome="error").inc()
+            self.metrics.errors.labels(kind=type(exc).__name__).inc()
+            log.warning(
+                "action_failed",
+                extra={"action": kind, "job_id": action.job_id, "error": str(exc)},
+            )
+            return False
+        self.metrics.actions.labels(kind=kind, outcome="ok").inc()
+        log.info(
+            "action_applied",
+            extra={"action": kind, "job_id": action.job_id, "reason": action.reason},
+        )
+        return True
+
+    async def _dispatch(self, action: Action) -> None:
+        match action:
+            case Register():
+                await self.nomad.register_job(action.body)
+            case Replace():
+                await self._deregister(action.job_id)
+                await self.nomad.register_job(action.body)
+            case StartDrain():
+                await self.store.mark_draining(
+                    action.job_id, drain_record_for(action, self.clock())
+                )
+            case Deregister():
+                await self._deregister(action.job_id)
+            case ClearDrainMarker():
+                await self.store.clear_draining(action.job_id)
+
+    async def _deregister(self, job_id: str) -> None:
+        try:
+            await self.nomad.deregister_job(job_id, purge=True)
+        except HashiNotFound:
+            log.debug("deregister_absent", extra={"job_id": job_id})
+
+    async def run(
+        self,
+        wake: asyncio.Event,
+        *,
+        sleep: Callable[[float], Awaitable[None]] | None = None,
+    ) -> None:
+        """Reconcile whenever `wake` is set, a requeue is due, or the resync timer fires."""
+        failures = 0
+        while True:
+            wake.clear()
+            try:
+                result = await self.reconcile_once()
+                failures = 0 if not result.failed else failures + 1
+                delay = result.requeue_after_s or self.settings.resync_s
+            except HashiError as exc:
+                failures += 1
+                self.metrics.reconcile_passes.labels(outcome="error").inc()
+                self.metrics.errors.labels(kind=type(exc).__name__).inc()
+                # Jittered so that several schedulers (and a recovering
+                # Nomad) are not hit in lockstep.
+                delay = random.uniform(0.5, 1.0) * min(
+                    self.settings.backoff_initial_s * 2 ** (failures - 1),
+                    self.settings.backoff_max_s,
+                )
+                log.warning(
+                    "reconcile_failed",
+                    extra={"error": str(exc), "retry_in_s": round(delay, 1)},
+                )
+            if sleep is not None:
+                await sleep(delay)
+                continue
+            try:
+                async with asyncio.timeout(delay):
+                    await wake.wait()
+            except TimeoutError:
+                pass

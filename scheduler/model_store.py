@@ -1,0 +1,251 @@
+"""Desired state in Consul KV: profiles, desired counts, drain markers, demand signals.
+
+Layout (contract 2, under a configurable prefix, default `caravan/`):
+
+    models/<name>      the validated profile, as JSON
+    desired/<name>     the desired replica count (decimal text); absent = replicas.start
+    draining/<job-id>  a replica being drained (JSON DrainRecord)
+    demand/<name>      a router's cold-start demand signal (JSON)
+    state/<name>       the autoscaler's memory (JSON)
+
+`ModelStore` is the one implementation both the CLI and the scheduler's HTTP
+API use to read and write it. A profile is validated before anything is
+written, so an invalid one never reaches KV through caravan.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from caravan.consul_api import KVEntry
+from caravan.contract import KVLayout
+from scheduler.profiles import ModelProfile, ProfileError, parse_profile_text, profile_to_json
+from scheduler.world import DrainRecord
+
+log = logging.getLogger(__name__)
+
+
+class KVStore(Protocol):
+    """The Consul KV calls the store needs (implemented by caravan.consul_api.ConsulClient)."""
+
+    async def kv_get(
+        self, key: str, *, index: int = 0, wait_s: float | None = None
+    ) -> tuple[int, KVEntry | None]: ...
+
+    async def kv_get_recurse(
+        self, prefix: str, *, index: int = 0, wait_s: float | None = None
+    ) -> tuple[int, tuple[KVEntry, ...]]: ...
+
+    async def kv_put(
+        self,
+        key: str,
+        value: bytes | str,
+        *,
+        cas: int | None = None,
+        flags: int | None = None,
+        acquire: str | None = None,
+        release: str | None = None,
+    ) -> bool: ...
+
+    async def kv_delete(
+        self, key: str, *, recurse: bool = False, cas: int | None = None
+    ) -> bool: ...
+
+
+class UnknownModelError(KeyError):
+    """No profile with that name exists in KV."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(name)
+
+    def __str__(self) -> str:
+        return f"no model named {self.name!r} (see `caravan list`)"
+
+
+class ScaleOutOfBoundsError(ValueError):
+    """A manual scale outside the profile's replicas.min..max."""
+
+
+@dataclass(frozen=True, slots=True)
+class DemandSignal:
+    """A router saw a request for a model with no ready replica."""
+
+    at: float
+    waiting: int
+
+
+@dataclass(frozen=True, slots=True)
+class DesiredState:
+    """Everything under the prefix that drives reconciliation, read in one pass."""
+
+    profiles: Mapping[str, ModelProfile]
+    # Keys under models/ whose value does not validate: name -> problems.
+    invalid: Mapping[str, str]
+    stored_counts: Mapping[str, int]
+    draining: Mapping[str, DrainRecord]
+    demand: Mapping[str, DemandSignal]
+    index: int = 0
+    autoscaler_state: Mapping[str, bytes] = field(default_factory=dict)
+
+    def desired_count(self, name: str) -> int:
+        """The desired replica count: the stored one clamped to the profile's bounds."""
+        profile = self.profiles[name]
+        stored = self.stored_counts.get(name)
+        count = profile.replicas.start if stored is None else stored
+        return min(max(count, profile.replicas.min), profile.replicas.max)
+
+
+def _suffix(entry: KVEntry, prefix: str) -> str:
+    return entry.key[len(prefix) :]
+
+
+def _parse_draining(entry: KVEntry, job_id: str) -> DrainRecord | None:
+    try:
+        raw: Any = json.loads(entry.value)
+        return DrainRecord(
+            model=str(raw["model"]),
+            since=float(raw["since"]),
+            drain_s=float(raw["drain_s"]),
+            reason=str(raw.get("reason", "")),
+        )
+    except (ValueError, KeyError, TypeError):
+        log.warning("drain_marker_unreadable", extra={"job_id": job_id})
+        return None
+
+
+def _parse_demand(entry: KVEntry) -> DemandSignal | None:
+    try:
+        raw: Any = json.loads(entry.value)
+        return DemandSignal(at=float(raw["at"]), waiting=int(raw.get("waiting", 1)))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: int) -> DesiredState:
+    """Sort a recursive read of the prefix into its parts (pure)."""
+    profiles: dict[str, ModelProfile] = {}
+    invalid: dict[str, str] = {}
+    counts: dict[str, int] = {}
+    draining: dict[str, DrainRecord] = {}
+    demand: dict[str, DemandSignal] = {}
+    state: dict[str, bytes] = {}
+    for entry in entries:
+        if entry.key.startswith(layout.models):
+            name = _suffix(entry, layout.models)
+            try:
+                profile = parse_profile_text(entry.value.decode("utf-8", "replace"), entry.key)
+            except ProfileError as exc:
+                invalid[name] = "; ".join(exc.problems)
+                continue
+            if profile.name != name:
+                invalid[name] = f"profile name {profile.name!r} does not match its key {name!r}"
+                continue
+            profiles[name] = profile
+        elif entry.key.startswith(layout.desired):
+            try:
+                counts[_suffix(entry, layout.desired)] = int(entry.value.decode().strip())
+            except ValueError:
+                log.warning("desired_count_unreadable", extra={"key": entry.key})
+        elif entry.key.startswith(layout.draining):
+            job_id = _suffix(entry, layout.draining)
+            record = _parse_draining(entry, job_id)
+            if record is not None:
+                draining[job_id] = record
+        elif entry.key.startswith(layout.demand):
+            signal = _parse_demand(entry)
+            if signal is not None:
+                demand[_suffix(entry, layout.demand)] = signal
+        elif entry.key.startswith(layout.state):
+            state[_suffix(entry, layout.state)] = entry.value
+    return DesiredState(
+        profiles=profiles,
+        invalid=invalid,
+        stored_counts=counts,
+        draining=draining,
+        demand=demand,
+        index=index,
+        autoscaler_state=state,
+    )
+
+
+def drain_record_json(record: DrainRecord) -> str:
+    return json.dumps(
+        {
+            "model": record.model,
+            "since": record.since,
+            "drain_s": record.drain_s,
+            "reason": record.reason,
+        }
+    )
+
+
+class ModelStore:
+    """Reads and writes caravan's desired state in Consul KV."""
+
+    def __init__(self, kv: KVStore, layout: KVLayout) -> None:
+        self.kv = kv
+        self.layout = layout
+
+    async def read(self, *, index: int = 0, wait_s: float | None = None) -> DesiredState:
+        """Everything under the prefix (blocking when `index` is given)."""
+        new_index, entries = await self.kv.kv_get_recurse(
+            self.layout.prefix, index=index, wait_s=wait_s
+        )
+        return parse_desired_state(entries, self.layout, new_index)
+
+    async def profile(self, name: str) -> ModelProfile:
+        _, entry = await self.kv.kv_get(self.layout.model_key(name))
+        if entry is None:
+            raise UnknownModelError(name)
+        return parse_profile_text(entry.value.decode("utf-8", "replace"), entry.key)
+
+    async def submit(self, profiles: list[ModelProfile]) -> None:
+        """Write validated profiles (all were validated before this is called)."""
+        for profile in profiles:
+            await self.kv.kv_put(self.layout.model_key(profile.name), profile_to_json(profile))
+
+    async def delete(self, name: str) -> None:
+        """Remove a model: the scheduler then drains and stops its replicas."""
+        _, entry = await self.kv.kv_get(self.layout.model_key(name))
+        if entry is None:
+            raise UnknownModelError(name)
+        await self.kv.kv_delete(self.layout.model_key(name))
+        for key in (
+            self.layout.desired_key(name),
+            self.layout.demand_key(name),
+            self.layout.state_key(name),
+        ):
+            await self.kv.kv_delete(key)
+
+    async def scale(self, name: str, count: int) -> ModelProfile:
+        """Set the desired count of a model, within its replicas.min..max."""
+        profile = await self.profile(name)
+        bounds = profile.replicas
+        if not bounds.min <= count <= bounds.max:
+            raise ScaleOutOfBoundsError(
+                f"{name}: {count} replicas is outside replicas.min..max "
+                f"({bounds.min}..{bounds.max})"
+            )
+        await self.kv.kv_put(self.layout.desired_key(name), str(count))
+        return profile
+
+    async def set_desired(self, name: str, count: int) -> None:
+        """Write a desired count as the autoscaler decided it (bounds already applied)."""
+        await self.kv.kv_put(self.layout.desired_key(name), str(count))
+
+    async def mark_draining(self, job_id: str, record: DrainRecord) -> None:
+        await self.kv.kv_put(self.layout.draining_key(job_id), drain_record_json(record))
+
+    async def clear_draining(self, job_id: str) -> None:
+        await self.kv.kv_delete(self.layout.draining_key(job_id))
+
+    async def clear_demand(self, name: str) -> None:
+        await self.kv.kv_delete(self.layout.demand_key(name))
+
+    async def put_autoscaler_state(self, name: str, document: str) -> None:
+        await self.kv.kv_put(self.layout.state_key(name), document)

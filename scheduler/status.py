@@ -1,0 +1,293 @@
+"""What `caravan list` and `caravan status` show, read from KV, Nomad and Consul.
+
+The readers gather the facts; `summarise_model` and `replica_status` are pure
+and say them in plain words: which replica runs where, whether it passes its
+check, since when, its last task event, and why a pending replica cannot be
+placed (from the blocked evaluation's `FailedTGAllocs`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from caravan.contract import JOB_PREFIX, ServiceMetaKey, model_service_name
+from scheduler.controller import HealthSource, NomadReads
+from scheduler.model_store import DesiredState, ModelStore, UnknownModelError
+from scheduler.placement_explain import ReplicaAsk, explain_failed_groups
+from scheduler.profiles import ModelProfile
+from scheduler.render import render, spec_hash
+from scheduler.world import NS_PER_S, node_from_stub, replica_from_job_stub
+
+
+class InvalidStoredProfileError(ValueError):
+    """The model's profile in KV does not validate (written around caravan)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStatus:
+    job_id: str
+    replica: int
+    state: str
+    current: bool
+    draining: bool
+    alloc_id: str | None = None
+    node: str | None = None
+    health: str | None = None
+    since_s: float | None = None
+    last_event: str | None = None
+    pending_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStatus:
+    name: str
+    engine: str
+    served_model_name: str
+    gpu: str
+    desired: int
+    ready: int
+    min: int
+    max: int
+    status: str
+    replicas: tuple[ReplicaStatus, ...] = ()
+    problem: str | None = None
+    autoscaler: Mapping[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _last_event(alloc: Mapping[str, Any]) -> str | None:
+    states = alloc.get("TaskStates") or {}
+    events = [event for state in states.values() for event in (state.get("Events") or [])]
+    if not events:
+        return None
+    latest = max(events, key=lambda e: int(e.get("Time") or 0))
+    message = latest.get("DisplayMessage") or latest.get("Message") or ""
+    kind = str(latest.get("Type", ""))
+    return f"{kind}: {message}" if message else kind
+
+
+def _gpu_words(profile: ModelProfile) -> str:
+    if profile.gpu is None:
+        return "cpu"
+    return f"{profile.gpu.count}x {profile.gpu.gpu_class}"
+
+
+def replica_status(
+    *,
+    profile: ModelProfile | None,
+    job_stub: Mapping[str, Any],
+    allocs: Sequence[Mapping[str, Any]],
+    node_names: Mapping[str, str],
+    node_up: Mapping[str, bool],
+    health_by_alloc: Mapping[str, str],
+    evaluations: Sequence[Mapping[str, Any]],
+    draining: bool,
+    now: float,
+) -> ReplicaStatus:
+    """One replica in plain words (pure)."""
+    replica = replica_from_job_stub(job_stub)
+    job_id = str(job_stub.get("ID"))
+    index = replica.replica if replica is not None else -1
+    current = (
+        profile is not None
+        and replica is not None
+        and replica.spec_hash == spec_hash(profile, replica.replica)
+    )
+    live = [a for a in allocs if a.get("DesiredStatus") == "run"]
+    chosen = max(live or allocs, key=lambda a: int(a.get("CreateTime") or 0), default=None)
+    if chosen is None:
+        ask = ReplicaAsk()
+        if profile is not None:
+            ask = ReplicaAsk.from_job(
+                render(profile, max(index, 0))["Job"],
+                profile.gpu.gpu_class if profile.gpu else "",
+            )
+        reason = None
+        for evaluation in sorted(evaluations, key=lambda e: int(e.get("CreateIndex") or 0)):
+            explained = explain_failed_groups(evaluation.get("FailedTGAllocs"), ask)
+            if explained:
+                reason = explained
+        return ReplicaStatus(
+            job_id=job_id,
+            replica=index,
+            state="pending placement" if reason else "pending",
+            current=current,
+            draining=draining,
+            pending_reason=reason,
+        )
+    alloc_id = str(chosen.get("ID"))
+    node_id = str(chosen.get("NodeID", ""))
+    health = health_by_alloc.get(alloc_id)
+    client_status = str(chosen.get("ClientStatus", ""))
+    state = client_status
+    if client_status == "running" and not node_up.get(node_id, True):
+        state = "node down"
+    elif client_status == "running" and health == "passing":
+        state = "ready"
+    elif client_status == "running":
+        state = "starting" if health in {None, "critical"} else "saturated"
+    modified = int(chosen.get("ModifyTime") or 0) / NS_PER_S
+    return ReplicaStatus(
+        job_id=job_id,
+        replica=index,
+        state="draining" if draining else state,
+        current=current,
+        draining=draining,
+        alloc_id=alloc_id[:8],
+        node=node_names.get(node_id, node_id[:8]),
+        health=health,
+        since_s=round(max(now - modified, 0.0), 1) if modified else None,
+        last_event=_last_event(chosen),
+    )
+
+
+def summarise_model(
+    name: str,
+    profile: ModelProfile,
+    desired: int,
+    replicas: Sequence[ReplicaStatus],
+    autoscaler: Mapping[str, Any] | None = None,
+) -> ModelStatus:
+    """The model's line for `caravan list` and the header of `caravan status` (pure)."""
+    ready = sum(1 for r in replicas if r.state == "ready")
+    if desired == 0 and not replicas:
+        status = "scaled to zero"
+    elif ready >= desired and all(r.current for r in replicas if not r.draining):
+        status = "ready"
+    elif any(r.state == "pending placement" for r in replicas):
+        status = "unplaceable"
+    elif any(not r.current for r in replicas if not r.draining):
+        status = "updating"
+    elif ready < desired:
+        status = "starting" if ready == 0 else "degraded"
+    else:
+        status = "scaling down"
+    return ModelStatus(
+        name=name,
+        engine=profile.engine.value,
+        served_model_name=profile.served_name,
+        gpu=_gpu_words(profile),
+        desired=desired,
+        ready=ready,
+        min=profile.replicas.min,
+        max=profile.replicas.max,
+        status=status,
+        replicas=tuple(replicas),
+        autoscaler=autoscaler,
+    )
+
+
+@dataclass(slots=True)
+class StatusReader:
+    """Gathers status from KV, Nomad and Consul for the CLI and the HTTP API."""
+
+    store: ModelStore
+    nomad: NomadReads
+    health: HealthSource
+    clock: Callable[[], float] = field(default=time.time)
+
+    def _now(self) -> float:
+        return self.clock()
+
+    async def _world(self) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]], Any]:
+        jobs = (await self.nomad.list_jobs(JOB_PREFIX, meta=True)).value
+        allocations = (await self.nomad.list_allocations()).value
+        nodes = (await self.nomad.list_nodes(resources=False)).value
+        allocs_by_job: dict[str, list[dict[str, Any]]] = {}
+        for allocation in allocations:
+            allocs_by_job.setdefault(allocation.job_id, []).append(dict(allocation.raw))
+        return jobs, allocs_by_job, [node_from_stub(n.raw) for n in nodes]
+
+    async def model(self, name: str, *, desired_state: DesiredState | None = None) -> ModelStatus:
+        state = desired_state or await self.store.read()
+        if name not in state.profiles:
+            if name in state.invalid:
+                raise InvalidStoredProfileError(
+                    f"{name}: its profile in KV is invalid: {state.invalid[name]}"
+                )
+            raise UnknownModelError(name)
+        jobs, allocs_by_job, nodes = await self._world()
+        return await self._model(name, state, jobs, allocs_by_job, nodes, detailed=True)
+
+    async def models(self) -> list[ModelStatus]:
+        state = await self.store.read()
+        jobs, allocs_by_job, nodes = await self._world()
+        result = [
+            await self._model(name, state, jobs, allocs_by_job, nodes, detailed=False)
+            for name in sorted(state.profiles)
+        ]
+        result.extend(
+            ModelStatus(
+                name=name,
+                engine="?",
+                served_model_name="?",
+                gpu="?",
+                desired=0,
+                ready=0,
+                min=0,
+                max=0,
+                status="invalid profile",
+                problem=problem,
+            )
+            for name, problem in sorted(state.invalid.items())
+        )
+        return result
+
+    async def _model(
+        self,
+        name: str,
+        state: DesiredState,
+        jobs: list[dict[str, Any]],
+        allocs_by_job: dict[str, list[dict[str, Any]]],
+        nodes: list[Any],
+        *,
+        detailed: bool,
+    ) -> ModelStatus:
+        profile = state.profiles[name]
+        now = self._now()
+        _, entries = await self.health.health_service(model_service_name(name))
+        health_by_alloc = {
+            e.meta.get(ServiceMetaKey.ALLOC_ID, ""): e.status
+            for e in entries
+            if e.meta.get(ServiceMetaKey.ALLOC_ID)
+        }
+        node_names = {n.id: n.name for n in nodes}
+        node_up = {n.id: n.is_up for n in nodes}
+        replicas: list[ReplicaStatus] = []
+        for stub in jobs:
+            replica = replica_from_job_stub(stub)
+            if replica is None or replica.model != name or replica.stopped:
+                continue
+            allocs = allocs_by_job.get(replica.job_id, [])
+            evaluations: list[dict[str, Any]] = []
+            if detailed and not allocs:
+                found = await self.nomad.job_evaluations(replica.job_id)
+                evaluations = [dict(e.raw) for e in found.value]
+            replicas.append(
+                replica_status(
+                    profile=profile,
+                    job_stub=stub,
+                    allocs=allocs,
+                    node_names=node_names,
+                    node_up=node_up,
+                    health_by_alloc=health_by_alloc,
+                    evaluations=evaluations,
+                    draining=replica.job_id in state.draining,
+                    now=now,
+                )
+            )
+        replicas.sort(key=lambda r: r.replica)
+        autoscaler = None
+        raw_state = state.autoscaler_state.get(name)
+        if raw_state:
+            try:
+                autoscaler = json.loads(raw_state)
+            except ValueError:
+                autoscaler = {"error": "autoscaler state in KV is unreadable"}
+        return summarise_model(name, profile, state.desired_count(name), replicas, autoscaler)
