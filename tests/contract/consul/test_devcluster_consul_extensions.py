@@ -146,6 +146,8 @@ async def test_python_m_devcluster_prints_exports_and_stops_on_sigterm():
         "0",
         "--dns-port",
         "0",
+        "--nomad-port",
+        "0",
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
