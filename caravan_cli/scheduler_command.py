@@ -36,6 +36,18 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     parser.add_argument(
         "--no-autoscale", action="store_true", help="keep counts manual (caravan scale)"
     )
+    parser.add_argument(
+        "--leader-ttl-s",
+        type=float,
+        default=15.0,
+        help="session TTL of the leader lock; a dead leader is replaced within about this long",
+    )
+    parser.add_argument(
+        "--leader-lock-delay-s",
+        type=float,
+        default=5.0,
+        help="Consul lock-delay after a leader's session is invalidated (default 5)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     parser.set_defaults(handler=run_scheduler)
 
@@ -55,6 +67,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         kv_prefix=args.kv_prefix,
         autoscale=not args.no_autoscale,
+        leader_ttl_s=args.leader_ttl_s,
+        leader_lock_delay_s=args.leader_lock_delay_s,
     )
     return asyncio.run(_serve(options, config))
 

@@ -173,6 +173,7 @@ def _job_stub(server: NomadServer, job: Json, *, with_meta: bool) -> Json:
         "ModifyIndex": job.get("ModifyIndex", 0),
         "JobModifyIndex": job.get("JobModifyIndex", 0),
         "SubmitTime": job.get("SubmitTime", 0),
+        "Version": job.get("Version", 0),
     }
     if with_meta:
         stub["Meta"] = job.get("Meta")

@@ -1,0 +1,222 @@
+"""A whole caravan on one machine: devcluster, a scheduler and (optionally) a router.
+
+Used by `caravan demo` and by the component tests, so both exercise the same
+wiring a user runs. Everything runs in-process on one event loop, except the
+engines, which devcluster's Nomad starts as real processes on its simulated
+nodes:
+
+- vLLM replicas (docker driver) map to the simulated vLLM engine;
+- llama.cpp replicas (raw_exec) run the real `llama-server` with the tiny
+  GGUF model when `scripts/build-llama-server.sh` has built them, else the
+  simulated llama.cpp engine through a small wrapper script.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import stat
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from caravan.consul_api import ConsulClient, ConsulSettings
+from caravan.nomad_api import NomadClient, NomadSettings
+from devcluster.cluster import ClusterConfig as DevClusterConfig
+from devcluster.cluster import DevCluster
+from devcluster.consul.server import ConsulConfig
+from devcluster.llama_server_build import find_llama_server
+from devcluster.nomad.settings import NomadServerSettings, default_nodes
+from scheduler.app import SchedulerOptions, SchedulerProcess
+from scheduler.autoscale.loop import AutoscalerSettings
+from scheduler.cluster_config import ClusterConfig, LlamaCppSettings
+from scheduler.controller import ControllerSettings
+from scheduler.plan import PlanSettings
+from scheduler.profiles import ModelProfile
+
+
+@dataclass(frozen=True, slots=True)
+class StackOptions:
+    cpu_nodes: int = 3
+    gpu_nodes: int = 2
+    gpus_per_node: int = 8
+    gpu_model: str = "NVIDIA H100 80GB HBM3"
+    # Short timings so failures show up in seconds, not minutes.
+    heartbeat_grace_s: float = 3.0
+    leader_ttl_s: float = 10.0
+    resync_s: float = 5.0
+    replace_lost_after_s: float = 20.0
+    orphan_confirm_s: float = 3.0
+    prefer_real_llama_server: bool = True
+    autoscale: bool = True
+    autoscale_tick_s: float = 2.0
+    # False: start devcluster only (tests that run schedulers as processes).
+    run_scheduler: bool = True
+    work_dir: Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaCppEngine:
+    """Which llama.cpp engine the stack runs, and the model path it is given."""
+
+    binary: Path
+    model: Path
+    real: bool
+
+    @property
+    def description(self) -> str:
+        if self.real:
+            return f"the real llama-server ({self.binary}) with the tiny GGUF model"
+        return "the simulated llama.cpp engine (run `make llama-server` for the real one)"
+
+
+def _simulated_llama_server(folder: Path) -> Path:
+    """A `llama-server` stand-in: the simulated engine with the same flags."""
+    script = folder / "llama-server"
+    script.write_text(
+        f'#!/bin/sh\nexec "{sys.executable}" -m devcluster.engine --flavor llamacpp "$@"\n',
+        encoding="utf-8",
+    )
+    script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return script
+
+
+def choose_llamacpp_engine(folder: Path, *, prefer_real: bool) -> LlamaCppEngine:
+    build = find_llama_server() if prefer_real else None
+    if build is not None:
+        return LlamaCppEngine(binary=build.binary, model=build.model, real=True)
+    return LlamaCppEngine(
+        binary=_simulated_llama_server(folder), model=folder / "tiny-llama.gguf", real=False
+    )
+
+
+def cluster_config_for(engine: LlamaCppEngine) -> ClusterConfig:
+    """Rendering settings for the local stack: its llama-server, fast checks and reschedules."""
+    return ClusterConfig(
+        datacenters=("dc1",),
+        llamacpp=LlamaCppSettings(binary=str(engine.binary)),
+        reschedule_delay_s=5,
+        check_interval_s=1,
+        check_timeout_s=1,
+    )
+
+
+def local_profile(profile: ModelProfile, engine: LlamaCppEngine) -> ModelProfile:
+    """A CPU llama.cpp profile pointed at the stack's model file."""
+    if profile.engine.value == "llamacpp" and not profile.uses_gpu:
+        return profile.model_copy(update={"model": str(engine.model)})
+    return profile
+
+
+@dataclass(slots=True)
+class LocalStack:
+    """A running devcluster + scheduler; `env` points clients at it."""
+
+    cluster: DevCluster
+    scheduler: SchedulerProcess
+    engine: LlamaCppEngine
+    config: ClusterConfig
+    work_dir: Path
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def nomad_addr(self) -> str:
+        return self.cluster.nomad.address
+
+    @property
+    def consul_addr(self) -> str:
+        return self.cluster.consul.http_addr
+
+
+def _client_env(cluster: DevCluster) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("NOMAD_", "CONSUL_")) or k.startswith("CONSUL_HTTP_SSL")
+    }
+    env.pop("CONSUL_HTTP_SSL", None)
+    env["NOMAD_ADDR"] = cluster.nomad.address
+    env["CONSUL_HTTP_ADDR"] = cluster.consul.http_addr
+    return env
+
+
+@contextlib.asynccontextmanager
+async def local_stack(options: StackOptions | None = None) -> AsyncIterator[LocalStack]:
+    """Start devcluster and a scheduler; stop both (and every engine process) on exit."""
+    options = options or StackOptions()
+    with contextlib.ExitStack() as cleanup:
+        work_dir = options.work_dir or Path(
+            cleanup.enter_context(tempfile.TemporaryDirectory(prefix="caravan-"))
+        )
+        engine = choose_llamacpp_engine(work_dir, prefer_real=options.prefer_real_llama_server)
+        config = cluster_config_for(engine)
+        dev_config = DevClusterConfig(
+            consul=ConsulConfig(session_ttl_min_s=1.0),
+            nomad=NomadServerSettings(
+                nodes=default_nodes(
+                    cpu_nodes=options.cpu_nodes,
+                    gpu_nodes=options.gpu_nodes,
+                    gpus_per_node=options.gpus_per_node,
+                    gpu_model=options.gpu_model,
+                ),
+                heartbeat_grace_s=options.heartbeat_grace_s,
+                data_dir=work_dir / "nomad",
+            ),
+        )
+        async with DevCluster(dev_config) as cluster:
+            env = _client_env(cluster)
+            async with (
+                ConsulClient(ConsulSettings.from_env(env)) as consul,
+                NomadClient(NomadSettings.from_env(env)) as nomad,
+            ):
+                scheduler = SchedulerProcess(
+                    options=SchedulerOptions(
+                        http_port=0,
+                        leader_ttl_s=options.leader_ttl_s,
+                        leader_lock_delay_s=1.0,
+                        autoscale=options.autoscale,
+                        autoscaler=AutoscalerSettings(tick_s=options.autoscale_tick_s),
+                        controller=ControllerSettings(
+                            resync_s=options.resync_s,
+                            plan=PlanSettings(
+                                replace_lost_after_s=options.replace_lost_after_s,
+                                orphan_confirm_s=options.orphan_confirm_s,
+                                requeue_s=1.0,
+                            ),
+                        ),
+                    ),
+                    config=config,
+                    consul=consul,
+                    nomad=nomad,
+                )
+                async with _running(scheduler, enabled=options.run_scheduler):
+                    yield LocalStack(
+                        cluster=cluster,
+                        scheduler=scheduler,
+                        engine=engine,
+                        config=config,
+                        work_dir=work_dir,
+                        env=env,
+                    )
+
+
+@contextlib.asynccontextmanager
+async def _running(scheduler: SchedulerProcess, *, enabled: bool) -> AsyncIterator[None]:
+    if not enabled:
+        yield
+        return
+    task = asyncio.create_task(scheduler.run())
+    ready = asyncio.create_task(scheduler.ready.wait())
+    await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        ready.cancel()
+        task.result()
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -1,0 +1,60 @@
+"""A devcluster (3 CPU nodes, 2 GPU nodes with H100s) and a scheduler, in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from caravan.contract import KVLayout
+from caravan_cli.local_stack import LocalStack, StackOptions, local_profile, local_stack
+from scheduler.model_store import ModelStore
+from scheduler.profiles import ModelProfile, load_profile
+
+ROOT = Path(__file__).resolve().parents[3]
+EXAMPLES = ROOT / "examples" / "profiles"
+
+
+def example(name: str, **overrides: Any) -> ModelProfile:
+    profile = load_profile(EXAMPLES / name)
+    return profile.model_copy(update=overrides) if overrides else profile
+
+
+@pytest.fixture
+async def stack(tmp_path: Path) -> AsyncIterator[LocalStack]:
+    options = StackOptions(
+        prefer_real_llama_server=False,
+        gpus_per_node=4,
+        autoscale=False,
+        work_dir=tmp_path,
+        resync_s=2.0,
+        replace_lost_after_s=15.0,
+    )
+    async with local_stack(options) as running:
+        yield running
+
+
+def store_of(stack: LocalStack) -> ModelStore:
+    return ModelStore(stack.scheduler.consul, KVLayout())
+
+
+async def submit(stack: LocalStack, *profiles: ModelProfile) -> None:
+    await store_of(stack).submit([local_profile(p, stack.engine) for p in profiles])
+
+
+async def eventually(
+    check: Callable[[], Any], *, timeout_s: float = 60.0, interval_s: float = 0.5
+) -> Any:
+    """Poll an async check until it returns a truthy value; fail with its last value."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = await check()
+        if last:
+            return last
+        await asyncio.sleep(interval_s)
+    pytest.fail(f"condition not met within {timeout_s}s; last value: {last!r}")

@@ -1,0 +1,142 @@
+"""The scheduler through failures: a dead node, a Nomad outage, a steady state."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from conftest import eventually, example, submit
+
+from caravan.contract import model_service_name
+from caravan_cli.local_stack import LocalStack
+
+
+async def running_allocs(stack: LocalStack, job_prefix: str) -> dict[str, tuple[str, str]]:
+    """Running allocations of matching jobs: job id -> (alloc id, node id)."""
+    allocs = (await stack.scheduler.nomad.list_allocations()).value
+    return {
+        a.job_id: (a.id, a.node_id)
+        for a in allocs
+        if a.job_id.startswith(job_prefix)
+        and a.client_status == "running"
+        and a.desired_status == "run"
+    }
+
+
+async def passing(stack: LocalStack, model: str) -> list[str]:
+    _, entries = await stack.scheduler.consul.health_service(
+        model_service_name(model), passing=True
+    )
+    return sorted(e.node for e in entries)
+
+
+async def test_node_kill_restores_replicas_without_touching_healthy_ones(stack: LocalStack):
+    """Killing one CPU replica's node restores 3 passing replicas; the other two stay put."""
+    await submit(stack, example("tiny-llamacpp-cpu.yaml"))
+    await eventually(lambda: _count_is(passing(stack, "tiny-chat"), 3), timeout_s=60)
+    before = await running_allocs(stack, "caravan-tiny-chat-")
+    victim_job, (_, victim_node) = min(before.items())
+    jobs_before = {
+        j["ID"]: j["JobModifyIndex"]
+        for j in (await stack.scheduler.nomad.list_jobs("caravan-tiny-chat-")).value
+    }
+
+    await stack.cluster.nomad.kill_node(victim_node)
+
+    async def restored() -> bool:
+        nodes = await passing(stack, "tiny-chat")
+        now = await running_allocs(stack, "caravan-tiny-chat-")
+        return len(nodes) == 3 and victim_node not in {n for _, n in now.values()} and len(now) == 3
+
+    await eventually(restored, timeout_s=60)
+    after = await running_allocs(stack, "caravan-tiny-chat-")
+    for job_id, placement in before.items():
+        if job_id != victim_job:
+            assert after[job_id] == placement, f"{job_id} was disturbed"
+    jobs_after = {
+        j["ID"]: j["JobModifyIndex"]
+        for j in (await stack.scheduler.nomad.list_jobs("caravan-tiny-chat-")).value
+    }
+    assert jobs_before == jobs_after, "the scheduler re-registered jobs Nomad could handle"
+    dead_node_names = {
+        n.name for n in (await stack.scheduler.nomad.list_nodes()).value if n.id == victim_node
+    }
+    assert not dead_node_names & set(await passing(stack, "tiny-chat"))
+
+
+async def _count_is(awaitable, count: int) -> bool:
+    return len(await awaitable) == count
+
+
+def _metric(stack: LocalStack, name: str, labels: dict[str, str] | None = None) -> float:
+    value = stack.scheduler.registry.get_sample_value(name, labels or {})
+    return value or 0.0
+
+
+async def test_nomad_outage_deletes_nothing(stack: LocalStack):
+    """While Nomad answers 500, the scheduler retries and drains or deletes nothing."""
+    await submit(stack, example("qwen-vllm-h100.yaml"))
+    await eventually(lambda: _count_is(passing(stack, "qwen2-5-7b"), 2), timeout_s=60)
+    before = await running_allocs(stack, "caravan-qwen2-5-7b-")
+    outage_url = f"{stack.nomad_addr}/v1/devcluster/outage"
+    async with aiohttp.ClientSession() as session:
+        async with session.put(outage_url, json={"Enabled": True}) as response:
+            assert response.status == 200
+        errors_before = _metric(
+            stack, "caravan_scheduler_reconcile_passes_total", {"outcome": "error"}
+        )
+        await asyncio.sleep(8)
+        errors_during = _metric(
+            stack, "caravan_scheduler_reconcile_passes_total", {"outcome": "error"}
+        )
+        async with session.put(outage_url, json={"Enabled": False}) as response:
+            assert response.status == 200
+    assert errors_during > errors_before, "the outage was not noticed"
+    await asyncio.sleep(4)
+    assert before == await running_allocs(stack, "caravan-qwen2-5-7b-")
+    drains = _metric(
+        stack, "caravan_scheduler_actions_total", {"kind": "startdrain", "outcome": "ok"}
+    )
+    deregisters = _metric(
+        stack, "caravan_scheduler_actions_total", {"kind": "deregister", "outcome": "ok"}
+    )
+    assert (drains, deregisters) == (0.0, 0.0)
+
+
+@pytest.mark.slow
+async def test_steady_state_makes_no_nomad_writes_for_a_minute(stack: LocalStack):
+    """Once every replica passes, a full minute of reconcile passes writes nothing to Nomad."""
+    await submit(stack, example("tiny-llamacpp-cpu.yaml"), example("qwen-vllm-h100.yaml"))
+    await eventually(lambda: _count_is(passing(stack, "tiny-chat"), 3), timeout_s=90)
+    await eventually(lambda: _count_is(passing(stack, "qwen2-5-7b"), 2), timeout_s=60)
+    await asyncio.sleep(3)
+    nomad = stack.scheduler.nomad
+    jobs_before = {
+        j["ID"]: (j["JobModifyIndex"], j["Version"])
+        for j in (await nomad.list_jobs("caravan-")).value
+    }
+    writes = ("register", "replace", "deregister")
+    actions_before = {
+        k: _metric(stack, "caravan_scheduler_actions_total", {"kind": k, "outcome": "ok"})
+        for k in writes
+    }
+    passes_before = _metric(stack, "caravan_scheduler_reconcile_passes_total", {"outcome": "ok"})
+
+    await asyncio.sleep(60)
+
+    jobs_after = {
+        j["ID"]: (j["JobModifyIndex"], j["Version"])
+        for j in (await nomad.list_jobs("caravan-")).value
+    }
+    actions_after = {
+        k: _metric(stack, "caravan_scheduler_actions_total", {"kind": k, "outcome": "ok"})
+        for k in writes
+    }
+    passes = (
+        _metric(stack, "caravan_scheduler_reconcile_passes_total", {"outcome": "ok"})
+        - passes_before
+    )
+    assert passes >= 20, f"only {passes} reconcile passes ran in a minute"
+    assert actions_before == actions_after
+    assert jobs_before == jobs_after
