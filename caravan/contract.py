@@ -122,6 +122,11 @@ class KVLayout:
     def leader(self) -> str:
         return f"{self.prefix}leader"
 
+    @property
+    def cluster_config(self) -> str:
+        """The leading scheduler's cluster config (JSON), so every reader renders alike."""
+        return f"{self.prefix}cluster-config"
+
     def model_key(self, name: str) -> str:
         """The profile of a model (JSON)."""
         return f"{self.models}{name}"

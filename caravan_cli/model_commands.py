@@ -166,7 +166,9 @@ async def _models(args: argparse.Namespace) -> AsyncIterator[Models]:
     async with scheduler_clients(os.environ) as (consul, nomad):
         store = ModelStore(consul, KVLayout(args.kv_prefix))
         service = ModelService(
-            store=store, status=StatusReader(store=store, nomad=nomad, health=consul), config=config
+            store=store,
+            status=StatusReader(store=store, nomad=nomad, health=consul, config=config),
+            config=config,
         )
         yield DirectModels(service)
 

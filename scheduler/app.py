@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from caravan.consul_api import ConsulClient, ConsulSettings
 from caravan.contract import JOB_PREFIX, KVLayout
+from caravan.errors import HashiError
 from caravan.leader import ElectionSettings, LeaderElection
 from caravan.nomad_api import NomadClient, NomadSettings
 from caravan.watch import BlockingWatch
@@ -117,7 +118,9 @@ class SchedulerProcess:
         self.controller = controller
         service = ModelService(
             store=store,
-            status=StatusReader(store=store, nomad=self.nomad, health=self.consul),
+            status=StatusReader(
+                store=store, nomad=self.nomad, health=self.consul, config=self.config
+            ),
             config=self.config,
         )
         wake = asyncio.Event()
@@ -126,7 +129,7 @@ class SchedulerProcess:
             asyncio.TaskGroup() as tasks,
         ):
             tasks.create_task(election.run())
-            tasks.create_task(self._follow_leadership(election, metrics, wake))
+            tasks.create_task(self._follow_leadership(election, metrics, wake, store))
             tasks.create_task(self._watches(layout, wake))
             tasks.create_task(controller.run(wake))
             if self.options.autoscale:
@@ -136,11 +139,19 @@ class SchedulerProcess:
             self.ready.set()
 
     async def _follow_leadership(
-        self, election: LeaderElection, metrics: SchedulerMetrics, wake: asyncio.Event
+        self,
+        election: LeaderElection,
+        metrics: SchedulerMetrics,
+        wake: asyncio.Event,
+        store: ModelStore,
     ) -> None:
         while True:
             await election.elected.wait()
             metrics.leader.set(1)
+            try:
+                await store.publish_cluster_config(self.config)
+            except HashiError as exc:
+                log.warning("cluster_config_not_published", extra={"error": str(exc)})
             wake.set()
             await election.deposed.wait()
             metrics.leader.set(0)

@@ -73,8 +73,13 @@ class ModelService:
     config: ClusterConfig
 
     async def submit(self, documents: list[tuple[str, str]]) -> list[ModelProfile]:
-        """Validate all, then write all: a submission that fails validation writes nothing."""
-        profiles = validate_submission(documents, self.config)
+        """Validate all, then write all: a submission that fails validation writes nothing.
+
+        Profiles are validated against the cluster config the leading
+        scheduler published (GPU classes, images), else the local one.
+        """
+        config = await self.store.cluster_config() or self.config
+        profiles = validate_submission(documents, config)
         await self.store.submit(profiles)
         return profiles
 

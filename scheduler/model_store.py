@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from caravan.consul_api import KVEntry
 from caravan.contract import KVLayout
+from scheduler.cluster_config import ClusterConfig
 from scheduler.profiles import ModelProfile, ProfileError, parse_profile_text, profile_to_json
 from scheduler.world import DrainRecord
 
@@ -91,6 +92,8 @@ class DesiredState:
     demand: Mapping[str, DemandSignal]
     index: int = 0
     autoscaler_state: Mapping[str, bytes] = field(default_factory=dict)
+    # The cluster config the leading scheduler renders with, when it published one.
+    cluster_config: ClusterConfig | None = None
 
     def desired_count(self, name: str) -> int:
         """The desired replica count: the stored one clamped to the profile's bounds."""
@@ -134,8 +137,14 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
     draining: dict[str, DrainRecord] = {}
     demand: dict[str, DemandSignal] = {}
     state: dict[str, bytes] = {}
+    cluster_config: ClusterConfig | None = None
     for entry in entries:
-        if entry.key.startswith(layout.models):
+        if entry.key == layout.cluster_config:
+            try:
+                cluster_config = ClusterConfig.model_validate_json(entry.value)
+            except ValueError:
+                log.warning("cluster_config_unreadable", extra={"key": entry.key})
+        elif entry.key.startswith(layout.models):
             name = _suffix(entry, layout.models)
             try:
                 profile = parse_profile_text(entry.value.decode("utf-8", "replace"), entry.key)
@@ -170,6 +179,7 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
         demand=demand,
         index=index,
         autoscaler_state=state,
+        cluster_config=cluster_config,
     )
 
 
@@ -246,6 +256,22 @@ class ModelStore:
 
     async def clear_demand(self, name: str) -> None:
         await self.kv.kv_delete(self.layout.demand_key(name))
+
+    async def publish_cluster_config(self, config: ClusterConfig) -> None:
+        """Share the config the scheduler renders with (status and validation use it)."""
+        document = config.model_dump_json()
+        _, entry = await self.kv.kv_get(self.layout.cluster_config)
+        if entry is None or entry.value.decode("utf-8", "replace") != document:
+            await self.kv.kv_put(self.layout.cluster_config, document)
+
+    async def cluster_config(self) -> ClusterConfig | None:
+        _, entry = await self.kv.kv_get(self.layout.cluster_config)
+        if entry is None:
+            return None
+        try:
+            return ClusterConfig.model_validate_json(entry.value)
+        except ValueError:
+            return None
 
     async def put_autoscaler_state(self, name: str, document: str) -> None:
         await self.kv.kv_put(self.layout.state_key(name), document)

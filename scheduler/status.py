@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from caravan.contract import JOB_PREFIX, ServiceMetaKey, model_service_name
+from scheduler.cluster_config import ClusterConfig
 from scheduler.controller import HealthSource, NomadReads
 from scheduler.model_store import DesiredState, ModelStore, UnknownModelError
 from scheduler.placement_explain import ReplicaAsk, explain_failed_groups
@@ -81,6 +82,7 @@ def _gpu_words(profile: ModelProfile) -> str:
 def replica_status(
     *,
     profile: ModelProfile | None,
+    config: ClusterConfig,
     job_stub: Mapping[str, Any],
     allocs: Sequence[Mapping[str, Any]],
     node_names: Mapping[str, str],
@@ -97,7 +99,7 @@ def replica_status(
     current = (
         profile is not None
         and replica is not None
-        and replica.spec_hash == spec_hash(profile, replica.replica)
+        and replica.spec_hash == spec_hash(profile, replica.replica, config)
     )
     live = [a for a in allocs if a.get("DesiredStatus") == "run"]
     chosen = max(live or allocs, key=lambda a: int(a.get("CreateTime") or 0), default=None)
@@ -105,7 +107,7 @@ def replica_status(
         ask = ReplicaAsk()
         if profile is not None:
             ask = ReplicaAsk.from_job(
-                render(profile, max(index, 0))["Job"],
+                render(profile, max(index, 0), config=config)["Job"],
                 profile.gpu.gpu_class if profile.gpu else "",
             )
         reason = None
@@ -191,6 +193,8 @@ class StatusReader:
     nomad: NomadReads
     health: HealthSource
     clock: Callable[[], float] = field(default=time.time)
+    # Used when no scheduler has published its cluster config to KV yet.
+    config: ClusterConfig = field(default_factory=ClusterConfig)
 
     def _now(self) -> float:
         return self.clock()
@@ -272,6 +276,7 @@ class StatusReader:
             replicas.append(
                 replica_status(
                     profile=profile,
+                    config=state.cluster_config or self.config,
                     job_stub=stub,
                     allocs=allocs,
                     node_names=node_names,
