@@ -34,7 +34,7 @@ MODEL_NAME_PATTERN = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
 # The port label of the engine's HTTP listener in every rendered job.
 HTTP_PORT_LABEL = "http"
 # Router metrics the scheduler's autoscaler reads, one series per model; the
-# `model` label holds the profile name (not the served model name).
+# `model` label holds the served model name (the OpenAI `model` clients send).
 ROUTER_QUEUE_DEPTH_METRIC = "caravan_router_queue_depth"
 ROUTER_QUEUE_WAIT_METRIC = "caravan_router_queue_wait_seconds"
 ROUTER_MODEL_LABEL = "model"

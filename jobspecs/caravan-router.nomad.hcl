@@ -167,8 +167,13 @@ job "caravan-router" {
         ]
       }
 
+      # Nomad registers the caravan-router service (below), so the router must
+      # not register a second instance of itself; and it may take most of the
+      # kill_timeout to let in-flight streams finish on shutdown.
       env {
-        CONSUL_HTTP_ADDR = var.consul_addr
+        CONSUL_HTTP_ADDR                  = var.consul_addr
+        CARAVAN_ROUTER_REGISTER_SERVICE   = "false"
+        CARAVAN_ROUTER_SHUTDOWN_TIMEOUT_S = "100"
       }
 
       # The Consul token, optional API keys (comma-separated) and an optional

@@ -16,6 +16,7 @@ Safety rules that hold whatever the planner says:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -192,12 +193,24 @@ class Controller:
         self.last_desired: DesiredState | None = None
         self.last_observation: Observation | None = None
         self.last_plan: Plan | None = None
+        self._reported_models: set[str] = set()
+
+    async def _nomad_reads(
+        self,
+    ) -> tuple[list[dict[str, Any]], list[Allocation], list[dict[str, Any]]]:
+        try:
+            job_stubs = (await self.nomad.list_jobs(JOB_PREFIX, meta=True)).value
+            allocations = (await self.nomad.list_allocations()).value
+            nodes = [node.raw for node in (await self.nomad.list_nodes(resources=False)).value]
+        except HashiError:
+            self.metrics.backend_up.labels(backend="nomad").set(0)
+            raise
+        self.metrics.backend_up.labels(backend="nomad").set(1)
+        return job_stubs, allocations, [dict(n) for n in nodes]
 
     async def observe(self, desired: DesiredState) -> Observation:
         """Read Nomad (jobs, allocations, nodes) and Consul health into one snapshot."""
-        job_stubs = (await self.nomad.list_jobs(JOB_PREFIX, meta=True)).value
-        allocations = (await self.nomad.list_allocations()).value
-        node_stubs = [node.raw for node in (await self.nomad.list_nodes(resources=False)).value]
+        job_stubs, allocations, node_stubs = await self._nomad_reads()
         allocs_by_job: dict[str, list[Any]] = {}
         for allocation in allocations:
             allocs_by_job.setdefault(allocation.job_id, []).append(alloc_from_stub(allocation.raw))
@@ -253,7 +266,12 @@ class Controller:
         if not self.is_leader():
             self.metrics.reconcile_passes.labels(outcome="skipped").inc()
             return ReconcileResult(requeue_after_s=None, skipped="not the leader")
-        desired = await self.store.read()
+        try:
+            desired = await self.store.read()
+        except HashiError:
+            self.metrics.backend_up.labels(backend="consul").set(0)
+            raise
+        self.metrics.backend_up.labels(backend="consul").set(1)
         observed = await self.observe(desired)
         self.last_desired, self.last_observation = desired, observed
         now = self.clock()
@@ -287,6 +305,18 @@ class Controller:
         return ReconcileResult(requeue_after_s=requeue, plan=result, applied=applied, failed=failed)
 
     def _record(self, result: Plan) -> None:
+        reported = {report.model for report in result.reports}
+        for gone in self._reported_models - reported:
+            # A deleted model's series must not linger at their last values.
+            for gauge in (
+                self.metrics.replicas_desired,
+                self.metrics.replicas_live,
+                self.metrics.replicas_ready,
+                self.metrics.replicas_unplaced,
+            ):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(gone)
+        self._reported_models = reported
         for report in result.reports:
             self.metrics.replicas_desired.labels(model=report.model).set(report.desired)
             self.metrics.replicas_live.labels(model=report.model).set(report.live)

@@ -47,7 +47,7 @@ class SchedulerMetrics:
             ),
             errors=Counter(
                 "caravan_scheduler_errors_total",
-                "Errors, by kind (nomad_unavailable, consul_unavailable, render, ...).",
+                "Errors, by kind: invalid_profile, render, or the error class name.",
                 ["kind"],
                 registry=registry,
             ),

@@ -149,7 +149,8 @@ class Autoscaler:
                 else None
             )
             self.inflight_by_alloc[alloc_of.get(load.replica_id, "")] = inflight
-        queue = router_queue(reports, name)
+        # Routers label their queues with the OpenAI model name clients send.
+        queue = router_queue(reports, profile.served_name)
         demand = state.demand.get(name)
         demand_pending = demand is not None and now - demand.at < DEMAND_FRESH_S
         signals = ModelSignals(
@@ -171,7 +172,7 @@ class Autoscaler:
             signals, current, profile.autoscaling, profile.replicas, memory, now
         )
         self.last_decisions[name] = decision
-        self._observe(name, decision, current, len(entries), scrapes_age(signals, now))
+        self._observe(name, decision, current, len(entries), scrapes_age(signals, self.clock()))
         await self._cold_start(
             name,
             current=current,
