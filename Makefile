@@ -17,9 +17,12 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP) ## create .venv and install caravan with its dev tools
 
-demo: $(STAMP) ## set up, then validate and render the example profiles
+demo: llama-server ## set up, then run the local demo once (devcluster, scheduler, router, a streamed completion)
+	$(BIN)/caravan demo --once
+
+render: $(STAMP) ## validate the example profiles and print the job of replica 0 of each
 	$(BIN)/caravan validate examples/profiles/*
-	@for f in examples/profiles/*; do echo "== $$f (replica 0)"; $(BIN)/caravan render $$f --replica 0 | head -n 40; done
+	@for f in examples/profiles/*; do echo "== $$f (replica 0)"; $(BIN)/caravan render $$f --replica 0; done
 
 llama-server: $(STAMP) ## build the real llama-server and the tiny GGUF model (cached in ~/.cache/caravan)
 	PYTHON=$(abspath $(BIN)/python) bash scripts/build-llama-server.sh
@@ -44,4 +47,4 @@ fmt: $(STAMP) ## format and autofix
 golden: $(STAMP) ## regenerate the rendered-job golden files after a deliberate change
 	$(BIN)/pytest tests/unit/scheduler/test_golden.py tests/deploy/test_deploy_replica_examples.py --update-golden
 
-.PHONY: help venv demo llama-server lint type unit test fmt golden
+.PHONY: help venv demo render llama-server lint type unit test fmt golden

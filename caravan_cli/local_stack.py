@@ -23,13 +23,19 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
 from caravan.consul_api import ConsulClient, ConsulSettings
+from caravan.errors import HashiError
 from caravan.nomad_api import NomadClient, NomadSettings
 from devcluster.cluster import ClusterConfig as DevClusterConfig
 from devcluster.cluster import DevCluster
 from devcluster.consul.server import ConsulConfig
 from devcluster.llama_server_build import find_llama_server
 from devcluster.nomad.settings import NomadServerSettings, default_nodes
+from router.app import RUNTIME, app_runner, create_app
+from router.settings import RouterSettings
 from scheduler.app import SchedulerOptions, SchedulerProcess
 from scheduler.autoscale.loop import AutoscalerSettings
 from scheduler.cluster_config import ClusterConfig, LlamaCppSettings
@@ -55,6 +61,8 @@ class StackOptions:
     autoscale_tick_s: float = 2.0
     # False: start devcluster only (tests that run schedulers as processes).
     run_scheduler: bool = True
+    # Router settings for an in-process router; None runs no router.
+    router: RouterSettings | None = None
     work_dir: Path | None = None
 
 
@@ -111,6 +119,43 @@ def local_profile(profile: ModelProfile, engine: LlamaCppEngine) -> ModelProfile
     return profile
 
 
+@dataclass(frozen=True, slots=True)
+class RouterHandle:
+    """A router served in-process by the stack."""
+
+    port: int
+    registry: CollectorRegistry
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextlib.asynccontextmanager
+async def running_router(
+    settings: RouterSettings, consul: ConsulClient
+) -> AsyncIterator[RouterHandle]:
+    """Serve a router on the running loop, registered in Consul as `caravan-router`."""
+    registry = CollectorRegistry()
+    app = create_app(settings, consul=consul, registry=registry)
+    runtime = app[RUNTIME]
+    runner = app_runner(app, settings)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+        port = int(runner.addresses[0][1])
+        if settings.register_service:
+            await runtime.register(port)
+        try:
+            yield RouterHandle(port=port, registry=registry)
+        finally:
+            with contextlib.suppress(HashiError):
+                await runtime.deregister()
+    finally:
+        await runner.cleanup()
+
+
 @dataclass(slots=True)
 class LocalStack:
     """A running devcluster + scheduler; `env` points clients at it."""
@@ -121,6 +166,7 @@ class LocalStack:
     config: ClusterConfig
     work_dir: Path
     env: Mapping[str, str] = field(default_factory=dict)
+    router: RouterHandle | None = None
 
     @property
     def nomad_addr(self) -> str:
@@ -192,7 +238,15 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                     consul=consul,
                     nomad=nomad,
                 )
-                async with _running(scheduler, enabled=options.run_scheduler):
+                async with contextlib.AsyncExitStack() as parts:
+                    await parts.enter_async_context(
+                        _running(scheduler, enabled=options.run_scheduler)
+                    )
+                    router = None
+                    if options.router is not None:
+                        router = await parts.enter_async_context(
+                            running_router(options.router, consul)
+                        )
                     yield LocalStack(
                         cluster=cluster,
                         scheduler=scheduler,
@@ -200,6 +254,7 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                         config=config,
                         work_dir=work_dir,
                         env=env,
+                        router=router,
                     )
 
 

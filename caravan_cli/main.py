@@ -10,7 +10,13 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Protocol
 
-from caravan_cli import model_commands, profile_commands, scheduler_command
+from caravan_cli import (
+    demo,
+    model_commands,
+    profile_commands,
+    router_command,
+    scheduler_command,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -25,6 +31,8 @@ COMMAND_MODULES: tuple[CommandModule, ...] = (
     profile_commands,
     model_commands,
     scheduler_command,
+    router_command,
+    demo,
 )
 
 

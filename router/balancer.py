@@ -337,7 +337,8 @@ def _prefix_affinity(
 
     An engine that is saturated (queue or KV usage at its threshold) or whose
     load is unknown is passed over too, unless no candidate's load is known; if
-    the walk finds nothing, or the request has no key, load-aware picks.
+    the walk finds nothing, load-aware picks among the endpoints within the
+    bound (all of them if none is); a request with no key goes to load-aware.
     """
     if request.affinity_key is None:
         return _max_score(candidates, load_scores(candidates, now, config), memory.rng)
@@ -362,7 +363,15 @@ def _prefix_affinity(
         visited += 1
         if visited == len(by_id):
             break
-    return _max_score(candidates, load_scores(candidates, now, config), memory.rng)
+    # No endpoint is both within the bound and known to have room. Load-aware
+    # decides, but among the endpoints within the bound when there are any: an
+    # endpoint whose scrape is missing must not push the key's whole load onto
+    # the one endpoint that reported.
+    within = [
+        candidate for candidate in candidates if within_load_bound(candidate[1].in_flight, bound)
+    ]
+    pool = within or candidates
+    return _max_score(pool, load_scores(pool, now, config), memory.rng)
 
 
 def _engine_pressure(state: EndpointLiveState, now: float, config: BalancerConfig) -> float | None:

@@ -2,6 +2,8 @@
 
     RouterError                   base; `retryable` says if sending the request again may help
     ├── InvalidRequest            400  the body is not JSON, has no `model`, ...
+    │   └── RequestTooLarge       413  the body is over the router's limit
+    ├── Unauthorized              401  no API key, or not one of the configured keys
     ├── ModelNotFound             404  no endpoint serves the model and none is declared
     ├── NoHealthyEndpoint         503  endpoints exist, none can take the request   (retryable)
     ├── AdmissionRejected         429/503 with Retry-After                          (retryable)
@@ -11,7 +13,10 @@
         ├── UpstreamConnectError  502  no connection, or reset before any response  (retryable)
         ├── UpstreamStatusError   502/503/504 as the engine said (retryable for 5xx gateway codes)
         ├── UpstreamProtocolError 502  the response broke HTTP/SSE framing
-        └── UpstreamTimeout       504  no response within the read timeout
+        ├── UpstreamTimeout       504  no response within the read timeout
+        │   └── UpstreamFirstByteTimeout  504  no headers at all: a hung replica  (retryable)
+        └── StreamInterrupted     502  the engine died mid-stream and no faithful
+                                       continuation was possible (sent as an SSE error event)
 
 The proxy retries only a retryable error, only on another endpoint, and only
 before the first byte has gone to the client. Messages name the model or the
@@ -40,6 +45,27 @@ class InvalidRequest(RouterError):
     status = 400
     error_type = "invalid_request_error"
     code = "invalid_request"
+
+
+class RequestTooLarge(InvalidRequest):
+    status = 413
+    code = "request_too_large"
+
+    def __init__(self, limit_bytes: int) -> None:
+        super().__init__(
+            f"The request body is larger than the router's limit of {limit_bytes} bytes."
+        )
+        self.limit_bytes = limit_bytes
+
+
+class Unauthorized(RouterError):
+    status = 401
+    error_type = "invalid_request_error"
+    # What OpenAI's own API answers a missing or wrong key with.
+    code = "invalid_api_key"
+
+    def __init__(self) -> None:
+        super().__init__("Missing or invalid API key (send `Authorization: Bearer <key>`).")
 
 
 class ModelNotFound(RouterError):
@@ -137,6 +163,17 @@ class UpstreamTimeout(UpstreamError):
     # Not retryable: the engine may still be working on it, and a retry doubles the load.
     status = 504
     code = "upstream_timeout"
+
+
+class UpstreamFirstByteTimeout(UpstreamTimeout):
+    # The engine sent no headers at all: it is hung, and nothing reached the client,
+    # so another endpoint may take the request (the hung one is counted by its breaker).
+    retryable = True
+    code = "upstream_first_byte_timeout"
+
+
+class StreamInterrupted(UpstreamError):
+    code = "stream_interrupted"
 
 
 def error_body(error: RouterError) -> dict[str, Any]:

@@ -68,11 +68,18 @@ class Lease:
     probe: bool
 
 
-def reconcile_live_state(old_states: LiveStates, snapshot: EndpointSnapshot) -> LiveStates:
+def reconcile_live_state(
+    old_states: LiveStates,
+    snapshot: EndpointSnapshot,
+    draining: frozenset[str] = frozenset(),
+) -> LiveStates:
     """The live state for a new snapshot, built from the old one.
 
+    `draining` holds the ids of endpoints the scheduler marked for draining
+    (KV markers): they take no new requests, while their streams finish.
+
     1. An endpoint still in the snapshot keeps its state object (the same object,
-       so requests in flight on it still count), draining only if critical.
+       so requests in flight on it still count), draining if critical or marked.
     2. A new endpoint gets fresh state.
     3. An endpoint gone from the snapshot with requests still in flight is kept,
        draining and retired, until `finish_request` brings it to zero; one with
@@ -83,7 +90,7 @@ def reconcile_live_state(old_states: LiveStates, snapshot: EndpointSnapshot) -> 
         state = old_states.get(endpoint_id)
         if state is None:
             state = EndpointLiveState()
-        state.draining = endpoint.status is CheckStatus.CRITICAL
+        state.draining = endpoint.status is CheckStatus.CRITICAL or endpoint_id in draining
         state.retired = False
         states[endpoint_id] = state
     for endpoint_id, state in old_states.items():
@@ -136,3 +143,11 @@ def record_load(live: LiveStates, endpoint_id: str, load: EngineLoad, now: float
     if state is not None:
         state.load = load
         state.load_scraped_at = now
+
+
+def forget_load(live: LiveStates, endpoint_id: str) -> None:
+    """A scrape failed: the engine's load is unknown from now on, not its last value."""
+    state = live.get(endpoint_id)
+    if state is not None:
+        state.load = None
+        state.load_scraped_at = None

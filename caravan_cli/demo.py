@@ -1,0 +1,290 @@
+"""`caravan demo`: from nothing to a streamed completion served by a replica caravan placed.
+
+It starts devcluster (3 CPU nodes and 2 GPU nodes with simulated H100s unless
+flags say otherwise), a scheduler and a router in this process, submits the
+example profiles (a llama.cpp CPU model with 3 replicas, a vLLM model with
+2 replicas of 2 GPUs), shows the replicas becoming ready, streams a chat
+completion through the router with the official `openai` client, prints the
+`export` lines a second shell can `eval`, and keeps running until Ctrl-C (or
+exits with `--once`). With `--real`, it uses the Nomad and Consul that
+`NOMAD_ADDR` and `CONSUL_HTTP_ADDR` point at instead of devcluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import openai
+
+from caravan.contract import KVLayout
+from caravan.errors import HashiError
+from caravan_cli.local_stack import (
+    RouterHandle,
+    StackOptions,
+    local_profile,
+    local_stack,
+    running_router,
+)
+from router.settings import RouterSettings
+from scheduler.app import SchedulerOptions, SchedulerProcess, scheduler_clients
+from scheduler.cluster_config import ClusterConfig
+from scheduler.model_service import validate_submission
+from scheduler.model_store import ModelStore
+from scheduler.profiles import ModelProfile, load_profile, profile_to_json
+from scheduler.status import ModelStatus, StatusReader
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "profiles"
+DEMO_PROFILES = ("tiny-llamacpp-cpu.yaml", "qwen-vllm-h100.yaml")
+PROMPT = "Say hello to the caravan."
+
+
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="run a local cluster, place the example models and stream a completion",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--once", action="store_true", help="exit after the completion")
+    parser.add_argument(
+        "--real", action="store_true", help="use NOMAD_ADDR / CONSUL_HTTP_ADDR, not devcluster"
+    )
+    parser.add_argument("--cpu-nodes", type=int, default=3)
+    parser.add_argument("--gpu-nodes", type=int, default=2)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--gpu-model", default="NVIDIA H100 80GB HBM3")
+    parser.add_argument("--router-port", type=int, default=0, help="0 = any free port")
+    parser.add_argument(
+        "--simulated-llama", action="store_true", help="use the simulated llama.cpp engine"
+    )
+    parser.add_argument("--timeout", type=float, default=180.0, help="readiness limit (s)")
+    parser.set_defaults(handler=run_demo)
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """Where the demo's parts are, for the export lines."""
+
+    nomad_addr: str
+    consul_addr: str
+    dns_port: int | None
+    router: RouterHandle
+    store: ModelStore
+    status: StatusReader
+    config: ClusterConfig
+    profiles: tuple[ModelProfile, ...]
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    # The demo narrates on stdout; components log only warnings to stderr.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+    if args.real and not (os.environ.get("NOMAD_ADDR") and os.environ.get("CONSUL_HTTP_ADDR")):
+        print("error: --real needs NOMAD_ADDR and CONSUL_HTTP_ADDR", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_demo(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _demo(args: argparse.Namespace) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    started = time.monotonic()
+    async with _started(args) as running:
+        say(f"submitting {', '.join(p.name for p in running.profiles)}")
+        validate_submission(
+            [(p.name, profile_to_json(p)) for p in running.profiles], running.config
+        )
+        await running.store.submit(list(running.profiles))
+        if not await _wait_ready(running, args.timeout, stop):
+            return 1
+        await _wait_routable(running, [p.served_name for p in running.profiles], stop)
+        for profile in running.profiles:
+            await _stream_completion(running.router, profile.served_name)
+        say(f"\nready in {time.monotonic() - started:.0f}s. In another shell:\n")
+        say(f"export NOMAD_ADDR={running.nomad_addr}")
+        say(f"export CONSUL_HTTP_ADDR={running.consul_addr}")
+        say(f"export OPENAI_BASE_URL={running.router.base_url}/v1")
+        say("export OPENAI_API_KEY=unused")
+        if running.dns_port is not None:
+            say(f"export CARAVAN_DNS_PORT={running.dns_port}")
+        say("\nthen try:")
+        say("  caravan list")
+        say("  caravan status tiny-chat")
+        say('  curl -s "$OPENAI_BASE_URL/models"')
+        say(
+            '  curl -sN "$OPENAI_BASE_URL/chat/completions" -H "Content-Type: application/json" '
+            '-d \'{"model": "tiny-chat", "stream": true, '
+            '"messages": [{"role": "user", "content": "hi"}]}\''
+        )
+        if running.dns_port is not None:
+            say('  dig @127.0.0.1 -p "$CARAVAN_DNS_PORT" caravan-router.service.consul SRV')
+        if args.once:
+            say("\n--once: stopping everything")
+            return 0
+        say("\nrunning until Ctrl-C")
+        await stop.wait()
+        say("stopping everything")
+    return 0
+
+
+@contextlib.asynccontextmanager
+async def _started(args: argparse.Namespace) -> AsyncIterator[Running]:
+    router_settings = RouterSettings(port=args.router_port, log_level="warning")
+    if args.real:
+        async with _real(router_settings) as running:
+            yield running
+        return
+    options = StackOptions(
+        cpu_nodes=args.cpu_nodes,
+        gpu_nodes=args.gpu_nodes,
+        gpus_per_node=args.gpus_per_node,
+        gpu_model=args.gpu_model,
+        prefer_real_llama_server=not args.simulated_llama,
+        router=router_settings,
+    )
+    say(
+        f"starting devcluster: {args.cpu_nodes} CPU nodes, {args.gpu_nodes} GPU nodes "
+        f"with {args.gpus_per_node}x {args.gpu_model} (simulated)"
+    )
+    async with local_stack(options) as stack:
+        assert stack.router is not None  # noqa: S101 - router settings were given
+        say(f"llama.cpp replicas run {stack.engine.description}")
+        say("vLLM replicas run the simulated vLLM engine (no GPU here)")
+        say(f"router on {stack.router.base_url}")
+        store = ModelStore(stack.scheduler.consul, KVLayout())
+        profiles = tuple(
+            local_profile(load_profile(EXAMPLES / name), stack.engine) for name in DEMO_PROFILES
+        )
+        yield Running(
+            nomad_addr=stack.nomad_addr,
+            consul_addr=stack.consul_addr,
+            dns_port=stack.cluster.consul.dns_port,
+            router=stack.router,
+            store=store,
+            status=StatusReader(
+                store=store,
+                nomad=stack.scheduler.nomad,
+                health=stack.scheduler.consul,
+                config=stack.config,
+            ),
+            config=stack.config,
+            profiles=profiles,
+        )
+
+
+@contextlib.asynccontextmanager
+async def _real(router_settings: RouterSettings) -> AsyncIterator[Running]:
+    say(f"using the real cluster at NOMAD_ADDR={os.environ['NOMAD_ADDR']}")
+    config = ClusterConfig()
+    async with scheduler_clients(os.environ) as (consul, nomad):
+        scheduler = SchedulerProcess(
+            options=SchedulerOptions(http_port=0), config=config, consul=consul, nomad=nomad
+        )
+        task = asyncio.create_task(scheduler.run())
+        try:
+            await scheduler.ready.wait()
+            async with running_router(router_settings, consul) as router:
+                store = ModelStore(consul, KVLayout())
+                yield Running(
+                    nomad_addr=os.environ["NOMAD_ADDR"],
+                    consul_addr=os.environ["CONSUL_HTTP_ADDR"],
+                    dns_port=None,
+                    router=router,
+                    store=store,
+                    status=StatusReader(store=store, nomad=nomad, health=consul, config=config),
+                    config=config,
+                    profiles=tuple(load_profile(EXAMPLES / name) for name in DEMO_PROFILES),
+                )
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def _progress_line(status: ModelStatus) -> str:
+    states = ", ".join(f"r{r.replica} {r.state}" for r in status.replicas) or "no replicas yet"
+    return f"  {status.name}: {status.ready}/{status.desired} ready ({states})"
+
+
+async def _wait_ready(running: Running, timeout_s: float, stop: asyncio.Event) -> bool:
+    deadline = time.monotonic() + timeout_s
+    shown: dict[str, str] = {}
+    while not stop.is_set():
+        done = True
+        for profile in running.profiles:
+            try:
+                status = await running.status.model(profile.name)
+            except HashiError as exc:
+                say(f"  (waiting: {exc})")
+                done = False
+                continue
+            line = _progress_line(status)
+            if shown.get(profile.name) != line:
+                say(line)
+                shown[profile.name] = line
+            if status.ready < status.desired or status.status != "ready":
+                done = False
+        if done:
+            return True
+        if time.monotonic() > deadline:
+            print(f"error: replicas not ready after {timeout_s:.0f}s:", file=sys.stderr)
+            for profile in running.profiles:
+                status = await running.status.model(profile.name)
+                for replica in status.replicas:
+                    if replica.state != "ready":
+                        why = replica.pending_reason or replica.last_event or replica.state
+                        print(f"  {profile.name} r{replica.replica}: {why}", file=sys.stderr)
+            return False
+        await asyncio.sleep(0.5)
+    return False
+
+
+async def _wait_routable(running: Running, models: list[str], stop: asyncio.Event) -> None:
+    """The router learns of passing replicas through Consul a moment after they pass."""
+    url = f"{running.router.base_url}/v1/models"
+    async with aiohttp.ClientSession() as session:
+        while not stop.is_set():
+            async with session.get(url) as response:
+                body = await response.json()
+            served = {m["id"] for m in body.get("data", [])}
+            if set(models) <= served:
+                return
+            await asyncio.sleep(0.2)
+
+
+async def _stream_completion(router: RouterHandle, model: str) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{router.base_url}/v1", api_key="unused")
+    say(f'\n{model} > "{PROMPT}"')
+    print(f"{model} < ", end="", flush=True)
+    try:
+        stream = await client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": PROMPT}],
+            stream=True,
+            max_tokens=24,
+        )
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                print(chunk.choices[0].delta.content, end="", flush=True)
+    finally:
+        await client.close()
+    say()

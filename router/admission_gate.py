@@ -1,0 +1,392 @@
+"""Admission, the I/O half: pick now, or wait in the model's queue, then hold a lease.
+
+`AdmissionGate.admit` asks the balancer for an endpoint. When there is one
+(and nobody of the model is already waiting), the request leaves with a
+`Lease` at once. Otherwise `decide_admission` (pure) says queue, hold for a
+cold start, or reject, and a queued request awaits a future that the gate
+resolves when capacity frees up: a request finishes (`finish`), a new
+snapshot arrives (discovery calls `capacity_changed`), or the periodic tick
+runs (a breaker's cool-down ends). Everything runs on the one event loop and
+the drain never awaits, so tickets keep their (priority, arrival) order.
+
+A declared model with no routable endpoint (none at all, or all critical or
+draining) is a cold start: the request is held up to the cold-start timeout,
+`DemandSignal` writes `<prefix>demand/<name>` for the scheduler (at most once
+per model per `demand_interval_s`), and a streaming client gets an SSE
+comment every `cold_start_keepalive_s` through the `hold` callback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Protocol, assert_never
+
+from caravan.contract import KVLayout
+from caravan.errors import HashiError
+from router.admission import (
+    AdmissionPolicy,
+    AdmissionQueues,
+    Admit,
+    Queue,
+    Reject,
+    Ticket,
+    UnknownModel,
+    decide_admission,
+)
+from router.balancer import (
+    BalancerConfig,
+    NoEndpointReason,
+    NotPicked,
+    Picked,
+    PickerMemory,
+    PickResult,
+    Policy,
+    RequestFeatures,
+    pick,
+)
+from router.endpoints import Endpoint
+from router.errors import ModelNotFound, NoHealthyEndpoint
+from router.live_state import Lease, Outcome, finish_request, start_request
+from router.metrics import OTHER_MODEL, RouterMetrics
+from router.routing_state import KnownModel, RoutingState
+
+log = logging.getLogger(__name__)
+
+Hold = Callable[[], Awaitable[None]]
+# Priority of a continuation after a mid-stream failure: its client is already
+# reading, so it goes before everything that has not started yet.
+CONTINUATION_PRIORITY = -(2**31)
+_TICK_S = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A request's place on one endpoint; give it back with `AdmissionGate.finish`."""
+
+    endpoint: Endpoint
+    lease: Lease
+
+
+@dataclass(slots=True)
+class _Waiter:
+    ticket: Ticket
+    features: RequestFeatures
+    future: asyncio.Future[Admitted]
+
+
+class DemandStore(Protocol):
+    async def kv_put(self, key: str, value: bytes | str) -> bool: ...
+
+
+class DemandSignal:
+    """Writes the cold-start demand of a model to KV, at most once per interval per model.
+
+    `note` only records and signals; `run` does the writes, so a slow Consul
+    never delays a request.
+    """
+
+    def __init__(
+        self,
+        store: DemandStore,
+        layout: KVLayout,
+        *,
+        router_id: str,
+        interval_s: float,
+        metrics: RouterMetrics,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._layout = layout
+        self.router_id = router_id
+        self._interval_s = interval_s
+        self._metrics = metrics
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._last_noted: dict[str, float] = {}
+        self._pending: dict[str, tuple[KnownModel, int]] = {}
+        self._wake = asyncio.Event()
+
+    def note(self, model: KnownModel, waiting: int) -> None:
+        now = self._clock()
+        last = self._last_noted.get(model.name)
+        if last is not None and now - last < self._interval_s:
+            return
+        self._last_noted[model.name] = now
+        self._pending[model.name] = (model, waiting)
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            pending, self._pending = self._pending, {}
+            for model, waiting in pending.values():
+                await self._write(model, waiting)
+
+    async def _write(self, model: KnownModel, waiting: int) -> None:
+        value = json.dumps(
+            {"at": round(self._wall_clock(), 3), "router": self.router_id, "waiting": waiting}
+        )
+        try:
+            await self._store.kv_put(self._layout.demand_key(model.name), value)
+        except HashiError as exc:
+            # Forget the write so that the next waiting request tries again.
+            self._last_noted.pop(model.name, None)
+            log.warning("demand_signal_failed", extra={"model": model.name, "error": str(exc)})
+            return
+        self._metrics.demand_signals.labels(model.name).inc()
+        log.info("demand_signal_written", extra={"model": model.name, "waiting": waiting})
+
+
+class AdmissionGate:
+    """Hands out endpoints to requests, queueing them when there is no capacity."""
+
+    def __init__(
+        self,
+        state: RoutingState,
+        *,
+        policy: Policy,
+        balancer: BalancerConfig,
+        admission: AdmissionPolicy,
+        demand: DemandSignal,
+        metrics: RouterMetrics,
+        cold_start_keepalive_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._state = state
+        self._policy = policy
+        self._balancer = balancer
+        self._admission = admission
+        self._demand = demand
+        self._metrics = metrics
+        self._keepalive_s = cold_start_keepalive_s
+        self._clock = clock
+        self._memory = PickerMemory(rng=rng or random.Random())
+        self._queues = AdmissionQueues(admission.max_queue_per_model)
+        self._waiters: dict[int, _Waiter] = {}
+        state.subscribe(self.capacity_changed)
+
+    # -- the request path ------------------------------------------------------------
+
+    async def admit(
+        self, features: RequestFeatures, *, priority: int, hold: Hold | None = None
+    ) -> Admitted:
+        """An endpoint for the request, now or after waiting; raises the RouterError to answer.
+
+        `hold` is awaited when a cold-start wait begins and every keep-alive
+        interval during it (streams use it to send SSE comments).
+        """
+        now = self._clock()
+        model = features.model
+        state = self._state
+        if not state.synced:
+            raise NoHealthyEndpoint(model, "discovery_not_synced", self._admission.retry_after_s)
+        if self._queues.depth(model):
+            self._drain(model, now)
+        result: PickResult = self._pick(features, now)
+        if isinstance(result, Picked):
+            if not self._queues.depth(model):
+                self._metrics.for_model(model).wait.observe(0.0)
+                return self._lease(result.endpoint, now)
+            # Capacity exists but others were first: wait behind them.
+            result = NotPicked(NoEndpointReason.AT_CAPACITY)
+        declared = model in state.view.profiles
+        if declared and result.reason is NoEndpointReason.NONE_HEALTHY:
+            # Every replica is starting, failed or draining: no routable replica,
+            # which for the scheduler is the same as none at all (cold start).
+            result = NotPicked(NoEndpointReason.NO_ENDPOINTS)
+        decision = decide_admission(
+            result,
+            queue_depth=self._queues.depth(model),
+            model_declared=declared,
+            policy=self._admission,
+            now=now,
+        )
+        match decision:
+            case Admit(endpoint=endpoint):
+                return self._lease(endpoint, now)
+            case UnknownModel():
+                raise ModelNotFound(model)
+            case Reject():
+                raise decision.error(model)
+            case Queue(deadline=deadline, cold_start=cold_start):
+                return await self._wait(
+                    features,
+                    priority=priority,
+                    now=now,
+                    deadline=deadline,
+                    cold_start=cold_start,
+                    hold=hold if cold_start else None,
+                )
+            case _:
+                assert_never(decision)
+
+    def finish(self, admitted: Admitted, outcome: Outcome) -> None:
+        """Give the lease back with what it said about the endpoint; wakes waiters."""
+        finish_request(
+            self._state.live, admitted.lease, outcome, self._balancer.breaker, self._clock()
+        )
+        if self._waiters:
+            self.capacity_changed()
+
+    def capacity_changed(self) -> None:
+        """Something may have freed capacity: hand it to waiting requests, in order."""
+        if not self._waiters:
+            return
+        now = self._clock()
+        for model in list(self._queues.depths()):
+            self._drain(model, now)
+
+    def queue_depths(self) -> dict[str, int]:
+        return self._queues.depths()
+
+    # -- background ----------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Expire late tickets, retry waiters (breaker cool-downs), refresh demand; forever."""
+        while True:
+            await asyncio.sleep(_TICK_S)
+            self.tick()
+
+    def tick(self) -> None:
+        now = self._clock()
+        for ticket in self._queues.expire(now):
+            waiter = self._waiters.get(ticket.seq)
+            if waiter is not None and not waiter.future.done():
+                waiter.future.set_exception(ticket.timeout_error(self._admission))
+        self.capacity_changed()
+        cold: dict[str, int] = {}
+        for waiter in self._waiters.values():
+            if waiter.ticket.cold_start and not waiter.future.done():
+                cold[waiter.ticket.model] = cold.get(waiter.ticket.model, 0) + 1
+        profiles = self._state.view.profiles
+        for model, waiting in cold.items():
+            known = profiles.get(model)
+            if known is not None:
+                self._demand.note(known, waiting)
+
+    # -- internals -----------------------------------------------------------------
+
+    def _pick(self, features: RequestFeatures, now: float) -> PickResult:
+        state = self._state
+        return pick(
+            state.view.snapshot,
+            state.live,
+            features,
+            self._policy,
+            now,
+            config=self._balancer,
+            memory=self._memory,
+        )
+
+    def _lease(self, endpoint: Endpoint, now: float) -> Admitted:
+        lease = start_request(self._state.live, endpoint.id, self._balancer.breaker, now)
+        return Admitted(endpoint, lease)
+
+    async def _wait(
+        self,
+        features: RequestFeatures,
+        *,
+        priority: int,
+        now: float,
+        deadline: float,
+        cold_start: bool,
+        hold: Hold | None,
+    ) -> Admitted:
+        model = features.model
+        retry_after = (
+            self._admission.cold_start_retry_after_s
+            if cold_start
+            else self._admission.retry_after_s
+        )
+        ticket = self._queues.enqueue(
+            model,
+            priority=priority,
+            now=now,
+            deadline=deadline,
+            cold_start=cold_start,
+            retry_after_s=retry_after,
+        )
+        future: asyncio.Future[Admitted] = asyncio.get_running_loop().create_future()
+        self._waiters[ticket.seq] = _Waiter(ticket, features, future)
+        if cold_start:
+            known = self._state.view.profiles.get(model)
+            if known is not None:
+                self._demand.note(known, self._queues.depth(model))
+            log.info("cold_start_hold", extra={"model": model})
+        try:
+            admitted = await self._await_turn(ticket, future, hold)
+        except BaseException:
+            self._abandon(ticket, future)
+            raise
+        finally:
+            self._waiters.pop(ticket.seq, None)
+        self._metrics.for_model(model).wait.observe(self._clock() - now)
+        return admitted
+
+    async def _await_turn(
+        self, ticket: Ticket, future: asyncio.Future[Admitted], hold: Hold | None
+    ) -> Admitted:
+        if hold is not None:
+            await hold()
+        while True:
+            if future.done():
+                return future.result()
+            remaining = ticket.deadline - self._clock()
+            if remaining <= 0:
+                raise ticket.timeout_error(self._admission)
+            step = remaining if hold is None else min(remaining, self._keepalive_s)
+            try:
+                async with asyncio.timeout(step):
+                    # Shielded: a timeout must not cancel a future the drain may
+                    # resolve in the same loop step (its lease would leak).
+                    return await asyncio.shield(future)
+            except TimeoutError:
+                if hold is not None and not future.done() and self._clock() < ticket.deadline:
+                    await hold()
+
+    def _abandon(self, ticket: Ticket, future: asyncio.Future[Admitted]) -> None:
+        """The waiter leaves (timeout, client gone): give back a lease it got too late."""
+        if future.done() and not future.cancelled() and future.exception() is None:
+            self.finish(future.result(), Outcome.NO_VERDICT)
+            return
+        self._queues.cancel(ticket)
+        future.cancel()
+
+    def _drain(self, model: str, now: float) -> None:
+        while True:
+            ticket = self._queues.pop_ready(model, now)
+            if ticket is None:
+                return
+            waiter = self._waiters.get(ticket.seq)
+            if waiter is None or waiter.future.done():
+                continue
+            result = self._pick(waiter.features, now)
+            if isinstance(result, Picked):
+                waiter.future.set_result(self._lease(result.endpoint, now))
+                continue
+            if result.reason is NoEndpointReason.ALL_EXCLUDED:
+                waiter.future.set_exception(
+                    NoHealthyEndpoint(model, result.reason.value, self._admission.retry_after_s)
+                )
+                continue
+            self._queues.requeue(ticket)
+            return
+
+
+def continuation_features(features: RequestFeatures, tried: frozenset[str]) -> RequestFeatures:
+    """The features of a retry or continuation: the same request, minus what it tried."""
+    return replace(features, exclude=tried)
+
+
+def model_label(state: RoutingState, model: str) -> str:
+    """The `model` label of a request: the model if Consul knows it, else `OTHER_MODEL`."""
+    return model if state.view.is_known(model) else OTHER_MODEL

@@ -1,0 +1,343 @@
+"""Wiring: build the router's objects, its aiohttp app, and own its background tasks.
+
+    app = create_app(settings, consul=consul, registry=CollectorRegistry())
+    runner = app_runner(app, settings)          # handler cancellation on, no access log
+    await runner.setup(); await web.TCPSite(runner, host, port).start()
+    await app[RUNTIME].register(bound_port)      # Consul service `caravan-router`
+    ...
+    await app[RUNTIME].deregister()              # shutdown: leave Consul first,
+    await runner.cleanup()                       # then stop accepting, let streams finish
+
+The long-lived tasks (discovery, load scraper, admission tick, demand
+writer) run in one `asyncio.TaskGroup` inside one supervisor task started
+from `cleanup_ctx` and cancelled when the app is cleaned up, after in-flight
+requests had their `shutdown_timeout_s`; the shared `aiohttp.ClientSession`
+closes last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from caravan.consul_api import HttpCheck, ServiceRegistration
+from caravan.contract import ROUTER_SERVICE
+from router.admission_gate import AdmissionGate, DemandSignal, DemandStore
+from router.breaker import phase_at
+from router.discovery import Discovery, DiscoveryConsul
+from router.endpoints import CheckStatus
+from router.load_scraper import LoadScraper
+from router.metrics import EndpointGauge, RouterMetrics, RouterStateView
+from router.proxy import Proxy, RequestLog
+from router.routing_state import RoutingState
+from router.settings import RouterSettings
+
+log = logging.getLogger(__name__)
+
+# Routers are control-plane services, not model replicas: never tag them `caravan`.
+ROUTER_TAG = "caravan-control"
+# Consul removes a router that stayed critical this long (it crashed without deregistering).
+_DEREGISTER_CRITICAL_AFTER_S = 60.0
+_HEALTH_CHECK_INTERVAL_S = 5.0
+_HEALTH_CHECK_TIMEOUT_S = 2.0
+_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})  # noqa: S104 - compared, never bound
+
+
+class RouterConsul(DiscoveryConsul, DemandStore, Protocol):
+    """Everything the router asks of Consul (implemented by `caravan.consul_api.ConsulClient`)."""
+
+    async def agent_service_register(
+        self, registration: ServiceRegistration, *, replace_existing_checks: bool = False
+    ) -> None: ...
+
+    async def agent_service_deregister(self, service_id: str) -> bool: ...
+
+
+def advertise_address(settings: RouterSettings) -> str:
+    """The address other machines reach this router at."""
+    if settings.advertise_address:
+        return settings.advertise_address
+    if settings.host in _WILDCARD_HOSTS:
+        return socket.gethostname()
+    return settings.host
+
+
+def router_service_id(address: str, port: int) -> str:
+    """The same id for the same router address and port, so a restart replaces its entry."""
+    return f"{ROUTER_SERVICE}-{address}-{port}"
+
+
+class RouterRuntime:
+    """The router's live objects, reachable from the app (`app[RUNTIME]`) and from tests."""
+
+    def __init__(
+        self,
+        settings: RouterSettings,
+        consul: RouterConsul,
+        registry: CollectorRegistry,
+        *,
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float],
+        request_log: RequestLog | None = None,
+    ) -> None:
+        self.settings = settings
+        self.consul = consul
+        self.clock = clock
+        self.state = RoutingState()
+        self.metrics = RouterMetrics(registry)
+        self.service_id = router_service_id(advertise_address(settings), settings.port)
+        self.demand = DemandSignal(
+            consul,
+            settings.kv_layout,
+            router_id=self.service_id,
+            interval_s=settings.demand_interval_s,
+            metrics=self.metrics,
+            clock=clock,
+            wall_clock=wall_clock,
+        )
+        self.gate = AdmissionGate(
+            self.state,
+            policy=settings.policy,
+            balancer=settings.balancer_config(),
+            admission=settings.admission_policy(),
+            demand=self.demand,
+            metrics=self.metrics,
+            cold_start_keepalive_s=settings.cold_start_keepalive_s,
+            clock=clock,
+        )
+        self.discovery = Discovery(
+            consul,
+            self.state,
+            layout=settings.kv_layout,
+            metrics=self.metrics,
+            wait_s=settings.consul_wait_s,
+            clock=clock,
+        )
+        self._session: aiohttp.ClientSession | None = None
+        self.proxy = Proxy(
+            settings,
+            state=self.state,
+            gate=self.gate,
+            session=self.session,
+            metrics=self.metrics,
+            clock=clock,
+            wall_clock=wall_clock,
+            request_log=request_log,
+        )
+        self.metrics.add_state_collector(self.state_view)
+        self.shutting_down = False
+        self.registered_id: str | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the router's client session is not open (app not started)")
+        return self._session
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def lifecycle(self, _app: web.Application) -> AsyncIterator[None]:
+        """cleanup_ctx: open the client pool and start the background tasks; undo both."""
+        connector = aiohttp.TCPConnector(
+            limit=self.settings.connector_limit, limit_per_host=0, enable_cleanup_closed=True
+        )
+        self._session = aiohttp.ClientSession(connector=connector, raise_for_status=False)
+        self._supervisor = asyncio.create_task(self._supervise(), name="router-supervisor")
+        try:
+            yield
+        finally:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+            with contextlib.suppress(Exception):
+                await self.deregister()
+            await self._session.close()
+
+    async def _supervise(self) -> None:
+        scraper = LoadScraper(
+            self.session(),
+            self.state,
+            interval_s=self.settings.scrape_interval_s,
+            timeout_s=self.settings.scrape_timeout_s,
+            metrics=self.metrics,
+            clock=self.clock,
+        )
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self.discovery.run(), name="router-discovery")
+                group.create_task(scraper.run(), name="router-load-scraper")
+                group.create_task(self.gate.run(), name="router-admission-tick")
+                group.create_task(self.demand.run(), name="router-demand-writer")
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            log.exception("router_background_tasks_failed")
+            raise
+
+    @property
+    def background_failed(self) -> bool:
+        supervisor = self._supervisor
+        return supervisor is not None and supervisor.done() and not supervisor.cancelled()
+
+    async def register(self, port: int) -> str | None:
+        """Register this router in Consul (if enabled) as listening on `port`; the service id."""
+        if not self.settings.register_service:
+            return None
+        address = advertise_address(self.settings)
+        service_id = self.service_id = router_service_id(address, port)
+        self.demand.router_id = service_id
+        host = f"[{address}]" if ":" in address else address
+        registration = ServiceRegistration(
+            name=ROUTER_SERVICE,
+            service_id=service_id,
+            address=address,
+            port=port,
+            tags=(ROUTER_TAG,),
+            checks=(
+                HttpCheck(
+                    url=f"http://{host}:{port}/health",
+                    interval_s=_HEALTH_CHECK_INTERVAL_S,
+                    timeout_s=_HEALTH_CHECK_TIMEOUT_S,
+                    deregister_critical_after_s=_DEREGISTER_CRITICAL_AFTER_S,
+                    name="router health",
+                ),
+            ),
+        )
+        await self.consul.agent_service_register(registration, replace_existing_checks=True)
+        self.registered_id = service_id
+        log.info("router_registered", extra={"service_id": service_id})
+        return service_id
+
+    async def deregister(self) -> None:
+        """Leave Consul first on shutdown, so clients stop coming before the listener closes."""
+        self.shutting_down = True
+        service_id, self.registered_id = self.registered_id, None
+        if service_id is not None:
+            await self.consul.agent_service_deregister(service_id)
+            log.info("router_deregistered", extra={"service_id": service_id})
+
+    # -- operations routes -----------------------------------------------------------------
+
+    async def health(self, _request: web.Request) -> web.Response:
+        """200 while serving (with `discovery: fresh|stale`); 503 before the first sync.
+
+        A router that lost Consul keeps routing from its last view, so it stays
+        200 and says `stale`; only a router that never synced (it knows no
+        endpoint) or that is shutting down answers 503.
+        """
+        state = self.state
+        if self.shutting_down:
+            return web.json_response({"status": "shutting_down"}, status=503)
+        if self.background_failed:
+            return web.json_response({"status": "failed"}, status=503)
+        if not state.synced:
+            return web.json_response(
+                {"status": "starting", "discovery": "never_synced"}, status=503
+            )
+        staleness = self.discovery.staleness_s(self.clock())
+        snapshot = state.view.snapshot
+        return web.json_response(
+            {
+                "status": "ok",
+                "discovery": "stale" if staleness > 0 else "fresh",
+                "discovery_staleness_s": round(staleness, 3),
+                "models": len(snapshot.models),
+                "endpoints": len(snapshot.by_id),
+                "declared_models": len(state.view.profiles),
+            }
+        )
+
+    async def prometheus(self, _request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
+        )
+
+    def state_view(self) -> RouterStateView:
+        state = self.state
+        live = state.live
+        breaker_policy = self.settings.balancer_config().breaker
+        now = self.clock()
+        gauges = []
+        for endpoint in state.view.snapshot.by_id.values():
+            endpoint_state = live.get(endpoint.id)
+            gauges.append(
+                EndpointGauge(
+                    endpoint=endpoint.id,
+                    model=endpoint.served_models[0],
+                    in_flight=endpoint_state.in_flight if endpoint_state else 0,
+                    breaker_phase=(
+                        phase_at(endpoint_state.breaker, breaker_policy, now).value
+                        if endpoint_state
+                        else "closed"
+                    ),
+                    status=endpoint.status.value,
+                    draining=bool(endpoint_state and endpoint_state.draining)
+                    and endpoint.status is not CheckStatus.CRITICAL,
+                )
+            )
+        depths = dict.fromkeys(state.view.profiles, 0)
+        depths.update(dict.fromkeys(state.view.snapshot.models, 0))
+        depths.update(self.gate.queue_depths())
+        return RouterStateView(
+            endpoints=gauges,
+            queue_depths=depths,
+            discovery_synced=state.synced,
+            discovery_staleness_s=self.discovery.staleness_s(self.clock()),
+        )
+
+
+RUNTIME = web.AppKey("caravan_router_runtime", RouterRuntime)
+
+
+def create_app(
+    settings: RouterSettings,
+    *,
+    consul: RouterConsul,
+    registry: CollectorRegistry,
+    clock: Callable[[], float] = time.monotonic,
+    wall_clock: Callable[[], float] = time.time,
+    request_log: RequestLog | None = None,
+) -> web.Application:
+    """The router's aiohttp application; `consul` must be open for the app's lifetime.
+
+    `request_log` writes the canonical line of each request (default: stdlib
+    logging on `router.proxy`).
+    """
+    runtime = RouterRuntime(
+        settings, consul, registry, clock=clock, wall_clock=wall_clock, request_log=request_log
+    )
+    app = web.Application(client_max_size=settings.max_body_bytes)
+    app[RUNTIME] = runtime
+    app.cleanup_ctx.append(runtime.lifecycle)
+    proxy = runtime.proxy
+    app.add_routes(
+        [
+            web.post("/v1/chat/completions", proxy.chat_completions),
+            web.post("/v1/completions", proxy.completions),
+            web.post("/v1/embeddings", proxy.embeddings),
+            web.get("/v1/models", proxy.models),
+            web.get("/health", runtime.health),
+            web.get("/metrics", runtime.prometheus),
+        ]
+    )
+    return app
+
+
+def app_runner(app: web.Application, settings: RouterSettings) -> web.AppRunner:
+    """The runner to serve the app with: client disconnects cancel handlers (logged as 499)."""
+    return web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=settings.shutdown_timeout_s,
+    )

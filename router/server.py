@@ -1,0 +1,166 @@
+"""Run the router process: Consul client, app, listener, registration, graceful shutdown.
+
+Shutdown order on SIGTERM/SIGINT (style.md rule 20, "drain before closing"):
+
+1. deregister from Consul, so clients and load balancers stop choosing us;
+2. stop accepting connections (`runner.cleanup()` closes the listener);
+3. let in-flight requests and streams finish, for up to `shutdown_timeout_s`;
+4. stop the background tasks and close the client pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import importlib
+import importlib.util
+import logging
+import signal
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from caravan.consul_api import ConsulClient, ConsulSettings
+from caravan.errors import HashiError
+from router.app import RUNTIME, RouterRuntime, app_runner, create_app
+from router.log_format import BufferedLineHandler, configure_logging
+from router.proxy import RequestLog
+from router.settings import RouterSettings
+
+log = logging.getLogger(__name__)
+
+_REGISTER_RETRY_S = (1.0, 2.0, 5.0, 10.0)
+
+
+async def serve(
+    settings: RouterSettings,
+    consul_settings: ConsulSettings,
+    log_handler: BufferedLineHandler | None = None,
+) -> None:
+    """Serve until SIGTERM or SIGINT, then shut down in order (module docstring)."""
+    flusher = asyncio.create_task(_flush_logs(log_handler)) if log_handler else None
+    try:
+        await _serve(settings, consul_settings, log_handler)
+    finally:
+        if flusher is not None:
+            flusher.cancel()
+        if log_handler is not None:
+            log_handler.flush()
+
+
+async def _flush_logs(handler: BufferedLineHandler) -> None:
+    """Write buffered log lines at least twice a second, even when no new line comes."""
+    while True:
+        await asyncio.sleep(0.5)
+        handler.flush()
+
+
+def _fast_request_log(handler: BufferedLineHandler | None) -> RequestLog | None:
+    """The canonical request line written straight to the buffered log handler."""
+    if handler is None:
+        return None
+
+    def write(fields: dict[str, Any]) -> None:
+        handler.write_event("router.proxy", "request", fields)
+
+    return write
+
+
+async def _serve(
+    settings: RouterSettings,
+    consul_settings: ConsulSettings,
+    log_handler: BufferedLineHandler | None,
+) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    async with ConsulClient(consul_settings) as consul:
+        app = create_app(
+            settings,
+            consul=consul,
+            registry=CollectorRegistry(),
+            request_log=_fast_request_log(log_handler),
+        )
+        runtime = app[RUNTIME]
+        runner = app_runner(app, settings)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)
+            await site.start()
+            port = int(runner.addresses[0][1])
+            # Everything allocated so far lives as long as the process: keep it out
+            # of the cyclic collector's generations, so collections stay short.
+            gc.freeze()
+            registering = asyncio.create_task(_register(runtime, port), name="router-register")
+            shown_host = f"[{settings.host}]" if ":" in settings.host else settings.host
+            print(f"caravan router listening on http://{shown_host}:{port}", flush=True)  # noqa: T201
+            await stop.wait()
+            log.info("router_stopping", extra={"shutdown_timeout_s": settings.shutdown_timeout_s})
+            registering.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await registering
+            try:
+                await runtime.deregister()
+            except HashiError as exc:
+                log.warning("router_deregister_failed", extra={"error": str(exc)})
+        finally:
+            await runner.cleanup()
+    log.info("router_stopped")
+
+
+async def _register(runtime: RouterRuntime, port: int) -> None:
+    """Register in Consul, retrying while Consul is unreachable (serving goes on meanwhile)."""
+    attempt = 0
+    while True:
+        try:
+            await runtime.register(port)
+        except HashiError as exc:
+            delay = _REGISTER_RETRY_S[min(attempt, len(_REGISTER_RETRY_S) - 1)]
+            attempt += 1
+            log.warning("router_register_failed", extra={"error": str(exc), "retry_in_s": delay})
+            await asyncio.sleep(delay)
+        else:
+            return
+
+
+def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop factory when chosen (or `auto` and installed); None = asyncio's loop.
+
+    Raises ModuleNotFoundError when uvloop is chosen explicitly and missing.
+    """
+    if choice == "asyncio":
+        return None
+    if choice == "auto" and importlib.util.find_spec("uvloop") is None:
+        return None
+    uvloop = importlib.import_module("uvloop")
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def run(settings: RouterSettings, environ: Mapping[str, str]) -> int:
+    """The process entry point shared by `python -m router` and `caravan router`."""
+    handler = configure_logging(settings.log_level, settings.log_format)
+    try:
+        consul_settings = ConsulSettings.from_env(environ)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)  # noqa: T201
+        return 2
+    try:
+        loop_factory = event_loop_factory(settings.event_loop)
+    except ModuleNotFoundError:
+        print("error: event_loop is uvloop but uvloop is not installed", file=sys.stderr)  # noqa: T201
+        return 2
+    log.info("event_loop_chosen", extra={"event_loop": "uvloop" if loop_factory else "asyncio"})
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(serve(settings, consul_settings, handler))
+    except OSError as exc:
+        # A taken port or an address that is not ours.
+        print(f"error: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)  # noqa: T201
+        return 1
+    return 0

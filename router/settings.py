@@ -1,0 +1,145 @@
+"""The router's settings: one frozen `RouterSettings`, read once by the wiring.
+
+Every field can be set as `CARAVAN_ROUTER_<FIELD>` in the environment (the
+`caravan router` flags override a few). Units are in the names. Where Consul
+is comes from the standard `CONSUL_HTTP_ADDR` / `CONSUL_HTTP_TOKEN` variables
+instead (`caravan.consul_api.ConsulSettings.from_env`), so the router reads
+them exactly as the Consul CLI does.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from caravan.contract import KVLayout
+from router.admission import AdmissionPolicy
+from router.balancer import BalancerConfig, Policy
+from router.breaker import BreakerPolicy
+
+MIB = 1024 * 1024
+
+
+class RouterSettings(BaseSettings):
+    """Everything the router process is configured with."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="CARAVAN_ROUTER_",
+        env_nested_delimiter="__",
+        frozen=True,
+        extra="forbid",
+    )
+
+    # -- listener ---------------------------------------------------------------
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    # Largest request body accepted; above it the answer is 413.
+    max_body_bytes: int = Field(default=16 * MIB, ge=1024)
+    # Bearer keys clients must present (comma-separated in the environment); empty = open.
+    api_keys: Annotated[tuple[SecretStr, ...], NoDecode] = ()
+    # Send the client's Authorization header on to the engine (engines started with --api-key).
+    forward_authorization: bool = False
+
+    # -- routing ----------------------------------------------------------------
+    policy: Policy = Policy.PREFIX_AFFINITY
+    affinity_prefix_chars: int = Field(default=100, ge=1)
+    load_factor: float = Field(default=1.25, ge=1.0)
+    # A request with no x-caravan-priority header gets this (lower goes first).
+    default_priority: int = 0
+
+    # -- upstream ---------------------------------------------------------------
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    # Until the engine's response headers (non-streaming: the whole body, which
+    # only comes once the completion is generated; streaming: the first event).
+    first_byte_timeout_s: float = Field(default=300.0, gt=0)
+    # Longest silence between two events of a stream before the engine counts as dead.
+    stream_idle_timeout_s: float = Field(default=60.0, gt=0)
+    # Endpoints one request may try before its first byte reaches the client.
+    max_attempts: int = Field(default=3, ge=1)
+    # Continuations of one stream after its engine died mid-stream (0 = no failover).
+    max_failovers: int = Field(default=2, ge=0)
+    breaker_failure_threshold: int = Field(default=5, ge=1)
+    breaker_cool_down_s: float = Field(default=10.0, ge=0)
+    # Connections the shared client pool keeps to all engines together.
+    connector_limit: int = Field(default=4096, ge=1)
+
+    # -- admission --------------------------------------------------------------
+    queue_max_per_model: int = Field(default=256, ge=0)
+    queue_timeout_s: float = Field(default=30.0, gt=0)
+    cold_start_timeout_s: float = Field(default=300.0, gt=0)
+    # How often a streaming client held for a cold start gets an SSE comment.
+    cold_start_keepalive_s: float = Field(default=5.0, gt=0)
+    # How often, at most, the demand signal of one model is written to KV.
+    demand_interval_s: float = Field(default=5.0, gt=0)
+    retry_after_s: int = Field(default=1, ge=1)
+    cold_start_retry_after_s: int = Field(default=10, ge=1)
+
+    # -- discovery and load -----------------------------------------------------
+    kv_prefix: str = "caravan/"
+    # Longest wait of one Consul blocking query.
+    consul_wait_s: float = Field(default=60.0, gt=0, le=600)
+    scrape_interval_s: float = Field(default=1.0, gt=0)
+    scrape_timeout_s: float = Field(default=0.5, gt=0)
+    # An engine scrape older than this is unknown, which the balancer reads as saturated.
+    load_max_age_s: float = Field(default=5.0, gt=0)
+
+    # -- operations ---------------------------------------------------------------
+    # Register this router in Consul as `caravan-router` with an HTTP check on /health.
+    register_service: bool = True
+    # The address other machines reach this router at (default: the bind host, or
+    # the machine's hostname when bound to every interface).
+    advertise_address: str | None = None
+    # How long in-flight requests may run on after a shutdown signal.
+    shutdown_timeout_s: float = Field(default=30.0, ge=0)
+    # auto: uvloop when it is installed (about a third less CPU per request,
+    # docs/benchmarks.md), else asyncio's own loop.
+    event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["json", "text"] = "json"
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(key.strip() for key in value.split(",") if key.strip())
+        return value
+
+    @field_validator("kv_prefix")
+    @classmethod
+    def _valid_prefix(cls, value: str) -> str:
+        KVLayout(value)  # raises naming the prefix
+        return value
+
+    @model_validator(mode="after")
+    def _timeouts_fit(self) -> RouterSettings:
+        if self.scrape_timeout_s > self.scrape_interval_s:
+            raise ValueError(
+                f"scrape_timeout_s ({self.scrape_timeout_s}) must not exceed "
+                f"scrape_interval_s ({self.scrape_interval_s})"
+            )
+        return self
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return KVLayout(self.kv_prefix)
+
+    def balancer_config(self) -> BalancerConfig:
+        return BalancerConfig(
+            breaker=BreakerPolicy(
+                failure_threshold=self.breaker_failure_threshold,
+                cool_down_s=self.breaker_cool_down_s,
+            ),
+            load_max_age_s=self.load_max_age_s,
+            load_factor=self.load_factor,
+        )
+
+    def admission_policy(self) -> AdmissionPolicy:
+        return AdmissionPolicy(
+            max_queue_per_model=self.queue_max_per_model,
+            queue_timeout_s=self.queue_timeout_s,
+            cold_start_hold_s=self.cold_start_timeout_s,
+            retry_after_s=self.retry_after_s,
+            cold_start_retry_after_s=self.cold_start_retry_after_s,
+        )

@@ -1,0 +1,122 @@
+"""`caravan demo`: a streamed completion from placed replicas, exports, and no orphans."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import dns.asyncquery
+import dns.message
+import dns.rdatatype
+import pytest
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (children, grandchildren, ...)."""
+    table = subprocess.run(
+        ["ps", "-eo", "pid=,ppid="], capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    children: dict[int, list[int]] = {}
+    for line in table:
+        if line.strip():
+            child, parent = (int(x) for x in line.split())
+            children.setdefault(parent, []).append(child)
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text(encoding="ascii").split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def start_demo(*args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "caravan_cli",
+        "demo",
+        "--simulated-llama",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={k: v for k, v in os.environ.items() if not k.startswith(("NOMAD_", "CONSUL_"))},
+    )
+
+
+async def read_until(process: asyncio.subprocess.Process, marker: str, timeout_s: float) -> str:
+    assert process.stdout is not None
+    seen: list[str] = []
+    async with asyncio.timeout(timeout_s):
+        while True:
+            line = (await process.stdout.readline()).decode()
+            if not line:
+                pytest.fail("demo exited early:\n" + "".join(seen))
+            seen.append(line)
+            if marker in line:
+                return "".join(seen)
+
+
+@pytest.mark.slow
+async def test_demo_once_streams_a_completion_and_exits_zero():
+    """`caravan demo --once` prints a streamed completion and the export lines, then exits 0."""
+    process = await start_demo("--once")
+    out, err = await asyncio.wait_for(process.communicate(), 240)
+    text = out.decode()
+    assert process.returncode == 0, err.decode()
+    assert "tiny-chat: 3/3 ready" in text
+    assert "qwen2-5-7b: 2/2 ready" in text
+    completion = next(line for line in text.splitlines() if line.startswith("tiny-chat < "))
+    assert completion.removeprefix("tiny-chat < ").strip(), "no streamed text"
+    for variable in ("NOMAD_ADDR", "CONSUL_HTTP_ADDR", "OPENAI_BASE_URL", "CARAVAN_DNS_PORT"):
+        assert f"\nexport {variable}=" in text
+
+
+async def router_srv(dns_port: int) -> list[int]:
+    """Ports of caravan-router in Consul DNS, as `dig ... SRV` would show them."""
+    query = dns.message.make_query("caravan-router.service.consul", dns.rdatatype.SRV)
+    answer = await dns.asyncquery.udp(query, "127.0.0.1", port=dns_port, timeout=2)
+    return [item.port for rrset in answer.answer for item in rrset]
+
+
+@pytest.mark.slow
+async def test_demo_serves_dns_and_leaves_no_process_behind_after_ctrl_c():
+    """During the demo DNS finds the router; after Ctrl-C every process it started is gone."""
+    process = await start_demo()
+    try:
+        text = await read_until(process, "running until Ctrl-C", 240)
+        exports = dict(
+            line.removeprefix("export ").split("=", 1)
+            for line in text.splitlines()
+            if line.startswith("export ")
+        )
+        router_port = int(exports["OPENAI_BASE_URL"].rsplit(":", 1)[1].split("/")[0])
+        assert await router_srv(int(exports["CARAVAN_DNS_PORT"])) == [router_port]
+        started = descendants(process.pid)
+        assert len(started) >= 5, f"expected the 5 engine processes, saw {len(started)}"
+        process.send_signal(signal.SIGINT)
+        await asyncio.wait_for(process.wait(), 60)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 0
+    await asyncio.sleep(0.5)
+    left = sorted(pid for pid in started if alive(pid))
+    assert left == [], f"orphaned processes: {left}"

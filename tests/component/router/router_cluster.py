@@ -1,0 +1,451 @@
+"""Pieces of the router component tests: simulated engines, their Consul registration, a router.
+
+Engines run as subprocesses (`python -m devcluster.engine`) on 127.0.0.1 and a
+free port, and are registered into the in-process devcluster Consul the way
+Nomad registers a replica: service `caravan-<model>`, tag `caravan`, the
+contract's Meta, an HTTP check on `/health` every second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from caravan.consul_api import (
+    ConsulClient,
+    ConsulSettings,
+    HttpCheck,
+    ServiceRegistration,
+    TtlCheck,
+)
+from caravan.contract import KVLayout, ServiceMetaKey, model_service_name
+from devcluster.consul.server import ConsulConfig, ConsulServer
+from router.app import RUNTIME, RouterRuntime, app_runner, create_app
+from router.settings import RouterSettings
+
+REPO = Path(__file__).resolve().parents[3]
+_BOUND = re.compile(r"bound to (http://[\d.]+:(\d+))")
+LAYOUT = KVLayout()
+
+
+def consul_config() -> ConsulConfig:
+    """devcluster's Consul with short reap periods, for tests."""
+    return ConsulConfig(
+        session_ttl_min_s=1.0, check_reap_interval_s=0.5, deregister_critical_min_s=1.0
+    )
+
+
+@dataclass
+class Engine:
+    """One simulated engine process."""
+
+    flavor: str
+    model: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        """SIGKILL, as a crashing node would."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        self.log_path.unlink(missing_ok=True)
+
+
+def start_engine(
+    model: str,
+    *,
+    flavor: str = "vllm",
+    max_num_seqs: int = 64,
+    sim: Mapping[str, str] | None = None,
+    timeout_s: float = 30.0,
+) -> Engine:
+    """Start a simulated engine on a free port and wait until it says where it is bound."""
+    knobs = {"load_seconds": "0", "step_seconds": "0.005", "output_tokens": "16"}
+    knobs.update(sim or {})
+    args = [sys.executable, "-m", "devcluster.engine", "--flavor", flavor, "--host", "127.0.0.1"]
+    args += ["--port", "0"]
+    if flavor == "vllm":
+        args += [
+            "--model",
+            model,
+            "--served-model-name",
+            model,
+            "--max-num-seqs",
+            str(max_num_seqs),
+        ]
+    else:
+        args += ["-m", f"/models/{model}.gguf", "--alias", model, "--metrics"]
+        args += ["--parallel", str(max_num_seqs)]
+    for name, value in knobs.items():
+        args += ["--sim-" + name.replace("_", "-"), value]
+    handle, name = tempfile.mkstemp(prefix="caravan-engine-", suffix=".log")
+    log_path = Path(name)
+    with os.fdopen(handle, "wb") as log_file:
+        process = subprocess.Popen(
+            args, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        match = _BOUND.search(log_path.read_text(errors="replace"))
+        if match:
+            engine = Engine(flavor, model, process, log_path, int(match.group(2)))
+            _wait_listening(engine, deadline)
+            return engine
+        if process.poll() is not None:
+            break
+        time.sleep(0.05)
+    process.kill()
+    process.wait()
+    output = log_path.read_text(errors="replace")
+    log_path.unlink(missing_ok=True)
+    raise RuntimeError(f"engine did not start: {output[-2000:]}")
+
+
+def _wait_listening(engine: Engine, deadline: float) -> None:
+    import socket  # noqa: PLC0415
+
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", engine.port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"engine on port {engine.port} never listened")
+
+
+def replica_meta(
+    model: str, replica: int, *, flavor: str = "vllm", capacity: int = 64
+) -> dict[str, str]:
+    """The service Meta the scheduler renders for a replica (contract 4)."""
+    if flavor == "vllm":
+        running, waiting, kv = (
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc",
+        )
+    else:
+        running, waiting, kv = "llamacpp:requests_processing", "llamacpp:requests_deferred", ""
+    return {
+        ServiceMetaKey.MODEL: model,
+        ServiceMetaKey.SERVED_MODELS: model,
+        ServiceMetaKey.ENGINE: flavor,
+        ServiceMetaKey.REPLICA: str(replica),
+        ServiceMetaKey.CAPACITY: str(capacity),
+        ServiceMetaKey.METRICS_PATH: "/metrics",
+        ServiceMetaKey.METRIC_RUNNING: running,
+        ServiceMetaKey.METRIC_WAITING: waiting,
+        ServiceMetaKey.METRIC_KV_CACHE: kv,
+        ServiceMetaKey.SPEC_HASH: "0123456789abcdef",
+    }
+
+
+async def register_replica(
+    consul: ConsulClient,
+    model: str,
+    replica: int,
+    port: int,
+    *,
+    flavor: str = "vllm",
+    capacity: int = 64,
+    check: str = "http",
+) -> str:
+    """Register a replica as Nomad would; returns its service id.
+
+    `check`: "http" (on /health every 1s), "ttl" (set by the test), or "none"
+    (Consul then reads the instance as passing).
+    """
+    service_id = f"_nomad-task-{uuid.uuid4()}-engine-{model_service_name(model)}-http"
+    checks: tuple[HttpCheck | TtlCheck, ...] = ()
+    if check == "http":
+        checks = (HttpCheck(url=f"http://127.0.0.1:{port}/health", interval_s=1.0, timeout_s=1.0),)
+    elif check == "ttl":
+        checks = (TtlCheck(ttl_s=600.0, check_id=f"ttl-{service_id}", initial_status="passing"),)
+    await consul.agent_service_register(
+        ServiceRegistration(
+            name=model_service_name(model),
+            service_id=service_id,
+            address="127.0.0.1",
+            port=port,
+            tags=("caravan", f"engine-{flavor}"),
+            meta=replica_meta(model, replica, flavor=flavor, capacity=capacity),
+            checks=checks,
+        )
+    )
+    return service_id
+
+
+async def declare_model(consul: ConsulClient, name: str, **fields: Any) -> None:
+    """Write a profile to KV as `caravan submit` would (only the fields the router reads)."""
+    profile = {"name": name, "engine": "vllm", "replicas": {"min": 0, "max": 2}, **fields}
+    await consul.kv_put(LAYOUT.model_key(name), json.dumps(profile))
+
+
+@dataclass
+class RouterUnderTest:
+    url: str
+    runtime: RouterRuntime
+    registry: CollectorRegistry
+    runner: web.AppRunner = field(repr=False)
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """The value of one sample of the router's registry; None when it is absent."""
+        value = self.registry.get_sample_value(name, labels)
+        return None if value is None else float(value)
+
+
+@asynccontextmanager
+async def running_router(consul: ConsulClient, **overrides: Any) -> AsyncIterator[RouterUnderTest]:
+    """A router on this event loop, on a free port, synced with Consul before it is yielded."""
+    values: dict[str, Any] = {
+        "port": 0,
+        "register_service": False,
+        "consul_wait_s": 10.0,
+        "scrape_interval_s": 0.5,
+        "scrape_timeout_s": 0.5,
+        "shutdown_timeout_s": 2.0,
+        "log_format": "text",
+    }
+    values.update(overrides)
+    settings = RouterSettings(**values)
+    registry = CollectorRegistry()
+    app = create_app(settings, consul=consul, registry=registry)
+    runner = app_runner(app, settings)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = int(runner.addresses[0][1])
+        runtime = app[RUNTIME]
+        await wait_until(lambda: runtime.state.synced, timeout_s=10.0, what="router synced")
+        yield RouterUnderTest(f"http://127.0.0.1:{port}", runtime, registry, runner)
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def running_consul() -> AsyncIterator[tuple[ConsulServer, ConsulClient]]:
+    async with ConsulServer(consul_config()) as server:
+        settings = ConsulSettings(host="127.0.0.1", port=server.http_port, request_timeout_s=5.0)
+        async with ConsulClient(settings) as client:
+            yield server, client
+
+
+async def wait_until(
+    condition: Callable[[], bool | Awaitable[bool]], *, timeout_s: float, what: str
+) -> None:
+    """Poll until `condition` holds; fail the test naming `what` if it never does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = condition()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def routable_count(router: RouterUnderTest, model: str) -> int:
+    """Endpoints of the model the router would send new requests to (passing or warning)."""
+    runtime = router.runtime
+    entry = runtime.state.view.snapshot.for_model(model)
+    if entry is None:
+        return 0
+    live = runtime.state.live
+    return sum(
+        1
+        for endpoint in entry.endpoints
+        if endpoint.status.value != "critical"
+        and not (endpoint.id in live and live[endpoint.id].draining)
+    )
+
+
+def chat_body(model: str, text: str = "hello", **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": text}], **extra}
+
+
+async def read_stream(response: aiohttp.ClientResponse) -> tuple[str, list[dict[str, Any]], bool]:
+    """(the text of choice 0, every JSON event, whether `[DONE]` came) of an SSE answer."""
+    return parse_sse(await response.read())
+
+
+def parse_sse(raw: bytes) -> tuple[str, list[dict[str, Any]], bool]:
+    """(the text of choice 0, every JSON event, whether `[DONE]` came) of SSE bytes."""
+    events: list[dict[str, Any]] = []
+    done = False
+    for event in raw.split(b"\n\n"):
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[6:]
+            if payload == b"[DONE]":
+                done = True
+            else:
+                events.append(json.loads(payload))
+    text = "".join(
+        choice.get("delta", {}).get("content") or choice.get("text") or ""
+        for event in events
+        for choice in event.get("choices", [])
+    )
+    return text, events, done
+
+
+async def engine_metric(session: aiohttp.ClientSession, engine: Engine, name: str) -> float:
+    """The sum of one metric's samples in an engine's /metrics."""
+    async with session.get(engine.url + "/metrics") as response:
+        text = await response.text()
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                total += sample.value
+    return total
+
+
+class FakeEngine:
+    """An in-process engine whose behaviour the test sets, counting what it receives.
+
+    modes: "ok" answers (streams `events` content chunks), "status" answers
+    `status` with an error body, "die" breaks the connection after `events`
+    chunks, "held" streams one chunk then waits for `release` before the rest,
+    "hang" never answers, "stall" streams `events` chunks then goes silent.
+    """
+
+    def __init__(self, model: str, *, mode: str = "ok", events: int = 5, status: int = 503) -> None:
+        self.model = model
+        self.mode = mode
+        self.events = events
+        self.status = status
+        self.requests = 0
+        self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self.release = asyncio.Event()
+        self.in_flight = 0
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def __aenter__(self) -> Self:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/embeddings", self._embeddings)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        self.release.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        self.requests += 1
+        self.bodies.append(await request.json())
+        vector = {"object": "embedding", "index": 0, "embedding": [0.25, -0.5]}
+        return web.json_response({"object": "list", "data": [vector], "model": self.model})
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(text=f"vllm:num_requests_running {self.in_flight}\n")
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        chunk = {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+        return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        self.requests += 1
+        self.headers.append(dict(request.headers))
+        body = await request.json()
+        self.bodies.append(body)
+        if self.mode == "hang":
+            await asyncio.Event().wait()
+        if self.mode == "status":
+            error = {
+                "error": {"message": "fake failure", "type": "server_error", "code": self.status}
+            }
+            return web.json_response(error, status=self.status)
+        words = [f" w{i}" for i in range(self.events)]
+        if not body.get("stream"):
+            message = {"role": "assistant", "content": "".join(words)}
+            return web.json_response(
+                {
+                    "id": "chatcmpl-fake",
+                    "object": "chat.completion",
+                    "created": 1,
+                    "model": self.model,
+                    "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                    "usage": {
+                        "prompt_tokens": 1,
+                        "completion_tokens": self.events,
+                        "total_tokens": 1 + self.events,
+                    },
+                },
+                headers={"openai-processing-ms": "1"},
+            )
+        self.in_flight += 1
+        try:
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(self._chunk({"role": "assistant", "content": ""}))
+            for index, word in enumerate(words):
+                await response.write(self._chunk({"content": word}))
+                if self.mode == "held" and index == 0:
+                    await self.release.wait()
+                if self.mode == "stall" and index == self.events - 1:
+                    await asyncio.Event().wait()
+                if self.mode == "die" and index == self.events - 1:
+                    await asyncio.sleep(0.01)
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return response
+            await response.write(self._chunk({}, "stop") + b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        finally:
+            self.in_flight -= 1

@@ -1,0 +1,175 @@
+"""The admission gate on one event loop: leases, the queue's futures, cold-start holds, demand."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import MappingProxyType
+
+import pytest
+from prometheus_client import CollectorRegistry
+from router_builders import MODEL, endpoint_entry, snapshot_of
+
+from caravan.contract import KVLayout
+from router.admission import AdmissionPolicy
+from router.admission_gate import AdmissionGate, DemandSignal
+from router.balancer import BalancerConfig, Policy, RequestFeatures
+from router.errors import ModelNotFound, NoHealthyEndpoint, QueueTimeout
+from router.live_state import Outcome, reconcile_live_state
+from router.metrics import RouterMetrics
+from router.routing_state import KnownModel, RoutingState, RoutingView
+
+
+class FakeStore:
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, dict[str, object]]] = []
+
+    async def kv_put(self, key: str, value: bytes | str) -> bool:
+        self.writes.append((key, json.loads(value)))
+        return True
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_gate(
+    *entries: dict[str, object],
+    declared: bool = True,
+    queue_timeout_s: float = 5.0,
+    demand_interval_s: float = 5.0,
+    clock: Clock | None = None,
+) -> tuple[AdmissionGate, RoutingState, DemandSignal, FakeStore]:
+    state = RoutingState()
+    metrics = RouterMetrics(CollectorRegistry())
+    store = FakeStore()
+    demand = DemandSignal(
+        store,
+        KVLayout(),
+        router_id="r1",
+        interval_s=demand_interval_s,
+        metrics=metrics,
+        clock=clock or Clock(),
+        wall_clock=lambda: 1.5,
+    )
+    gate = AdmissionGate(
+        state,
+        policy=Policy.LEAST_INFLIGHT,
+        balancer=BalancerConfig(),
+        admission=AdmissionPolicy(max_queue_per_model=4, queue_timeout_s=queue_timeout_s),
+        demand=demand,
+        metrics=metrics,
+        cold_start_keepalive_s=0.05,
+    )
+    swap(state, *entries, declared=declared)
+    return gate, state, demand, store
+
+
+def swap(state: RoutingState, *entries: dict[str, object], declared: bool = True) -> None:
+    snapshot = snapshot_of(*entries) if entries else snapshot_of()
+    profiles = {MODEL: KnownModel("qwen", MODEL)} if declared else {}
+    view = RoutingView(snapshot=snapshot, profiles=MappingProxyType(profiles))
+    state.swap(view, reconcile_live_state(state.live, snapshot), synced=True)
+
+
+REQUEST = RequestFeatures(MODEL)
+
+
+async def test_waiting_request_gets_the_capacity_a_finished_one_frees() -> None:
+    """At capacity a request waits; when the running one finishes it is admitted."""
+    gate, state, _, _ = make_gate(endpoint_entry("a", capacity=1))
+    first = await gate.admit(REQUEST, priority=0)
+    waiting = asyncio.create_task(gate.admit(REQUEST, priority=0))
+    await asyncio.sleep(0.01)
+    depth_while_waiting = gate.queue_depths()
+
+    gate.finish(first, Outcome.SUCCESS)
+    second = await asyncio.wait_for(waiting, 1)
+
+    assert {MODEL: 1} == depth_while_waiting
+    assert ("a", 1, {}) == (second.endpoint.id, state.live["a"].in_flight, gate.queue_depths())
+
+
+async def test_cancelled_waiter_leaves_the_queue() -> None:
+    """A client that goes away while queued takes its ticket with it."""
+    gate, state, _, _ = make_gate(endpoint_entry("a", capacity=1))
+    first = await gate.admit(REQUEST, priority=0)
+    waiting = asyncio.create_task(gate.admit(REQUEST, priority=0))
+    await asyncio.sleep(0.01)
+
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    gate.finish(first, Outcome.SUCCESS)
+
+    assert ({}, 0) == (gate.queue_depths(), state.live["a"].in_flight)
+
+
+async def test_queue_timeout_raises_and_empties_the_queue() -> None:
+    """A request still waiting at its deadline gets QueueTimeout."""
+    gate, _, _, _ = make_gate(endpoint_entry("a", capacity=1), queue_timeout_s=0.05)
+    await gate.admit(REQUEST, priority=0)
+
+    with pytest.raises(QueueTimeout):
+        await gate.admit(REQUEST, priority=0)
+
+    assert {} == gate.queue_depths()
+
+
+async def test_unsynced_router_and_unknown_model_are_refused() -> None:
+    """Before the first sync: 503; a model nobody serves or declares: 404."""
+    gate, state, _, _ = make_gate(endpoint_entry("a"), declared=False)
+
+    with pytest.raises(ModelNotFound):
+        await gate.admit(RequestFeatures("other"), priority=0)
+    state.synced = False
+    with pytest.raises(NoHealthyEndpoint) as caught:
+        await gate.admit(REQUEST, priority=0)
+
+    assert "discovery_not_synced" == caught.value.reason
+
+
+async def test_declared_model_with_only_critical_replicas_is_a_cold_start() -> None:
+    """No routable replica of a declared model: held, demand written, admitted when one passes."""
+    gate, state, demand, store = make_gate(endpoint_entry("a", status="critical"))
+    writer = asyncio.create_task(demand.run())
+    holds = 0
+
+    async def hold() -> None:
+        nonlocal holds
+        holds += 1
+
+    try:
+        held = asyncio.create_task(gate.admit(REQUEST, priority=0, hold=hold))
+        await asyncio.sleep(0.12)
+        swap(state, endpoint_entry("a"))
+        admitted = await asyncio.wait_for(held, 1)
+    finally:
+        writer.cancel()
+
+    assert "a" == admitted.endpoint.id
+    assert holds >= 2
+    assert [("caravan/demand/qwen", {"at": 1.5, "router": "r1", "waiting": 1})] == store.writes
+
+
+async def test_demand_is_written_at_most_once_per_interval() -> None:
+    """Many waiting requests write the demand key once per interval per model."""
+    clock = Clock()
+    _, _, demand, store = make_gate(clock=clock)
+    writer = asyncio.create_task(demand.run())
+    model = KnownModel("qwen", MODEL)
+    try:
+        for waiting in (1, 2, 3):
+            demand.note(model, waiting)
+            await asyncio.sleep(0)
+        clock.now += 5.0
+        demand.note(model, 4)
+        await asyncio.sleep(0.01)
+    finally:
+        writer.cancel()
+
+    assert [1, 4] == [value["waiting"] for _, value in store.writes]
