@@ -19,9 +19,10 @@ import os
 import stat
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -63,6 +64,8 @@ class StackOptions:
     run_scheduler: bool = True
     # Router settings for an in-process router; None runs no router.
     router: RouterSettings | None = None
+    # Receives the router's canonical line of each request (tests).
+    request_log: Callable[[dict[str, Any]], None] | None = None
     work_dir: Path | None = None
 
 
@@ -133,11 +136,13 @@ class RouterHandle:
 
 @contextlib.asynccontextmanager
 async def running_router(
-    settings: RouterSettings, consul: ConsulClient
+    settings: RouterSettings,
+    consul: ConsulClient,
+    request_log: Callable[[dict[str, Any]], None] | None = None,
 ) -> AsyncIterator[RouterHandle]:
     """Serve a router on the running loop, registered in Consul as `caravan-router`."""
     registry = CollectorRegistry()
-    app = create_app(settings, consul=consul, registry=registry)
+    app = create_app(settings, consul=consul, registry=registry, request_log=request_log)
     runtime = app[RUNTIME]
     runner = app_runner(app, settings)
     await runner.setup()
@@ -245,7 +250,7 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                     router = None
                     if options.router is not None:
                         router = await parts.enter_async_context(
-                            running_router(options.router, consul)
+                            running_router(options.router, consul, options.request_log)
                         )
                     yield LocalStack(
                         cluster=cluster,

@@ -1,0 +1,162 @@
+"""The seed's exit criterion, end to end: a node dies under four streaming clients.
+
+devcluster (3 CPU nodes), the scheduler, a router, and a llama.cpp model with
+3 replicas. While four clients stream chat completions without pause, the
+node of one replica is killed. No request may fail: streams cut by the kill
+are continued on a survivor; Nomad marks the node down and the allocation
+lost, the replica is rebuilt on a surviving node, and from the moment Consul
+reports the dead endpoint, the router sends it nothing new.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from caravan.contract import KVLayout, model_service_name
+from caravan_cli.local_stack import LocalStack, StackOptions, local_profile, local_stack
+from router.settings import RouterSettings
+from scheduler.model_store import ModelStore
+from scheduler.profiles import load_profile
+
+ROOT = Path(__file__).resolve().parents[2]
+CLIENTS = 4
+
+
+async def wait_for(check, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await check():
+            return
+        await asyncio.sleep(0.2)
+    pytest.fail(f"{what} not reached within {timeout_s}s")
+
+
+def read_stream(raw: bytes) -> tuple[str, bool, list[Any]]:
+    """The text, whether `[DONE]` came, and any error events of an SSE body."""
+    text, done, errors = [], False, []
+    for line in raw.decode().splitlines():
+        if not line.startswith("data: "):
+            continue
+        data = line.removeprefix("data: ")
+        if data == "[DONE]":
+            done = True
+            continue
+        event = json.loads(data)
+        if "error" in event:
+            errors.append(event["error"])
+            continue
+        text.extend(
+            choice.get("delta", {}).get("content") or "" for choice in event.get("choices", [])
+        )
+    return "".join(text), done, errors
+
+
+@pytest.mark.slow
+async def test_four_streaming_clients_survive_a_node_kill(tmp_path: Path):
+    """No request fails, the replica returns on a survivor, the dead endpoint gets nothing new."""
+    lines: list[tuple[float, dict[str, Any]]] = []
+    options = StackOptions(
+        prefer_real_llama_server=False,
+        gpu_nodes=0,
+        autoscale=False,
+        work_dir=tmp_path,
+        resync_s=2.0,
+        router=RouterSettings(port=0, scrape_interval_s=0.5, log_level="warning"),
+        request_log=lambda line: lines.append((time.monotonic(), line)),
+    )
+    async with local_stack(options) as stack:
+        await run_scenario(stack, lines)
+
+
+async def run_scenario(stack: LocalStack, lines: list[tuple[float, dict[str, Any]]]) -> None:
+    assert stack.router is not None
+    consul, nomad = stack.scheduler.consul, stack.scheduler.nomad
+    profile = load_profile(ROOT / "examples/profiles/tiny-llamacpp-cpu.yaml").model_copy(
+        update={"env": {"CARAVAN_SIM_STEP_SECONDS": "0.02", "CARAVAN_SIM_OUTPUT_TOKENS": "400"}}
+    )
+    await ModelStore(consul, KVLayout()).submit([local_profile(profile, stack.engine)])
+    service = model_service_name(profile.name)
+
+    async def passing_entries() -> tuple[Any, ...]:
+        return (await consul.health_service(service, passing=True))[1]
+
+    await wait_for(lambda: _count(passing_entries(), 3), 60, "3 passing replicas")
+    url = f"{stack.router.base_url}/v1/chat/completions"
+    async with aiohttp.ClientSession() as session:
+
+        async def routable() -> bool:
+            async with session.get(f"{stack.router.base_url}/v1/models") as response:
+                return profile.served_name in {m["id"] for m in (await response.json())["data"]}
+
+        await wait_for(routable, 10, "the router to see the model")
+        outcomes: list[tuple[int, bool, list[Any], str]] = []
+        stop = asyncio.Event()
+
+        async def client(number: int) -> None:
+            turn = 0
+            while not stop.is_set():
+                body = {
+                    "model": profile.served_name,
+                    "stream": True,
+                    "max_tokens": 120,
+                    "messages": [{"role": "user", "content": f"client {number} turn {turn}"}],
+                }
+                turn += 1
+                async with session.post(url, json=body) as response:
+                    raw = await response.read()
+                text, done, errors = read_stream(raw)
+                outcomes.append((response.status, done, errors, text))
+
+        clients = [asyncio.create_task(client(n)) for n in range(CLIENTS)]
+        await asyncio.sleep(3)
+        entries = await passing_entries()
+        victim = entries[0]
+        node_ids = {n.name: n.id for n in (await nomad.list_nodes()).value}
+        await stack.cluster.nomad.kill_node(node_ids[victim.node])
+        killed_at = time.monotonic()
+
+        async def dead_reported() -> bool:
+            _, all_entries = await consul.health_service(service)
+            states = {e.service_id: e.status for e in all_entries}
+            return states.get(victim.service_id, "critical") == "critical"
+
+        await wait_for(dead_reported, 30, "Consul to report the dead endpoint")
+        reported_at = time.monotonic()
+
+        async def rebuilt() -> bool:
+            entries = await passing_entries()
+            return len(entries) == 3 and victim.node not in {e.node for e in entries}
+
+        await wait_for(rebuilt, 60, "the replica to be rebuilt on a survivor")
+        await asyncio.sleep(2)
+        stop.set()
+        await asyncio.gather(*clients)
+
+    failed = [o for o in outcomes if o[0] != 200 or not o[1] or o[2] or not o[3]]
+    assert failed == [], f"{len(failed)} of {len(outcomes)} requests failed: {failed[:3]}"
+    assert len(outcomes) >= CLIENTS * 2
+    failovers = stack.router.registry.get_sample_value(
+        "caravan_router_failovers_total", {"model": profile.served_name, "outcome": "resumed"}
+    )
+    assert (failovers or 0) >= 1, "no stream was cut by the kill: the test proved nothing"
+    # Give the router's blocking query a moment to deliver what Consul reported.
+    settled = reported_at + 0.5
+    late = [
+        line
+        for finished, line in lines
+        if line.get("endpoint") == victim.service_id
+        and finished - float(line.get("duration_s") or 0) > settled
+    ]
+    assert late == [], f"the dead endpoint got {len(late)} new requests after Consul reported it"
+    assert reported_at - killed_at < 30
+
+
+async def _count(awaitable, count: int) -> bool:
+    return len(await awaitable) == count
