@@ -278,6 +278,15 @@ def format_status(model: dict[str, Any], now: float) -> str:
     else:
         lines.append("no replicas")
     autoscaler = model.get("autoscaler") or {}
+    signals = autoscaler.get("last_signals") or {}
+    if signals:
+        shown = ", ".join(
+            f"{key}={'unknown' if value is None else round(value, 2)}"
+            for key, value in sorted(signals.items())
+        )
+        lines.append(f"autoscaler signals: {shown}")
+    if autoscaler.get("last_cold_start_s") is not None:
+        lines.append(f"last cold start: {autoscaler['last_cold_start_s']}s from demand to ready")
     for key, label in (("last_decision", "last decision"), ("last_scale", "last scaling")):
         record = autoscaler.get(key)
         if record:

@@ -51,6 +51,7 @@ from scheduler.plan import (
     plan,
 )
 from scheduler.world import (
+    NS_PER_S,
     DesiredModel,
     Observation,
     ObservedReplica,
@@ -61,6 +62,9 @@ from scheduler.world import (
 )
 
 log = logging.getLogger(__name__)
+
+# A replica without a node for this long is logged as unplaced.
+UNPLACED_LOG_AFTER_S = 10.0
 
 
 class NomadReads(Protocol):
@@ -194,6 +198,7 @@ class Controller:
         self.last_observation: Observation | None = None
         self.last_plan: Plan | None = None
         self._reported_models: set[str] = set()
+        self._unplaced: set[str] = set()
 
     async def _nomad_reads(
         self,
@@ -317,6 +322,20 @@ class Controller:
                 with contextlib.suppress(KeyError):
                     gauge.remove(gone)
         self._reported_models = reported
+        unplaced = {job for report in result.reports for job in report.unplaced}
+        observed = self.last_observation
+        if observed is not None:
+            # A job registered a moment ago has no allocation yet: not news.
+            unplaced = {
+                job
+                for job in unplaced
+                if job in observed.replicas
+                and observed.taken_at - observed.replicas[job].submit_time_ns / NS_PER_S
+                > UNPLACED_LOG_AFTER_S
+            }
+        for job_id in sorted(unplaced - self._unplaced):
+            log.warning("replica_unplaced", extra={"job_id": job_id, "see": "caravan status"})
+        self._unplaced = unplaced
         for report in result.reports:
             self.metrics.replicas_desired.labels(model=report.model).set(report.desired)
             self.metrics.replicas_live.labels(model=report.model).set(report.live)

@@ -17,6 +17,7 @@ The autoscaler never talks to Nomad: one writer per resource.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -89,6 +90,8 @@ class Autoscaler:
     # When the cold start of a model began (demand seen at zero replicas).
     cold_start_began: dict[str, float] = field(default_factory=dict)
     last_decisions: dict[str, ScaleDecision] = field(default_factory=dict)
+    # Seconds from demand to the first ready replica, per model, last time.
+    last_cold_start_s: dict[str, float] = field(default_factory=dict)
 
     async def run(self) -> None:
         async with aiohttp.ClientSession() as session:
@@ -192,7 +195,9 @@ class Autoscaler:
                 },
             )
             await self.store.set_desired(name, decision.target)
-        await self.store.put_autoscaler_state(name, memory_to_json(memory))
+        await self.store.put_autoscaler_state(
+            name, state_document(memory, decision, self.last_cold_start_s.get(name))
+        )
 
     def _observe(
         self, name: str, decision: ScaleDecision, current: int, ready: int, age: float | None
@@ -220,6 +225,7 @@ class Autoscaler:
             self.metrics.cold_start.labels(model=name).observe(now - began)
             log.info("cold_start_done", extra={"model": name, "seconds": round(now - began, 1)})
             del self.cold_start_began[name]
+            self.last_cold_start_s[name] = round(now - began, 1)
             await self.store.clear_demand(name)
 
     def inflight_of(self, replica: ObservedReplica) -> float | None:
@@ -229,6 +235,22 @@ class Autoscaler:
             if value is not None:
                 return value
         return None
+
+
+def state_document(memory: Memory, decision: ScaleDecision, cold_start_s: float | None) -> str:
+    """What goes to KV `state/<name>`: the memory, plus what `caravan status` shows.
+
+    The memory reader ignores keys it does not know, so the signals of the
+    last decision and the last cold start ride along in the same document.
+    """
+    document = json.loads(memory_to_json(memory))
+    document["last_signals"] = {
+        key: (None if value is None or math.isnan(value) else value)
+        for key, value in decision.signals_used.items()
+    }
+    if cold_start_s is not None:
+        document["last_cold_start_s"] = cold_start_s
+    return json.dumps(document, separators=(",", ":"), allow_nan=False)
 
 
 def scrapes_age(signals: ModelSignals, now: float) -> float | None:

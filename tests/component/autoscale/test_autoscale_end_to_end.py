@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -212,6 +213,12 @@ async def test_scale_to_zero_then_a_request_is_held_and_served(stack: LocalStack
     assert answer["choices"][0]["message"]["content"]
     assert waited > 0.5, "the request was answered before any replica could exist"
     await wait_for(lambda: _metric_at_least(stack, 1), 15, "the cold-start metric")
+
+    async def status_shows_cold_start() -> bool:
+        raw = (await store_of(stack).read()).autoscaler_state.get("scaler", b"{}")
+        return json.loads(raw).get("last_cold_start_s") is not None
+
+    await wait_for(status_shows_cold_start, 15, "the cold start in the autoscaler state")
 
 
 @pytest.mark.slow

@@ -1,0 +1,81 @@
+"""What `caravan list` and `caravan status` print, from the JSON the API returns."""
+
+from __future__ import annotations
+
+from caravan_cli.model_commands import format_list, format_status
+
+
+def model(**overrides):
+    document = {
+        "name": "qwen",
+        "engine": "vllm",
+        "served_model_name": "qwen2.5",
+        "gpu": "2x h100",
+        "desired": 2,
+        "ready": 1,
+        "min": 1,
+        "max": 4,
+        "status": "degraded",
+        "replicas": [],
+        "problem": None,
+        "autoscaler": None,
+    }
+    document.update(overrides)
+    return document
+
+
+def replica(index: int, **overrides):
+    document = {
+        "job_id": f"caravan-qwen-{index}",
+        "replica": index,
+        "state": "ready",
+        "current": True,
+        "draining": False,
+        "alloc_id": "1a2b3c4d",
+        "node": "node-1",
+        "health": "passing",
+        "since_s": 75.0,
+        "last_event": "Started: Task started by client",
+        "pending_reason": None,
+    }
+    document.update(overrides)
+    return document
+
+
+def test_list_has_one_row_per_model_and_shows_invalid_profiles():
+    """The list shows ready/desired and status, and an invalid profile with its problem."""
+    text = format_list([model(), model(name="bad", status="invalid profile", problem="gpu: x")])
+    rows = [line.split() for line in text.splitlines()]
+    assert rows[0] == ["NAME", "ENGINE", "GPU", "READY/DESIRED", "STATUS"]
+    assert rows[1] == ["qwen", "vllm", "2x", "h100", "1/2", "degraded"]
+    assert text.splitlines()[2].endswith("invalid profile: gpu: x")
+
+
+def test_status_explains_pending_replicas_and_autoscaler_decisions():
+    """Status prints each replica, why one is pending, the signals and the last decisions."""
+    pending = replica(
+        1,
+        state="pending placement",
+        alloc_id=None,
+        node=None,
+        health=None,
+        since_s=None,
+        last_event=None,
+        pending_reason="no node has 2 free H100 (3 nodes have no matching GPU)",
+    )
+    autoscaler = {
+        "last_decision": {"direction": "up", "target": 2, "reason": "in-flight 9 > 4", "at": 90.0},
+        "last_signals": {"inflight_per_replica": 9.0, "kv_cache_per_replica": None},
+        "last_cold_start_s": 12.5,
+    }
+    text = format_status(model(replicas=[replica(0), pending], autoscaler=autoscaler), now=100.0)
+    lines = text.splitlines()
+    assert lines[0] == (
+        "qwen (vllm, served as qwen2.5, 2x h100): 1/2 ready, degraded; replicas 1..4"
+    )
+    assert lines[2].split()[:6] == ["0", "caravan-qwen-0", "1a2b3c4d", "node-1", "ready", "passing"]
+    assert "75s" in lines[2]
+    assert "  replica 1 pending: no node has 2 free H100 (3 nodes have no matching GPU)" in lines
+    assert "autoscaler signals: inflight_per_replica=9.0, kv_cache_per_replica=unknown" in lines
+    assert "last cold start: 12.5s from demand to ready" in lines
+    assert "autoscaler last decision 10s ago: up to 2: in-flight 9 > 4" in lines
