@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import os
 import signal
 import sys
 
 from caravan.contract import KVLayout
+from caravan.log_format import configure_logging
 from scheduler.app import SchedulerOptions, SchedulerProcess, scheduler_clients
 from scheduler.cluster_config import ClusterConfig, ClusterConfigError, load_cluster_config
 
@@ -49,13 +49,14 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         help="Consul lock-delay after a leader's session is invalidated (default 5)",
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    parser.add_argument(
+        "--log-format", default="json", choices=["json", "text"], help="log lines on stderr"
+    )
     parser.set_defaults(handler=run_scheduler)
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    configure_logging(args.log_level, args.log_format)
     try:
         config = load_cluster_config(args.cluster_config)
         KVLayout(args.kv_prefix)

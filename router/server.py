@@ -26,8 +26,8 @@ from prometheus_client import CollectorRegistry
 
 from caravan.consul_api import ConsulClient, ConsulSettings
 from caravan.errors import HashiError
+from caravan.log_format import BufferedLineHandler, configure_logging
 from router.app import RUNTIME, RouterRuntime, app_runner, create_app
-from router.log_format import BufferedLineHandler, configure_logging
 from router.proxy import RequestLog
 from router.settings import RouterSettings
 

@@ -54,7 +54,7 @@ async def test_status_explains_an_unplaceable_replica(stack: LocalStack):
 
 async def test_delete_removes_every_job(stack: LocalStack):
     """Deleting a model drains its replicas and removes all of its jobs."""
-    await submit(stack, example("qwen-vllm-h100.yaml"))
+    await submit(stack, example("qwen-vllm-h100.yaml", drain_s=1))
     await eventually(lambda: passing_nodes(stack, "qwen2-5-7b"), timeout_s=60)
     await store_of(stack).delete("qwen2-5-7b")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
-from router.log_format import JsonLineFormatter, TextFormatter
+from caravan.log_format import JsonLineFormatter, TextFormatter
 
 
 def record(**extra: object) -> logging.LogRecord:

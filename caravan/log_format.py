@@ -137,7 +137,7 @@ class BufferedLineHandler(logging.Handler):
 
 
 def configure_logging(level: str, log_format: str) -> BufferedLineHandler:
-    """Root logging for the router process: one buffered handler on stderr, JSON or text."""
+    """Root logging for a caravan process: one buffered handler on stderr, JSON or text."""
     handler = BufferedLineHandler()
     handler.setFormatter(JsonLineFormatter() if log_format == "json" else TextFormatter())
     root = logging.getLogger()
