@@ -38,6 +38,7 @@ from consul import exceptions as consul_errors
 from consul.callback import CB
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from caravan.env_bool import parse_env_bool
 from caravan.errors import (
     HashiBadRequest,
     HashiConflict,
@@ -57,17 +58,6 @@ DEFAULT_PORT = 8500
 # Consul adds up to wait/16 of jitter to a blocking query.
 JITTER_FRACTION = 16
 MAX_WAIT_S = 600.0
-_TRUE = frozenset({"1", "t", "T", "TRUE", "true", "True"})
-_FALSE = frozenset({"0", "f", "F", "FALSE", "false", "False"})
-
-
-def _parse_bool(name: str, value: str) -> bool:
-    """Go's strconv.ParseBool, as the Consul CLI reads its CONSUL_* variables."""
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"{name} must be a boolean (true/false/1/0), got {value!r}")
 
 
 class ConsulSettings(BaseModel):
@@ -101,7 +91,7 @@ class ConsulSettings(BaseModel):
         """
         scheme: Literal["http", "https"] = "http"
         ssl_flag = environ.get("CONSUL_HTTP_SSL", "")
-        if ssl_flag and _parse_bool("CONSUL_HTTP_SSL", ssl_flag):
+        if ssl_flag and parse_env_bool("CONSUL_HTTP_SSL", ssl_flag):
             scheme = "https"
         address = environ.get("CONSUL_HTTP_ADDR", "").strip() or f"127.0.0.1:{DEFAULT_PORT}"
         if "://" in address:
@@ -128,7 +118,7 @@ class ConsulSettings(BaseModel):
         verify = True
         verify_flag = environ.get("CONSUL_HTTP_SSL_VERIFY", "")
         if verify_flag:
-            verify = _parse_bool("CONSUL_HTTP_SSL_VERIFY", verify_flag)
+            verify = parse_env_bool("CONSUL_HTTP_SSL_VERIFY", verify_flag)
         token = environ.get("CONSUL_HTTP_TOKEN", "").strip() or None
         token_file = environ.get("CONSUL_HTTP_TOKEN_FILE", "")
         if token_file:

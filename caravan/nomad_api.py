@@ -39,6 +39,7 @@ from typing import Any, Generic, Self, TypeVar
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from caravan.env_bool import parse_env_bool
 from caravan.errors import (
     HashiBadRequest,
     HashiConflict,
@@ -62,19 +63,8 @@ EVENT_IDLE_TIMEOUT_S = 90.0
 EVENT_BACKOFF_MIN_S = 0.1
 EVENT_BACKOFF_MAX_S = 5.0
 MESSAGE_BODY_LIMIT = 2000
-_TRUE = frozenset({"1", "t", "T", "TRUE", "true", "True"})
-_FALSE = frozenset({"0", "f", "F", "FALSE", "false", "False"})
 _VALIDATION_MARKERS = ("validation failed", "error occurred", "errors occurred")
 _ENFORCE_MARKER = "Enforcing job modify index"
-
-
-def _parse_bool(name: str, value: str) -> bool:
-    """Go's strconv.ParseBool, as the Nomad CLI reads its NOMAD_* variables."""
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"{name} must be a boolean (true/false/1/0), got {value!r}")
 
 
 class NomadSettings(BaseModel):
@@ -122,7 +112,7 @@ class NomadSettings(BaseModel):
             ca_path=environ.get("NOMAD_CAPATH") or None,
             client_cert=client_cert,
             client_key=client_key,
-            skip_verify=_parse_bool("NOMAD_SKIP_VERIFY", skip) if skip else False,
+            skip_verify=parse_env_bool("NOMAD_SKIP_VERIFY", skip) if skip else False,
             tls_server_name=environ.get("NOMAD_TLS_SERVER_NAME") or None,
         )
 
