@@ -118,11 +118,16 @@ class LeaderElection:
             self.elected.set()
             log.info("leadership_acquired", extra={"key": self.settings.key})
 
-    def _step_down(self, reason: str) -> None:
+    def _step_down(self, reason: str, *, deliberate: bool = False) -> None:
         if self.is_leader:
             self.elected.clear()
             self.deposed.set()
-            log.warning("leadership_lost", extra={"key": self.settings.key, "reason": reason})
+            # Resigning on shutdown is routine; losing the lock is not.
+            log.log(
+                logging.INFO if deliberate else logging.WARNING,
+                "leadership_released" if deliberate else "leadership_lost",
+                extra={"key": self.settings.key, "reason": reason},
+            )
 
     async def run(self) -> None:
         """Campaign (and hold leadership) until cancelled; then resign."""
@@ -201,7 +206,7 @@ class LeaderElection:
     async def _resign(self) -> None:
         session_id, self._session_id = self._session_id, None
         was_leader = self.is_leader
-        self._step_down("shutting down")
+        self._step_down("shutting down", deliberate=True)
         if session_id is None:
             return
         with contextlib.suppress(HashiError, TimeoutError):
