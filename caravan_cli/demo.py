@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -126,9 +127,10 @@ async def _demo(args: argparse.Namespace) -> int:
         say("export OPENAI_API_KEY=unused")
         if running.dns_port is not None:
             say(f"export CARAVAN_DNS_PORT={running.dns_port}")
+        caravan = _caravan_command()
         say("\nthen try:")
-        say("  caravan list")
-        say("  caravan status tiny-chat")
+        say(f"  {caravan} list")
+        say(f"  {caravan} status tiny-chat")
         say('  curl -s "$OPENAI_BASE_URL/models"')
         say(
             '  curl -sN "$OPENAI_BASE_URL/chat/completions" -H "Content-Type: application/json" '
@@ -144,6 +146,15 @@ async def _demo(args: argparse.Namespace) -> int:
         await stop.wait()
         say("stopping everything")
     return 0
+
+
+def _caravan_command() -> str:
+    """How a second shell runs this caravan: the script next to this Python if any."""
+    script = Path(sys.executable).parent / "caravan"
+    on_path = shutil.which("caravan")
+    if on_path and Path(on_path).resolve() == script.resolve():
+        return "caravan"
+    return str(script) if script.exists() else "caravan"
 
 
 @contextlib.asynccontextmanager
