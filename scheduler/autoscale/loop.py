@@ -33,6 +33,7 @@ from caravan.errors import HashiError
 from scheduler.autoscale.memory import Direction, Memory, memory_from_json, memory_to_json
 from scheduler.autoscale.policy import ScaleDecision, decide
 from scheduler.autoscale.scrape import (
+    ReplicaScrape,
     ReplicaTarget,
     RouterTarget,
     scrape_replicas,
@@ -122,22 +123,20 @@ class Autoscaler:
             for name, profile in state.profiles.items()
             if profile.autoscaling is not None and profile.autoscaling.enabled
         }
+        # Models with a manual count are scraped too: the planner drains the
+        # replica with the fewest in-flight requests when they scale down.
+        for name in sorted(set(state.profiles) - set(scaled)):
+            await self._scrape_model(session, name)
         if not scaled:
             return
         reports = await self._router_reports(session)
         for name, profile in sorted(scaled.items()):
             await self._evaluate(session, name, profile, state, reports)
 
-    async def _evaluate(
-        self,
-        session: aiohttp.ClientSession,
-        name: str,
-        profile: ModelProfile,
-        state: DesiredState,
-        reports: tuple[RouterQueueReport, ...],
-    ) -> None:
-        assert profile.autoscaling is not None  # noqa: S101 - filtered by the caller
-        now = self.clock()
+    async def _scrape_model(
+        self, session: aiohttp.ClientSession, name: str
+    ) -> tuple[tuple[HealthEntry, ...], tuple[ReplicaScrape, ...]]:
+        """Scrape the model's passing replicas and remember their in-flight requests."""
         _, entries = await self.health.health_service(model_service_name(name), passing=True)
         targets = [t for t in (replica_target(e) for e in entries) if t is not None]
         scrapes = await scrape_replicas(
@@ -152,6 +151,19 @@ class Autoscaler:
                 else None
             )
             self.inflight_by_alloc[alloc_of.get(load.replica_id, "")] = inflight
+        return entries, scrapes
+
+    async def _evaluate(
+        self,
+        session: aiohttp.ClientSession,
+        name: str,
+        profile: ModelProfile,
+        state: DesiredState,
+        reports: tuple[RouterQueueReport, ...],
+    ) -> None:
+        assert profile.autoscaling is not None  # noqa: S101 - filtered by the caller
+        now = self.clock()
+        entries, scrapes = await self._scrape_model(session, name)
         # Routers label their queues with the OpenAI model name clients send.
         queue = router_queue(reports, profile.served_name)
         demand = state.demand.get(name)

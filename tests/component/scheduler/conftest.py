@@ -21,7 +21,11 @@ EXAMPLES = ROOT / "examples" / "profiles"
 
 def example(name: str, **overrides: Any) -> ModelProfile:
     profile = load_profile(EXAMPLES / name)
-    return profile.model_copy(update=overrides) if overrides else profile
+    if not overrides:
+        return profile
+    document = profile.model_dump(mode="json", by_alias=True, exclude_none=True)
+    document.update(overrides)
+    return ModelProfile.model_validate({k: v for k, v in document.items() if v is not None})
 
 
 @pytest.fixture

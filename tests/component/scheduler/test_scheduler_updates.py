@@ -75,3 +75,61 @@ async def test_manual_scale_adds_and_removes_replicas(stack: LocalStack):
 
 async def _exactly(awaitable, count: int) -> bool:
     return len(await awaitable) == count
+
+
+async def test_scale_down_drains_the_replica_with_fewest_inflight_requests(tmp_path):
+    """With two replicas busy and one idle, scaling 3 -> 2 drains the idle one."""
+    import aiohttp  # noqa: PLC0415 - only this test drives engines directly
+
+    from caravan_cli.local_stack import StackOptions, local_stack  # noqa: PLC0415
+
+    options = StackOptions(
+        prefer_real_llama_server=False,
+        cpu_nodes=1,
+        gpus_per_node=4,
+        autoscale=True,
+        autoscale_tick_s=1.0,
+        work_dir=tmp_path,
+        resync_s=2.0,
+    )
+    profile = example(
+        "qwen-vllm-h100.yaml",
+        replicas={"min": 1, "max": 3, "initial": 3},
+        autoscaling=None,
+        drain_s=1,
+        env={"CARAVAN_SIM_STEP_SECONDS": "0.05", "CARAVAN_SIM_OUTPUT_TOKENS": "2000"},
+    )
+    async with local_stack(options) as stack:
+        await submit(stack, profile)
+        await eventually(lambda: _exactly(ready_not_draining(stack, profile.name), 3), timeout_s=60)
+        _, entries = await stack.scheduler.consul.health_service(
+            model_service_name(profile.name), passing=True
+        )
+        allocs = {a.id: a.job_id for a in (await stack.scheduler.nomad.list_allocations()).value}
+        jobs = {allocs[e.meta["alloc_id"]]: e for e in entries}
+        idle_job = min(jobs)
+        busy = [jobs[j] for j in sorted(jobs) if j != idle_job]
+        body = {
+            "model": profile.served_name,
+            "stream": True,
+            "max_tokens": 400,
+            "messages": [{"role": "user", "content": "keep talking"}],
+        }
+        async with aiohttp.ClientSession() as session:
+            streams = [
+                await session.post(f"http://{e.address}:{e.port}/v1/chat/completions", json=body)
+                for e in busy
+                for _ in range(2)
+            ]
+            try:
+                await asyncio.sleep(4)  # the autoscaler's scrape sees the load
+                await store_of(stack).scale(profile.name, 2)
+
+                async def drained() -> list[str]:
+                    _, markers = await stack.scheduler.consul.kv_get_recurse(KVLayout().draining)
+                    return [m.key.rsplit("/", 1)[-1] for m in markers]
+
+                assert await eventually(drained, timeout_s=20) == [idle_job]
+            finally:
+                for stream in streams:
+                    stream.close()
