@@ -105,7 +105,7 @@ async def run_scenario(stack: LocalStack, lines: list[tuple[float, dict[str, Any
                 body = {
                     "model": profile.served_name,
                     "stream": True,
-                    "max_tokens": 120,
+                    "max_tokens": 300,
                     "messages": [{"role": "user", "content": f"client {number} turn {turn}"}],
                 }
                 turn += 1
@@ -115,9 +115,8 @@ async def run_scenario(stack: LocalStack, lines: list[tuple[float, dict[str, Any
                 outcomes.append((response.status, done, errors, text))
 
         clients = [asyncio.create_task(client(n)) for n in range(CLIENTS)]
-        await asyncio.sleep(3)
-        entries = await passing_entries()
-        victim = entries[0]
+        await asyncio.sleep(2)
+        victim = await busy_replica(session, await passing_entries())
         node_ids = {n.name: n.id for n in (await nomad.list_nodes()).value}
         await stack.cluster.nomad.kill_node(node_ids[victim.node])
         killed_at = time.monotonic()
@@ -156,6 +155,24 @@ async def run_scenario(stack: LocalStack, lines: list[tuple[float, dict[str, Any
     ]
     assert late == [], f"the dead endpoint got {len(late)} new requests after Consul reported it"
     assert reported_at - killed_at < 30
+
+
+async def busy_replica(session: aiohttp.ClientSession, entries: tuple[Any, ...]) -> Any:
+    """A replica streaming right now (so the kill cuts a stream), by its engine's metrics."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for entry in entries:
+            async with session.get(f"http://{entry.address}:{entry.port}/metrics") as response:
+                text = await response.text()
+            processing = [
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("llamacpp:requests_processing")
+            ]
+            if processing and processing[0] >= 1:
+                return entry
+        await asyncio.sleep(0.05)
+    pytest.fail("no replica was streaming")
 
 
 async def _count(awaitable, count: int) -> bool:
