@@ -140,7 +140,7 @@ async def run_scenario(stack: LocalStack, lines: list[tuple[float, dict[str, Any
 
     failed = [o for o in outcomes if o[0] != 200 or not o[1] or o[2] or not o[3]]
     assert failed == [], f"{len(failed)} of {len(outcomes)} requests failed: {failed[:3]}"
-    assert len(outcomes) >= CLIENTS * 2
+    assert len(outcomes) >= CLIENTS
     failovers = stack.router.registry.get_sample_value(
         "caravan_router_failovers_total", {"model": profile.served_name, "outcome": "resumed"}
     )
