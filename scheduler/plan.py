@@ -403,7 +403,7 @@ def _orphans(
             StartDrain(
                 job_id=r.job_id,
                 model=model,
-                drain_s=DEFAULT_ORPHAN_DRAIN_S,
+                drain_s=memory.drain_s.get(model, DEFAULT_ORPHAN_DRAIN_S),
                 reason="model has no profile (deleted)",
             )
             for r in live
@@ -444,7 +444,13 @@ def plan(
     actions.extend(orphan_actions)
     if observed.draining:
         waiting = True
-    new_memory = PlannerMemory(orphaned_since=orphaned)
+    drain_s = {
+        name: window
+        for name, window in memory.drain_s.items()
+        if name in orphaned or name in desired
+    }
+    drain_s.update({name: float(d.profile.drain_s) for name, d in desired.items()})
+    new_memory = PlannerMemory(orphaned_since=orphaned, drain_s=drain_s)
     return Plan(
         actions=tuple(actions),
         memory=new_memory,

@@ -137,6 +137,9 @@ class PlannerMemory:
     # When each model was first seen with replicas but without a profile:
     # removal waits for a confirmation window (an empty read is suspect).
     orphaned_since: Mapping[str, float] = field(default_factory=dict)
+    # The drain window of each model's last known profile, so a deleted
+    # model's replicas still drain as long as their profile asked.
+    drain_s: Mapping[str, float] = field(default_factory=dict)
 
 
 def replica_from_job_stub(stub: Mapping[str, Any]) -> ObservedReplica | None:

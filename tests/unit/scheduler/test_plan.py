@@ -22,6 +22,7 @@ from scheduler.plan import (
     PlanSettings,
     Register,
     Replace,
+    StartDrain,
 )
 from scheduler.world import DrainRecord, PlannerMemory
 
@@ -233,3 +234,16 @@ def test_stopped_jobs_do_not_count_as_live():
     stopped = replace(replica(GPU, 0, alloc("n1")), stopped=True)
     result = run_plan(desired((GPU, 1)), world(stopped))
     assert kinds(result.actions) == [("Register", "caravan-gpu-1")]
+
+
+def test_deleted_model_drains_for_its_last_known_drain_window():
+    """Replicas of a deleted model drain as long as the profile last asked, not a default."""
+    patient = make_vllm(name="gpu", replicas={"min": 0, "max": 8}, drain_s=45)
+    seen = world(replica(patient, 0, alloc("n1")))
+    known = run_plan(desired((patient, 1)), seen)
+    assert known.memory.drain_s == {"gpu": 45.0}
+    first = run_plan({}, seen, memory=known.memory)
+    confirmed = run_plan({}, seen, memory=first.memory, now=NOW + 20)
+    [drain] = confirmed.actions
+    assert isinstance(drain, StartDrain)
+    assert drain.drain_s == 45.0
