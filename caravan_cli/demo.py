@@ -36,6 +36,7 @@ from caravan_cli.local_stack import (
     local_profile,
     local_stack,
     running_router,
+    running_scheduler,
 )
 from router.settings import RouterSettings
 from scheduler.app import SchedulerOptions, SchedulerProcess, scheduler_clients
@@ -210,25 +211,21 @@ async def _real(router_settings: RouterSettings) -> AsyncIterator[Running]:
         scheduler = SchedulerProcess(
             options=SchedulerOptions(http_port=0), config=config, consul=consul, nomad=nomad
         )
-        task = asyncio.create_task(scheduler.run())
-        try:
-            await scheduler.ready.wait()
-            async with running_router(router_settings, consul) as router:
-                store = ModelStore(consul, KVLayout())
-                yield Running(
-                    nomad_addr=os.environ["NOMAD_ADDR"],
-                    consul_addr=os.environ["CONSUL_HTTP_ADDR"],
-                    dns_port=None,
-                    router=router,
-                    store=store,
-                    status=StatusReader(store=store, nomad=nomad, health=consul, config=config),
-                    config=config,
-                    profiles=tuple(load_profile(EXAMPLES / name) for name in DEMO_PROFILES),
-                )
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        async with (
+            running_scheduler(scheduler),
+            running_router(router_settings, consul) as router,
+        ):
+            store = ModelStore(consul, KVLayout())
+            yield Running(
+                nomad_addr=os.environ["NOMAD_ADDR"],
+                consul_addr=os.environ["CONSUL_HTTP_ADDR"],
+                dns_port=None,
+                router=router,
+                store=store,
+                status=StatusReader(store=store, nomad=nomad, health=consul, config=config),
+                config=config,
+                profiles=tuple(load_profile(EXAMPLES / name) for name in DEMO_PROFILES),
+            )
 
 
 def _progress_line(status: ModelStatus) -> str:

@@ -245,7 +245,7 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                 )
                 async with contextlib.AsyncExitStack() as parts:
                     await parts.enter_async_context(
-                        _running(scheduler, enabled=options.run_scheduler)
+                        running_scheduler(scheduler, enabled=options.run_scheduler)
                     )
                     router = None
                     if options.router is not None:
@@ -264,7 +264,10 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
 
 
 @contextlib.asynccontextmanager
-async def _running(scheduler: SchedulerProcess, *, enabled: bool) -> AsyncIterator[None]:
+async def running_scheduler(
+    scheduler: SchedulerProcess, *, enabled: bool = True
+) -> AsyncIterator[None]:
+    """Run a scheduler on this loop until the block ends; fails fast if it cannot start."""
     if not enabled:
         yield
         return

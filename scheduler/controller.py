@@ -97,6 +97,26 @@ class NomadReads(Protocol):
     ) -> QueryResult[list[Evaluation]]: ...
 
 
+@dataclass(frozen=True, slots=True)
+class NomadReadout:
+    """caravan's jobs (stubs with Meta), their allocations grouped by job, and the nodes."""
+
+    job_stubs: list[dict[str, Any]]
+    allocs_by_job: dict[str, list[Mapping[str, Any]]]
+    node_stubs: list[Mapping[str, Any]]
+
+
+async def read_nomad(nomad: NomadReads) -> NomadReadout:
+    """The three Nomad reads the controller and `caravan status` both start from."""
+    job_stubs = (await nomad.list_jobs(JOB_PREFIX, meta=True)).value
+    allocations = (await nomad.list_allocations()).value
+    nodes = (await nomad.list_nodes(resources=False)).value
+    allocs_by_job: dict[str, list[Mapping[str, Any]]] = {}
+    for allocation in allocations:
+        allocs_by_job.setdefault(allocation.job_id, []).append(allocation.raw)
+    return NomadReadout(job_stubs, allocs_by_job, [node.raw for node in nodes])
+
+
 class NomadJobs(NomadReads, Protocol):
     """Reads plus the two writes the controller makes."""
 
@@ -200,31 +220,23 @@ class Controller:
         self._reported_models: set[str] = set()
         self._unplaced: set[str] = set()
 
-    async def _nomad_reads(
-        self,
-    ) -> tuple[list[dict[str, Any]], list[Allocation], list[dict[str, Any]]]:
+    async def observe(self, desired: DesiredState) -> Observation:
+        """Read Nomad (jobs, allocations, nodes) and Consul health into one snapshot."""
         try:
-            job_stubs = (await self.nomad.list_jobs(JOB_PREFIX, meta=True)).value
-            allocations = (await self.nomad.list_allocations()).value
-            nodes = [node.raw for node in (await self.nomad.list_nodes(resources=False)).value]
+            readout = await read_nomad(self.nomad)
         except HashiError:
             self.metrics.backend_up.labels(backend="nomad").set(0)
             raise
         self.metrics.backend_up.labels(backend="nomad").set(1)
-        return job_stubs, allocations, [dict(n) for n in nodes]
-
-    async def observe(self, desired: DesiredState) -> Observation:
-        """Read Nomad (jobs, allocations, nodes) and Consul health into one snapshot."""
-        job_stubs, allocations, node_stubs = await self._nomad_reads()
-        allocs_by_job: dict[str, list[Any]] = {}
-        for allocation in allocations:
-            allocs_by_job.setdefault(allocation.job_id, []).append(alloc_from_stub(allocation.raw))
         replicas: dict[str, ObservedReplica] = {}
-        for stub in job_stubs:
-            replica = replica_from_job_stub(stub)
+        for job_stub in readout.job_stubs:
+            replica = replica_from_job_stub(job_stub)
             if replica is None:
                 continue
-            with_allocs = replace(replica, allocs=tuple(allocs_by_job.get(replica.job_id, ())))
+            allocs = tuple(
+                alloc_from_stub(a) for a in readout.allocs_by_job.get(replica.job_id, ())
+            )
+            with_allocs = replace(replica, allocs=allocs)
             replicas[replica.job_id] = replace(with_allocs, inflight=self.inflight(with_allocs))
         models = {r.model for r in replicas.values()} | set(desired.profiles)
         passing: dict[str, bool] = {}
@@ -232,7 +244,7 @@ class Controller:
             _, entries = await self.health.health_service(model_service_name(model))
             passing.update(_passing_by_alloc(entries))
         replicas = {job_id: _with_health(r, passing) for job_id, r in replicas.items()}
-        nodes = {stub["ID"]: node_from_stub(stub) for stub in node_stubs}
+        nodes = {str(stub["ID"]): node_from_stub(stub) for stub in readout.node_stubs}
         return Observation(
             replicas=replicas, nodes=nodes, draining=desired.draining, taken_at=self.clock()
         )

@@ -14,14 +14,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from caravan.contract import JOB_PREFIX, ServiceMetaKey, model_service_name
+from caravan.contract import ServiceMetaKey, model_service_name
 from scheduler.cluster_config import ClusterConfig
-from scheduler.controller import HealthSource, NomadReads
+from scheduler.controller import HealthSource, NomadReads, read_nomad
 from scheduler.model_store import DesiredState, ModelStore, UnknownModelError
 from scheduler.placement_explain import ReplicaAsk, explain_failed_groups
 from scheduler.profiles import ModelProfile
 from scheduler.render import render, spec_hash
-from scheduler.world import NS_PER_S, node_from_stub, replica_from_job_stub
+from scheduler.world import NS_PER_S, NodeView, node_from_stub, replica_from_job_stub
 
 
 class InvalidStoredProfileError(ValueError):
@@ -199,14 +199,12 @@ class StatusReader:
     def _now(self) -> float:
         return self.clock()
 
-    async def _world(self) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]], Any]:
-        jobs = (await self.nomad.list_jobs(JOB_PREFIX, meta=True)).value
-        allocations = (await self.nomad.list_allocations()).value
-        nodes = (await self.nomad.list_nodes(resources=False)).value
-        allocs_by_job: dict[str, list[dict[str, Any]]] = {}
-        for allocation in allocations:
-            allocs_by_job.setdefault(allocation.job_id, []).append(dict(allocation.raw))
-        return jobs, allocs_by_job, [node_from_stub(n.raw) for n in nodes]
+    async def _world(
+        self,
+    ) -> tuple[list[dict[str, Any]], dict[str, list[Mapping[str, Any]]], list[NodeView]]:
+        readout = await read_nomad(self.nomad)
+        nodes = [node_from_stub(stub) for stub in readout.node_stubs]
+        return readout.job_stubs, readout.allocs_by_job, nodes
 
     async def model(self, name: str, *, desired_state: DesiredState | None = None) -> ModelStatus:
         state = desired_state or await self.store.read()
@@ -248,7 +246,7 @@ class StatusReader:
         name: str,
         state: DesiredState,
         jobs: list[dict[str, Any]],
-        allocs_by_job: dict[str, list[dict[str, Any]]],
+        allocs_by_job: dict[str, list[Mapping[str, Any]]],
         nodes: list[Any],
         *,
         detailed: bool,
