@@ -17,3 +17,11 @@ output "model_keys" {
   description = "Consul KV key of each declared model, by model name."
   value       = { for name, model in consul_keys.models : name => "${var.kv_prefix}models/${name}" }
 }
+
+output "acl_policy_names" {
+  description = "Names of the ACL policies created when manage_acl_policies is true, by system and component."
+  value = {
+    consul = { for k, p in consul_acl_policy.caravan : k => p.name }
+    nomad  = { for k, p in nomad_acl_policy.caravan : k => p.name }
+  }
+}

@@ -126,3 +126,9 @@ variable "purge_on_destroy" {
   type        = bool
   default     = false
 }
+
+variable "manage_acl_policies" {
+  description = "Create the least-privilege Consul and Nomad ACL policies of the scheduler, the router and model operators (policies/); tokens are left to you."
+  type        = bool
+  default     = false
+}

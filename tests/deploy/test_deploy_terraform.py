@@ -147,7 +147,7 @@ def test_both_jobs_get_every_shared_setting(module: dict[str, list[Any]]):
 
 def test_models_are_consul_keys_named_after_the_profile(module: dict[str, list[Any]]):
     """One KV entry per profile file, at <prefix>models/<name>, holding the profile as JSON."""
-    locals_block = plain_blocks(module, "locals")[0]
+    locals_block = {k: v for block in plain_blocks(module, "locals") for k, v in block.items()}
     assert "var.profile_files" in locals_block["profiles"]
     assert "yamldecode(file(path)).name" in locals_block["profiles"]
     models = resources(module)["consul_keys", "models"]
