@@ -77,7 +77,7 @@ def test_router_writes_only_demand_records():
 
 
 def test_scheduler_owns_the_prefix_and_nothing_else_writable():
-    """The scheduler writes under caravan's prefix and its lock sessions, and only reads services."""
+    """The scheduler writes caravan's prefix and its lock sessions; services it only reads."""
     rules = consul_rules("scheduler")
     layout = KVLayout()
     for key in [
@@ -95,7 +95,7 @@ def test_scheduler_owns_the_prefix_and_nothing_else_writable():
 
 
 def test_operator_declares_models_but_cannot_forge_control_plane_records():
-    """A model operator writes profiles and desired counts, never the leader lock or drain markers."""
+    """A model operator writes profiles and desired counts, never the lock or drain markers."""
     rules = consul_rules("operator")
     layout = KVLayout()
     assert allows(rules, "key", layout.model_key("m"), "write")
