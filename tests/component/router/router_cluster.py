@@ -238,10 +238,11 @@ async def running_router(consul: ConsulClient, **overrides: Any) -> AsyncIterato
         "shutdown_timeout_s": 2.0,
         "log_format": "text",
     }
+    clock: Callable[[], float] = overrides.pop("clock", time.monotonic)
     values.update(overrides)
     settings = RouterSettings(**values)
     registry = CollectorRegistry()
-    app = create_app(settings, consul=consul, registry=registry)
+    app = create_app(settings, consul=consul, registry=registry, clock=clock)
     runner = app_runner(app, settings)
     await runner.setup()
     try:
@@ -253,6 +254,19 @@ async def running_router(consul: ConsulClient, **overrides: Any) -> AsyncIterato
         yield RouterUnderTest(f"http://127.0.0.1:{port}", runtime, registry, runner)
     finally:
         await runner.cleanup()
+
+
+class ManualClock:
+    """A monotonic clock that moves only when the test advances it."""
+
+    def __init__(self, start: float) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 @asynccontextmanager

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 
 import aiohttp
 import pytest
 from router_cluster import (
     Engine,
     FakeEngine,
+    ManualClock,
     chat_body,
     read_stream,
     register_replica,
@@ -124,12 +126,21 @@ async def test_no_retry_once_the_stream_has_started(
 async def test_breaker_opens_then_half_opens_for_one_probe(
     consul: ConsulClient, http: aiohttp.ClientSession
 ) -> None:
-    """Consecutive failures open an endpoint's breaker; after the cool-down one probe goes there."""
+    """Consecutive failures open an endpoint's breaker; after the cool-down one probe goes there.
+
+    The router's clock is a manual one, so the cool-down passes exactly when the
+    test says, however slowly the machine serves the requests.
+    """
+    clock = ManualClock(time.monotonic())
     async with FakeEngine(MODEL, mode="status", status=503) as failing, FakeEngine(MODEL) as good:
         await register_replica(consul, MODEL, 0, failing.port, check="none")
         await register_replica(consul, MODEL, 1, good.port, check="none")
         async with running_router(
-            consul, policy="round_robin", breaker_failure_threshold=2, breaker_cool_down_s=1.0
+            consul,
+            policy="round_robin",
+            breaker_failure_threshold=2,
+            breaker_cool_down_s=1.0,
+            clock=clock,
         ) as router:
             await wait_until(lambda: routable_count(router, MODEL) == 2, timeout_s=5, what="eps")
             failing_id = next(
@@ -155,7 +166,7 @@ async def test_breaker_opens_then_half_opens_for_one_probe(
 
             first = await send(8)
             opened = (failing.requests, breaker())
-            await asyncio.sleep(1.1)
+            clock.advance(1.1)
             half_open = breaker()
             second = await send(4)
             reopened = (failing.requests, breaker())

@@ -42,6 +42,21 @@ async def stack(tmp_path: Path) -> AsyncIterator[LocalStack]:
         yield running
 
 
+@pytest.fixture
+async def fast_stack(tmp_path: Path) -> AsyncIterator[LocalStack]:
+    """The stack above with a quick periodic resync, for tests that count reconcile passes."""
+    options = StackOptions(
+        prefer_real_llama_server=False,
+        gpus_per_node=4,
+        autoscale=False,
+        work_dir=tmp_path,
+        resync_s=0.2,
+        replace_lost_after_s=15.0,
+    )
+    async with local_stack(options) as running:
+        yield running
+
+
 def store_of(stack: LocalStack) -> ModelStore:
     return ModelStore(stack.scheduler.consul, KVLayout())
 
