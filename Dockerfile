@@ -12,7 +12,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# Only what `pip install .` needs: the build metadata and the packages.
+# Only what building the wheel needs: the build metadata and the packages
+# pyproject lists (devcluster and the example profiles among them, since the
+# wheel carries them for the `demo` extra). The runtime is installed without
+# that extra, and devcluster and the example profiles are removed in the same
+# layer: the production image holds none of the demo.
 WORKDIR /build
 COPY pyproject.toml README.md ./
 COPY caravan/ caravan/
@@ -20,8 +24,11 @@ COPY scheduler/ scheduler/
 COPY router/ router/
 COPY devcluster/ devcluster/
 COPY caravan_cli/ caravan_cli/
+COPY examples/profiles/ examples/profiles/
 RUN pip install . \
-    && rm -rf /build
+    && site="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+    && rm -rf "$site/devcluster" "$site/caravan_cli/example_profiles_data" /build \
+    && python -c 'import caravan_cli.main, router.app, scheduler.app'
 
 # A fixed, unprivileged user: the processes need no root and write nothing
 # outside Nomad's task directories.

@@ -44,7 +44,14 @@ fmt: $(STAMP) ## format and autofix
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+wheel-demo: llama-server ## build the wheel, install it with its demo extra in a fresh venv, run the demo from there
+	rm -rf dist .venv-wheel
+	$(BIN)/pip wheel --quiet --no-deps --wheel-dir dist .
+	$(PYTHON) -m venv .venv-wheel
+	.venv-wheel/bin/pip install --quiet "$$(ls dist/caravan-*.whl)[demo]"
+	cd /tmp && $(abspath .venv-wheel/bin/caravan) demo --once
+
 golden: $(STAMP) ## regenerate the rendered-job golden files after a deliberate change
 	$(BIN)/pytest tests/unit/scheduler/test_golden.py tests/deploy/test_deploy_replica_examples.py --update-golden
 
-.PHONY: help venv demo render llama-server lint type unit test fmt golden
+.PHONY: help venv demo render llama-server lint type unit test fmt golden wheel-demo

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -24,20 +25,13 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
-import openai
 
 from caravan.contract import KVLayout
 from caravan.errors import HashiError
-from caravan_cli.local_stack import (
-    RouterHandle,
-    StackOptions,
-    local_profile,
-    local_stack,
-    running_router,
-    running_scheduler,
-)
+from caravan_cli.example_profiles import example_profiles_dir
 from router.settings import RouterSettings
 from scheduler.app import SchedulerOptions, SchedulerProcess, scheduler_clients
 from scheduler.cluster_config import ClusterConfig
@@ -46,7 +40,12 @@ from scheduler.model_store import ModelStore
 from scheduler.profiles import ModelProfile, load_profile, profile_to_json
 from scheduler.status import ModelStatus, StatusReader
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "profiles"
+if TYPE_CHECKING:
+    from caravan_cli.local_stack import RouterHandle
+
+# What the demo needs beyond the runtime: devcluster's DNS, the tiny model's
+# GGUF writer, the official client. They come with `pip install 'caravan[demo]'`.
+DEMO_EXTRA_MODULES = ("dns", "gguf", "numpy", "openai")
 DEMO_PROFILES = ("tiny-llamacpp-cpu.yaml", "qwen-vllm-h100.yaml")
 PROMPT = "Say hello to the caravan."
 
@@ -92,9 +91,22 @@ class Running:
     profiles: tuple[ModelProfile, ...]
 
 
+def missing_demo_modules() -> list[str]:
+    """The demo extra's modules this Python cannot import."""
+    return [name for name in DEMO_EXTRA_MODULES if importlib.util.find_spec(name) is None]
+
+
 def run_demo(args: argparse.Namespace) -> int:
     # The demo narrates on stdout; components log only warnings to stderr.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+    missing = missing_demo_modules()
+    if missing:
+        print(
+            f"error: caravan demo needs the demo extra (missing: {', '.join(missing)}); "
+            "install it with: pip install 'caravan[demo]'",
+            file=sys.stderr,
+        )
+        return 1
     if args.real and not (os.environ.get("NOMAD_ADDR") and os.environ.get("CONSUL_HTTP_ADDR")):
         print("error: --real needs NOMAD_ADDR and CONSUL_HTTP_ADDR", file=sys.stderr)
         return 2
@@ -160,6 +172,8 @@ def _caravan_command() -> str:
 
 @contextlib.asynccontextmanager
 async def _started(args: argparse.Namespace) -> AsyncIterator[Running]:
+    from caravan_cli.local_stack import StackOptions, local_profile, local_stack  # noqa: PLC0415
+
     router_settings = RouterSettings(port=args.router_port, log_level="warning")
     if args.real:
         async with _real(router_settings) as running:
@@ -184,7 +198,8 @@ async def _started(args: argparse.Namespace) -> AsyncIterator[Running]:
         say(f"router on {stack.router.base_url}")
         store = ModelStore(stack.scheduler.consul, KVLayout())
         profiles = tuple(
-            local_profile(load_profile(EXAMPLES / name), stack.engine) for name in DEMO_PROFILES
+            local_profile(load_profile(example_profiles_dir() / name), stack.engine)
+            for name in DEMO_PROFILES
         )
         yield Running(
             nomad_addr=stack.nomad_addr,
@@ -205,6 +220,8 @@ async def _started(args: argparse.Namespace) -> AsyncIterator[Running]:
 
 @contextlib.asynccontextmanager
 async def _real(router_settings: RouterSettings) -> AsyncIterator[Running]:
+    from caravan_cli.local_stack import running_router, running_scheduler  # noqa: PLC0415
+
     say(f"using the real cluster at NOMAD_ADDR={os.environ['NOMAD_ADDR']}")
     config = ClusterConfig()
     async with scheduler_clients(os.environ) as (consul, nomad):
@@ -224,7 +241,9 @@ async def _real(router_settings: RouterSettings) -> AsyncIterator[Running]:
                 store=store,
                 status=StatusReader(store=store, nomad=nomad, health=consul, config=config),
                 config=config,
-                profiles=tuple(load_profile(EXAMPLES / name) for name in DEMO_PROFILES),
+                profiles=tuple(
+                    load_profile(example_profiles_dir() / name) for name in DEMO_PROFILES
+                ),
             )
 
 
@@ -280,6 +299,8 @@ async def _wait_routable(running: Running, models: list[str], stop: asyncio.Even
 
 
 async def _stream_completion(router: RouterHandle, model: str) -> None:
+    import openai  # noqa: PLC0415 - the demo extra, imported only when the demo runs
+
     client = openai.AsyncOpenAI(base_url=f"{router.base_url}/v1", api_key="unused")
     say(f'\n{model} > "{PROMPT}"')
     print(f"{model} < ", end="", flush=True)

@@ -2,21 +2,17 @@
 
 Each module in `COMMAND_MODULES` adds its subcommands to the parser; the
 commands themselves are thin wiring over the packages' pure functions.
+Only the module of the subcommand being run is imported (`caravan validate`
+never loads the router, the scheduler's process or the demo); `--help` and
+an unknown command load them all.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from typing import TYPE_CHECKING, Protocol
-
-from caravan_cli import (
-    demo,
-    model_commands,
-    profile_commands,
-    router_command,
-    scheduler_command,
-)
+from typing import TYPE_CHECKING, Protocol, cast
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -27,30 +23,40 @@ class CommandModule(Protocol):
         """Register this module's subcommands; each sets `handler` via set_defaults."""
 
 
-COMMAND_MODULES: tuple[CommandModule, ...] = (
-    profile_commands,
-    model_commands,
-    scheduler_command,
-    router_command,
-    demo,
-)
+# Module -> the subcommands it adds, in `--help` order. A test keeps the
+# names equal to what each module registers.
+COMMAND_MODULES: dict[str, tuple[str, ...]] = {
+    "caravan_cli.profile_commands": ("validate", "render"),
+    "caravan_cli.model_commands": ("submit", "list", "status", "delete", "scale"),
+    "caravan_cli.scheduler_command": ("scheduler",),
+    "caravan_cli.router_command": ("router",),
+    "caravan_cli.demo": ("demo",),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_module(name: str) -> CommandModule:
+    return cast("CommandModule", importlib.import_module(name))
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with `command`, only that command's module is loaded (if it names one)."""
     parser = argparse.ArgumentParser(
         prog="caravan",
         description="Run LLM inference replicas on Nomad, discover them through Consul.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
-    for module in COMMAND_MODULES:
-        module.add_commands(subparsers)
+    wanted = [name for name, commands in COMMAND_MODULES.items() if command in commands]
+    for name in wanted or COMMAND_MODULES:
+        command_module(name).add_commands(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    first = next((word for word in arguments if not word.startswith("-")), None)
+    parser = build_parser(first if arguments and arguments[0] == first else None)
+    args = parser.parse_args(arguments)
     handler = args.handler
     try:
         code: int = handler(args)

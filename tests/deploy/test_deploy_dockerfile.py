@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import tomllib
+from typing import Any
 
 from hcl_documents import ROOT
 
@@ -24,15 +25,38 @@ def instructions() -> list[tuple[str, str]]:
     return found
 
 
-def installed_packages() -> list[str]:
-    """The top-level packages pyproject.toml installs that exist in the tree."""
+def setuptools_config() -> dict[str, Any]:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-    patterns = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
-    return sorted(
-        path.name
-        for path in ROOT.iterdir()
-        if (path / "__init__.py").exists() and any(fnmatch.fnmatch(path.name, p) for p in patterns)
-    )
+    config: dict[str, Any] = pyproject["tool"]["setuptools"]
+    return config
+
+
+def installed_packages() -> list[str]:
+    """The source folders of the packages pyproject.toml lists, top-level ones and mapped ones."""
+    config = setuptools_config()
+    mapped = config.get("package-dir", {})
+    return sorted({mapped.get(name, name.split(".")[0]) for name in config["packages"]})
+
+
+def test_package_list_is_every_package_on_disk():
+    """pyproject lists exactly the Python packages of the tree, so none is left out of the wheel."""
+    config = setuptools_config()
+    listed = {name for name in config["packages"] if name not in config.get("package-dir", {})}
+    on_disk = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for top in ["caravan", "scheduler", "router", "devcluster", "caravan_cli"]
+        for init in (ROOT / top).rglob("__init__.py")
+    }
+    assert on_disk == listed
+
+
+def test_production_image_holds_no_demo():
+    """The install step removes devcluster and the example profiles in the same layer."""
+    runs = [arguments for keyword, arguments in instructions() if keyword == "RUN"]
+    install = next(run for run in runs if "pip install ." in run)
+    assert "pip install .[" not in install
+    assert '"$site/devcluster"' in install
+    assert '"$site/caravan_cli/example_profiles_data"' in install
 
 
 def ignored_patterns() -> list[str]:
@@ -70,9 +94,21 @@ def test_caravan_is_installed_from_the_source_tree():
     assert any(keyword == "RUN" and "pip install ." in arguments for keyword, arguments in found)
 
 
+def dockerignored(path: str, patterns: list[str]) -> bool:
+    """Docker's rule: the last pattern that matches decides, and `!` re-includes."""
+    ignored = False
+    for pattern in patterns:
+        negated = pattern.startswith("!")
+        if fnmatch.fnmatch(path, pattern.removeprefix("!")):
+            ignored = not negated
+    return ignored
+
+
 def test_dockerignore_keeps_what_the_build_needs():
     """.dockerignore leaves out the virtualenv and tests but none of what the image copies."""
     patterns = ignored_patterns()
     assert ".venv" in patterns
+    assert dockerignored("tests", patterns)
+    assert dockerignored("examples/terraform-like", patterns)
     for needed in ["pyproject.toml", "README.md", *installed_packages()]:
-        assert not any(fnmatch.fnmatch(needed, pattern) for pattern in patterns), needed
+        assert not dockerignored(needed, patterns), needed
