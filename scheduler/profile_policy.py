@@ -130,8 +130,17 @@ DENIED_FLAGS: dict[Engine, tuple[str, ...]] = {
         "--path",
         "--slot-save-path",
         "--log-file",
+        # Offloads the model and its computation to other hosts.
         "--rpc",
+        # Lets the engine's clients change its global settings.
         "--props",
+        # Built-in agent tools (read files, run commands) and where they run.
+        "--tools",
+        "--tools-runtime",
+        "--media-path",
+        # Router mode: loads (and spawns servers for) any model of a directory.
+        "--models-dir",
+        "--models-preset",
     ),
 }
 
