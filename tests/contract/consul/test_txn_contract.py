@@ -97,6 +97,13 @@ async def test_cas_zero_creates_only_and_delete_cas_needs_the_index(aio, target:
     assert None is gone
 
 
+async def test_delete_cas_of_a_missing_key_succeeds(target: Target, unique):
+    """A key already gone counts as deleted, whatever the index (state store's kvsDeleteCAS)."""
+    status, body, _ = await txn(target, [kv("delete-cas", f"t/{unique}/gone", Index=12345)])
+    assert 200 == status
+    assert None is body["Errors"]
+
+
 async def test_check_index_guards_keys_not_written(aio, target: Target, unique):
     """check-index passes on the current index and fails, with Consul's text, on another."""
     guard, written = f"t/{unique}/guard", f"t/{unique}/written"
@@ -157,8 +164,9 @@ async def test_a_write_wakes_blocking_queries(aio, target: Target, unique):
         ("{not json", 400, "Failed to parse body: "),
         ('{"KV": {}}', 400, "Failed to parse body: "),
         ('[{"KV": {"Verb": "set", "Key": "k", "Value": "%%%"}}]', 400, "Failed to parse body: "),
+        ('[{"KV": {"Verb": "set", "Key": "k", "Bogus": 1}}]', 400, "Failed to parse body: "),
     ],
-    ids=["syntax", "object-not-list", "bad-base64"],
+    ids=["syntax", "object-not-list", "bad-base64", "unknown-field"],
 )
 async def test_malformed_bodies_are_400(target: Target, body, status, text):
     """A body that does not decode into a list of operations is 400 `Failed to parse body`."""
