@@ -111,7 +111,7 @@ async def post_models(request: web.Request) -> web.Response:
         return _error(413, "submission larger than 1 MiB", "too_large")
     try:
         body = await request.json()
-    except ValueError:
+    except (ValueError, RecursionError):
         body = None
     documents = _documents(body)
     if documents is None:

@@ -124,6 +124,10 @@ def validate_submission(
         except ProfileError as exc:
             problems.extend(SubmissionProblem(source, p) for p in exc.problems)
             continue
+        except RecursionError:
+            # A hostile document (thousands of nested lists) must be a problem, not a 500.
+            problems.append(SubmissionProblem(source, "the document is nested too deeply"))
+            continue
         found: list[str] = []
         if expected_name is not None and profile.name != expected_name:
             found.append(

@@ -269,3 +269,30 @@ async def test_post_models_refuses_a_malformed_body(writes_cluster: Cluster):
             status, body = response.status, await response.json()
     assert 400 == status
     assert "invalid_request" == body["error"]["type"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("PUT", "/v1/models/deep", "[" * 20000),
+        ("POST", "/v1/models", "[" * 200000),
+        (
+            "POST",
+            "/v1/models",
+            '{"documents": [{"source": "d.yaml", "text": "' + "[" * 20000 + '"}]}',
+        ),
+    ],
+    ids=["put-yaml", "post-json", "post-yaml"],
+)
+async def test_deeply_nested_documents_are_400_not_500(
+    writes_cluster: Cluster, method: str, path: str, body: str
+):
+    """A hostile, deeply nested body is refused as invalid; nothing is written."""
+    before = await writes_cluster.snapshot()
+    async with aiohttp.ClientSession() as session:
+        url = f"{writes_cluster.api_url}{path}"
+        async with session.request(method, url, data=body) as response:
+            status, answer = response.status, await response.json()
+    assert 400 == status
+    assert answer["error"]["type"] in ("invalid_profile", "invalid_request")
+    assert before == await writes_cluster.snapshot()
