@@ -44,6 +44,7 @@ from caravan.consul_api import (
 )
 from caravan.contract import KVLayout
 from scheduler.cluster_config import ClusterConfig
+from scheduler.profile_policy import policy_problems
 from scheduler.profiles import ModelProfile, ProfileError, parse_profile_text, profile_to_json
 from scheduler.world import DrainRecord
 
@@ -290,6 +291,17 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
                 demand[_suffix(entry, layout.demand)] = signal
         elif entry.key.startswith(layout.state):
             state[_suffix(entry, layout.state)] = entry.value
+    # Profiles written around caravan (Terraform, `consul kv put`) skipped the
+    # submit-time policy check: the scheduler refuses them here too, so they
+    # are left alone (their running replicas, if any, stay as they are).
+    policy_config = cluster_config or ClusterConfig()
+    for name, profile in list(profiles.items()):
+        problems = policy_problems(
+            profile, policy_config.profile_policy, cluster_images=policy_config.engine_images
+        )
+        if problems:
+            invalid[name] = "; ".join(problems)
+            del profiles[name]
     return DesiredState(
         profiles=profiles,
         invalid=invalid,

@@ -12,6 +12,7 @@ from scheduler.model_service import SubmissionRejectedError, validate_submission
 from scheduler.model_store import (
     StoredModels,
     delete_ops,
+    parse_desired_state,
     parse_stored_models,
     scale_ops,
     submit_ops,
@@ -85,3 +86,35 @@ def test_validation_renders_every_replica():
     with pytest.raises(SubmissionRejectedError) as refused:
         validate_submission(documents, ClusterConfig())
     assert "replicas.max: 5000" in str(refused.value)
+
+
+def test_a_profile_written_around_caravan_that_the_policy_refuses_is_not_deployed():
+    """The scheduler treats a KV profile with LD_PRELOAD as invalid (left alone), saying why."""
+    bad = make_llamacpp(name="bad", env={"LD_PRELOAD": "/x.so"})
+    good = make_llamacpp(name="good")
+    state = parse_desired_state(
+        (
+            entry("caravan/models/bad", profile_to_json(bad).encode(), 5),
+            entry("caravan/models/good", profile_to_json(good).encode(), 6),
+        ),
+        LAYOUT,
+        6,
+    )
+    assert ["good"] == list(state.profiles)
+    assert state.invalid["bad"].startswith("env: LD_PRELOAD is refused")
+
+
+def test_the_published_policy_decides_for_the_scheduler_too():
+    """With the leader's published config allowing LD_PRELOAD, the same profile is deployed."""
+    bad = make_llamacpp(name="bad", env={"LD_PRELOAD": "/x.so"})
+    config = ClusterConfig.model_validate({"profile_policy": {"allow_env": ["LD_PRELOAD"]}})
+    state = parse_desired_state(
+        (
+            entry("caravan/cluster-config", config.model_dump_json().encode(), 4),
+            entry("caravan/models/bad", profile_to_json(bad).encode(), 5),
+        ),
+        LAYOUT,
+        5,
+    )
+    assert ["bad"] == list(state.profiles)
+    assert {} == dict(state.invalid)
