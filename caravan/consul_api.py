@@ -22,6 +22,8 @@ one `ssl=` context built from the standard CONSUL_* variables.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import logging
 import ssl
@@ -29,7 +31,7 @@ import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar, assert_never
 
 import aiohttp
 import consul.aio
@@ -274,6 +276,150 @@ def _parse_seconds(text: str) -> float | None:
         total += float(number) * units[unit]
         number, position = "", position + len(unit)
     return total if not number else None
+
+
+# -- transactions ----------------------------------------------------------------
+
+# Consul refuses a transaction of more operations than this (413).
+MAX_TXN_OPS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class TxnSet:
+    """Write a key unconditionally."""
+
+    key: str
+    value: bytes
+    flags: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TxnCas:
+    """Write a key only if its ModifyIndex is `index` (0: only if it does not exist)."""
+
+    key: str
+    value: bytes
+    index: int
+    flags: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TxnGet:
+    """Read a key (the transaction fails if it does not exist)."""
+
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class TxnDelete:
+    """Delete a key (nothing to do if it does not exist)."""
+
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class TxnDeleteCas:
+    """Delete a key only if its ModifyIndex is `index` (a key already gone counts as deleted)."""
+
+    key: str
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class TxnCheckIndex:
+    """Fail the transaction unless the key exists with ModifyIndex `index`."""
+
+    key: str
+    index: int
+
+
+TxnOp = TxnSet | TxnCas | TxnGet | TxnDelete | TxnDeleteCas | TxnCheckIndex
+
+
+@dataclass(frozen=True, slots=True)
+class TxnOpError:
+    """Why one operation of a transaction failed (Consul's `OpIndex` and `What`)."""
+
+    op_index: int
+    what: str
+
+    def __str__(self) -> str:
+        return f"op {self.op_index}: {self.what}"
+
+
+class TxnConflictError(HashiConflict):
+    """A transaction did not apply because an operation failed (a lost CAS, a moved index).
+
+    Nothing was written; re-read and try again.
+    """
+
+    def __init__(self, errors: tuple[TxnOpError, ...]) -> None:
+        super().__init__(
+            "consul txn: nothing applied: " + "; ".join(str(e) for e in errors), status=409
+        )
+        self.errors = errors
+
+
+def txn_op_payload(op: TxnOp) -> dict[str, Any]:
+    """One operation in /v1/txn's body."""
+    kv: dict[str, Any]
+    match op:
+        case TxnSet(key=key, value=value, flags=flags):
+            kv = {"Verb": "set", "Key": key, "Value": _b64(value), "Flags": flags}
+        case TxnCas(key=key, value=value, index=index, flags=flags):
+            kv = {"Verb": "cas", "Key": key, "Value": _b64(value), "Flags": flags, "Index": index}
+        case TxnGet(key=key):
+            kv = {"Verb": "get", "Key": key}
+        case TxnDelete(key=key):
+            kv = {"Verb": "delete", "Key": key}
+        case TxnDeleteCas(key=key, index=index):
+            kv = {"Verb": "delete-cas", "Key": key, "Index": index}
+        case TxnCheckIndex(key=key, index=index):
+            kv = {"Verb": "check-index", "Key": key, "Index": index}
+        case _:  # pragma: no cover - exhaustive over TxnOp
+            assert_never(op)
+    return {"KV": kv}
+
+
+def _b64(value: bytes) -> str:
+    return base64.b64encode(value).decode("ascii")
+
+
+def parse_txn_answer(status: int, body: Any) -> tuple[KVEntry, ...]:
+    """The KV results of a 200 answer, or the typed error of a 409 one (pure)."""
+    if not isinstance(body, Mapping):
+        raise HashiUnavailable(f"consul txn: unexpected answer {str(body)[:200]!r}", status=status)
+    if status == 409:
+        errors = tuple(
+            TxnOpError(int(e.get("OpIndex") or 0), str(e.get("What") or ""))
+            for e in body.get("Errors") or ()
+        )
+        denied = [e for e in errors if e.what.startswith(("Permission denied", "ACL not found"))]
+        if denied:
+            raise HashiPermissionDenied(f"consul txn: {denied[0].what}", status=403)
+        raise TxnConflictError(errors)
+    entries: list[KVEntry] = []
+    for result in body.get("Results") or ():
+        raw = dict(result.get("KV") or {})
+        if not raw:
+            continue
+        value = raw.get("Value")
+        try:
+            raw["Value"] = base64.b64decode(value) if isinstance(value, str) else b""
+        except (binascii.Error, ValueError):
+            raise HashiUnavailable("consul txn: a result value is not base64") from None
+        entries.append(KVEntry.from_api(raw))
+    return tuple(entries)
+
+
+def _txn_callback(response: consul.base.Response) -> tuple[int, Any]:
+    # 409 carries the per-operation errors in JSON; other failures raise as usual.
+    if response.code != 409:
+        CB._status(response)  # noqa: SLF001 - py-consul's own status mapping
+    try:
+        return response.code, json.loads(response.body)
+    except (ValueError, TypeError):
+        return response.code, response.body
 
 
 # -- registrations ---------------------------------------------------------------
@@ -633,6 +779,32 @@ class ConsulClient:
             f"kv.delete {key}", lambda: client.kv.delete(key, recurse=recurse or None, cas=cas)
         )
         return bool(result)
+
+    async def txn(self, ops: list[TxnOp] | tuple[TxnOp, ...]) -> tuple[KVEntry, ...]:
+        """Apply `ops` atomically (PUT /v1/txn): all of them, or none.
+
+        Returns the KV results in operation order (writes and checks without
+        their value, gets with it). A failed operation (a lost `cas`, a moved
+        `check-index`) raises `TxnConflictError` (retryable: re-read first);
+        a refused token raises `HashiPermissionDenied`.
+
+        Posted directly: py-consul's `Txn.put` sends no ACL token.
+        """
+        if not ops:
+            return ()
+        if len(ops) > MAX_TXN_OPS:
+            raise HashiBadRequest(
+                f"consul txn: {len(ops)} operations is more than Consul's limit of {MAX_TXN_OPS}"
+            )
+        client = self._client
+        payload = json.dumps([txn_op_payload(op) for op in ops])
+        status, body = await self._call(
+            "txn",
+            lambda: client.http.put(
+                _txn_callback, "/v1/txn", headers=client.prepare_headers(), data=payload
+            ),
+        )
+        return parse_txn_answer(int(status), body)
 
     # -- sessions ----------------------------------------------------------------
 

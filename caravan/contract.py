@@ -127,6 +127,12 @@ class KVLayout:
         """The leading scheduler's cluster config (JSON), so every reader renders alike."""
         return f"{self.prefix}cluster-config"
 
+    @property
+    def models_revision(self) -> str:
+        """A counter every caravan write of models/ bumps with check-and-set, so two
+        submissions validated against the same models cannot both be written."""
+        return f"{self.prefix}models-revision"
+
     def model_key(self, name: str) -> str:
         """The profile of a model (JSON)."""
         return f"{self.models}{name}"

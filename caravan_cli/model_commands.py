@@ -26,12 +26,26 @@ from caravan.errors import HashiError
 from scheduler.app import scheduler_clients
 from scheduler.cluster_config import ClusterConfigError, load_cluster_config
 from scheduler.model_service import ModelService, SubmissionRejectedError
-from scheduler.model_store import ModelStore, ScaleOutOfBoundsError, UnknownModelError
+from scheduler.model_store import (
+    ModelStore,
+    ScaleOutOfBoundsError,
+    UnknownModelError,
+    WriteConflictError,
+)
+from scheduler.profiles import ProfileError
 from scheduler.status import InvalidStoredProfileError, StatusReader
 
 
 class CommandError(Exception):
     """A failure to report on stderr as one line, with exit code 1."""
+
+
+class RemoteRejectedError(CommandError):
+    """The scheduler refused a submission; `problems` are its `FILE: FIELD: MESSAGE` lines."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(problems))
 
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -122,18 +136,18 @@ class RemoteModels:
             raise CommandError(f"scheduler at {self.base_url} unreachable: {exc}") from None
         if response.status >= 400:
             error = body.get("error", {}) if isinstance(body, dict) else {}
-            problems = error.get("problems") or []
-            raise CommandError("\n".join(problems) or error.get("message") or str(body))
+            problems = [str(p) for p in error.get("problems") or []]
+            if problems:
+                raise RemoteRejectedError(problems)
+            raise CommandError(str(error.get("message") or body))
         return body
 
     async def submit(self, documents: list[tuple[str, str]]) -> list[str]:
-        names = []
-        for source, text in documents:
-            # The scheduler validates again; the CLI already refused bad input.
-            name = _profile_name(source, text)
-            await self._call("PUT", f"/v1/models/{name}", data=text.encode())
-            names.append(name)
-        return names
+        # One request for the whole set, so the scheduler validates all of it
+        # and writes all of it in one transaction, or none.
+        payload = {"documents": [{"source": source, "text": text} for source, text in documents]}
+        body = await self._call("POST", "/v1/models", json=payload)
+        return [str(name) for name in body["submitted"]]
 
     async def list(self) -> list[dict[str, Any]]:
         body = await self._call("GET", "/v1/models")
@@ -148,12 +162,6 @@ class RemoteModels:
 
     async def scale(self, name: str, count: int) -> None:
         await self._call("POST", f"/v1/models/{name}/scale", json={"replicas": count})
-
-
-def _profile_name(source: str, text: str) -> str:
-    from scheduler.profiles import parse_profile_text  # noqa: PLC0415 - only this path needs it
-
-    return parse_profile_text(text, source).name
 
 
 @asynccontextmanager
@@ -184,7 +192,7 @@ def _runner(command: Command) -> Callable[[argparse.Namespace], int]:
 
         try:
             return asyncio.run(main())
-        except SubmissionRejectedError as exc:
+        except (SubmissionRejectedError, RemoteRejectedError) as exc:
             for problem in exc.problems:
                 print(problem, file=sys.stderr)
             print("nothing was submitted", file=sys.stderr)
@@ -194,6 +202,8 @@ def _runner(command: Command) -> Callable[[argparse.Namespace], int]:
             InvalidStoredProfileError,
             ScaleOutOfBoundsError,
             ClusterConfigError,
+            WriteConflictError,
+            ProfileError,
         ) as exc:
             print(f"error: {exc}", file=sys.stderr)
         except HashiError as exc:

@@ -1,6 +1,8 @@
 """The scheduler's HTTP API: models for the CLI and operators, health and metrics.
 
     GET    /v1/models                 every model with desired / ready and status
+    POST   /v1/models                 submit several profiles at once, all or none:
+                                      {"documents": [{"source": "a.yaml", "text": "..."}]}
     GET    /v1/models/{name}          one model, replica by replica
     PUT    /v1/models/{name}          submit a profile (JSON or YAML body)
     DELETE /v1/models/{name}          remove a model (its replicas drain and stop)
@@ -22,7 +24,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from caravan.errors import HashiError
 from scheduler.model_service import ModelService, SubmissionRejectedError
-from scheduler.model_store import ScaleOutOfBoundsError, UnknownModelError
+from scheduler.model_store import ScaleOutOfBoundsError, UnknownModelError, WriteConflictError
+from scheduler.profiles import ProfileError
 from scheduler.status import InvalidStoredProfileError
 
 SERVICE_KEY = web.AppKey("model_service", ModelService)
@@ -54,6 +57,11 @@ async def _errors_as_json(
         )
     except ScaleOutOfBoundsError as exc:
         return _error(400, str(exc), "out_of_bounds")
+    except WriteConflictError as exc:
+        return _error(409, str(exc), "conflict")
+    except ProfileError as exc:
+        # Only a stored profile can fail to parse here (submitted ones are validated first).
+        return _error(409, str(exc), "invalid_stored_profile")
     except HashiError as exc:
         status = 503 if exc.retryable else 502
         return _error(status, str(exc), "backend_unavailable" if exc.retryable else "backend_error")
@@ -75,14 +83,45 @@ async def put_model(request: web.Request) -> web.Response:
     if request.content_length is not None and request.content_length > MAX_PROFILE_BYTES:
         return _error(413, "profile larger than 1 MiB", "too_large")
     text = await request.text()
-    profiles = await request.app[SERVICE_KEY].submit([(f"PUT /v1/models/{name}", text)])
-    if profiles[0].name != name:
+    # The name in the path is checked with everything else, before anything is written.
+    await request.app[SERVICE_KEY].submit([(f"PUT /v1/models/{name}", text)], expected_name=name)
+    return web.json_response({"name": name, "submitted": True})
+
+
+def _documents(body: Any) -> list[tuple[str, str]] | None:
+    """The (source, text) pairs of a POST /v1/models body, or None when it is malformed."""
+    if not isinstance(body, dict) or set(body) != {"documents"}:
+        return None
+    items = body["documents"]
+    if not isinstance(items, list) or not items:
+        return None
+    documents: list[tuple[str, str]] = []
+    for item in items:
+        if not isinstance(item, dict) or set(item) - {"source", "text"}:
+            return None
+        source, text = item.get("source", f"document {len(documents) + 1}"), item.get("text")
+        if not isinstance(source, str) or not isinstance(text, str):
+            return None
+        documents.append((source, text))
+    return documents
+
+
+async def post_models(request: web.Request) -> web.Response:
+    if request.content_length is not None and request.content_length > MAX_PROFILE_BYTES:
+        return _error(413, "submission larger than 1 MiB", "too_large")
+    try:
+        body = await request.json()
+    except (ValueError, RecursionError):
+        body = None
+    documents = _documents(body)
+    if documents is None:
         return _error(
             400,
-            f"name: the profile is named {profiles[0].name!r} but was PUT to {name!r}",
-            "invalid_profile",
+            'body must be JSON like {"documents": [{"source": "a.yaml", "text": "<profile>"}]}',
+            "invalid_request",
         )
-    return web.json_response({"name": name, "submitted": True})
+    profiles = await request.app[SERVICE_KEY].submit(documents)
+    return web.json_response({"submitted": [p.name for p in profiles]})
 
 
 async def delete_model(request: web.Request) -> web.Response:
@@ -121,6 +160,7 @@ def create_api(
     app[REGISTRY_KEY] = registry
     app[LEADER_KEY] = is_leader
     app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/models", post_models)
     app.router.add_get("/v1/models/{name}", get_model)
     app.router.add_put("/v1/models/{name}", put_model)
     app.router.add_delete("/v1/models/{name}", delete_model)

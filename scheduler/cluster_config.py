@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from scheduler.gpu_classes import GpuClass, merge_gpu_classes
+from scheduler.profile_policy import ProfilePolicy
 from scheduler.profiles import Driver, describe_validation_error
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -62,6 +63,13 @@ class ClusterConfig(BaseModel):
     reschedule_delay_s: int = Field(default=30, ge=5)
     check_interval_s: int = Field(default=5, ge=1)
     check_timeout_s: int = Field(default=2, ge=1)
+    # What profiles may put in env, engine_args and image (scheduler/profile_policy.py).
+    profile_policy: ProfilePolicy = Field(default_factory=ProfilePolicy)
+
+    @property
+    def engine_images(self) -> frozenset[str]:
+        """The images this cluster runs engines from; a profile may always name these."""
+        return frozenset({self.vllm.image, self.llamacpp.image, self.llamacpp.cuda_image})
 
     @property
     def gpu_catalog(self) -> Mapping[str, GpuClass]:

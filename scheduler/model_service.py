@@ -7,10 +7,18 @@ endpoints call it for remote clients.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from caravan.consul_api import TxnConflictError
 from scheduler.cluster_config import ClusterConfig
-from scheduler.model_store import ModelStore
+from scheduler.model_store import (
+    MAX_PROFILES_PER_SUBMISSION,
+    WRITE_ATTEMPTS,
+    ModelStore,
+    WriteConflictError,
+)
+from scheduler.profile_policy import policy_problems
 from scheduler.profiles import ModelProfile, ProfileError, parse_profile_text
 from scheduler.render import RenderError, render
 from scheduler.status import ModelStatus, StatusReader
@@ -35,35 +43,111 @@ class SubmissionRejectedError(ValueError):
         super().__init__("\n".join(str(p) for p in problems))
 
 
-def validate_submission(
-    documents: list[tuple[str, str]], config: ClusterConfig
-) -> list[ModelProfile]:
-    """Validate every (source, text) profile; raise with every problem, or return them all."""
+# Rendering checks every replica a profile may have; beyond this many, refuse.
+MAX_RENDERED_REPLICAS = 1024
+
+
+def _render_problems(profile: ModelProfile, config: ClusterConfig) -> list[str]:
+    """Render every replica the profile may scale to; what the schema cannot see shows here."""
+    if profile.replicas.max > MAX_RENDERED_REPLICAS:
+        limit = MAX_RENDERED_REPLICAS
+        return [f"replicas.max: {profile.replicas.max} is more than caravan runs ({limit})"]
+    try:
+        for replica in range(profile.replicas.max):
+            render(profile, replica, config=config)
+    except RenderError as exc:
+        return [str(exc)]
+    return []
+
+
+def _clash_problems(
+    submitted: list[tuple[str, ModelProfile]], stored: Mapping[str, ModelProfile]
+) -> list[SubmissionProblem]:
+    """Two models may not share a served name: the router could route to only one of them."""
     problems: list[SubmissionProblem] = []
-    profiles: list[ModelProfile] = []
+    replaced = {profile.name for _, profile in submitted}
+    owners = {p.served_name: name for name, p in sorted(stored.items()) if name not in replaced}
+    seen: dict[str, tuple[str, str]] = {}
+    for source, profile in submitted:
+        served = profile.served_name
+        owner = owners.get(served)
+        if owner is not None:
+            problems.append(
+                SubmissionProblem(
+                    source,
+                    f"served_model_name: {served!r} is already served by model {owner!r}; "
+                    f"choose another served_model_name or delete {owner} first",
+                )
+            )
+        earlier = seen.get(served)
+        if earlier is not None and earlier[0] != profile.name:
+            problems.append(
+                SubmissionProblem(
+                    source,
+                    f"served_model_name: {served!r} is also served by model {earlier[0]!r} "
+                    f"in {earlier[1]}",
+                )
+            )
+        seen.setdefault(served, (profile.name, source))
+    return problems
+
+
+def validate_submission(
+    documents: list[tuple[str, str]],
+    config: ClusterConfig,
+    stored: Mapping[str, ModelProfile] | None = None,
+    *,
+    expected_name: str | None = None,
+) -> list[ModelProfile]:
+    """Validate every (source, text) profile; raise with every problem, or return them all.
+
+    Checks, for each document: the schema, the cluster's profile policy,
+    rendering of every replica against `config`, the name it was sent under
+    (`expected_name`), and that its name and served name are unique within
+    the submission and its served name among the `stored` models it does not
+    replace. Pure: nothing is read or written.
+    """
+    problems: list[SubmissionProblem] = []
+    accepted: list[tuple[str, ModelProfile]] = []
     seen: dict[str, str] = {}
+    if len(documents) > MAX_PROFILES_PER_SUBMISSION:
+        problems.append(
+            SubmissionProblem(
+                "submission",
+                f"{len(documents)} profiles is more than one submission holds "
+                f"({MAX_PROFILES_PER_SUBMISSION})",
+            )
+        )
     for source, text in documents:
         try:
             profile = parse_profile_text(text, source)
-            # What the schema cannot see (unknown GPU class, multi-node) is
-            # caught by rendering replica 0, before anything is written.
-            render(profile, 0, config=config)
         except ProfileError as exc:
             problems.extend(SubmissionProblem(source, p) for p in exc.problems)
             continue
-        except RenderError as exc:
-            problems.append(SubmissionProblem(source, str(exc)))
+        except RecursionError:
+            # A hostile document (thousands of nested lists) must be a problem, not a 500.
+            problems.append(SubmissionProblem(source, "the document is nested too deeply"))
             continue
-        if profile.name in seen:
-            problems.append(
-                SubmissionProblem(source, f"name: {profile.name!r} is also in {seen[profile.name]}")
+        found: list[str] = []
+        if expected_name is not None and profile.name != expected_name:
+            found.append(
+                f"name: the profile is named {profile.name!r} but was sent as {expected_name!r}"
             )
+        found += [
+            *policy_problems(profile, config.profile_policy, cluster_images=config.engine_images),
+            *_render_problems(profile, config),
+        ]
+        if profile.name in seen:
+            found.append(f"name: {profile.name!r} is also in {seen[profile.name]}")
+        if found:
+            problems.extend(SubmissionProblem(source, p) for p in found)
             continue
         seen[profile.name] = source
-        profiles.append(profile)
+        accepted.append((source, profile))
+    problems.extend(_clash_problems(accepted, stored or {}))
     if problems:
         raise SubmissionRejectedError(problems)
-    return profiles
+    return [profile for _, profile in accepted]
 
 
 @dataclass(slots=True)
@@ -72,16 +156,29 @@ class ModelService:
     status: StatusReader
     config: ClusterConfig
 
-    async def submit(self, documents: list[tuple[str, str]]) -> list[ModelProfile]:
-        """Validate all, then write all: a submission that fails validation writes nothing.
+    async def submit(
+        self, documents: list[tuple[str, str]], *, expected_name: str | None = None
+    ) -> list[ModelProfile]:
+        """Validate all, then write all in one transaction: a refused submission writes nothing.
 
         Profiles are validated against the cluster config the leading
-        scheduler published (GPU classes, images), else the local one.
+        scheduler published (GPU classes, images, profile policy), else the
+        local one, and against the models stored when the write is prepared;
+        if those change before the write lands, it is validated again from a
+        fresh read (a bounded number of times).
         """
-        config = await self.store.cluster_config() or self.config
-        profiles = validate_submission(documents, config)
-        await self.store.submit(profiles)
-        return profiles
+        for _ in range(WRITE_ATTEMPTS):
+            stored = await self.store.read_models()
+            config = await self.store.cluster_config() or self.config
+            profiles = validate_submission(
+                documents, config, stored.profiles, expected_name=expected_name
+            )
+            try:
+                await self.store.write_profiles(profiles, stored)
+            except TxnConflictError:
+                continue
+            return profiles
+        raise WriteConflictError("submit", WRITE_ATTEMPTS)
 
     async def list(self) -> list[ModelStatus]:
         return await self.status.models()

@@ -8,9 +8,19 @@ Layout (contract 2, under a configurable prefix, default `caravan/`):
     demand/<name>      a router's cold-start demand signal (JSON)
     state/<name>       the autoscaler's memory (JSON)
 
+    models-revision    a counter every caravan write of models/ bumps (check-and-set)
+
 `ModelStore` is the one implementation both the CLI and the scheduler's HTTP
 API use to read and write it. A profile is validated before anything is
 written, so an invalid one never reaches KV through caravan.
+
+Every change a user asks for (submit one or many profiles, scale, delete) is
+one Consul transaction, conditioned on what was read: `cas` on each model
+key at the index read (0: must not exist yet), `cas` on models-revision
+(so a concurrent submission, validated against the same models, loses),
+`check-index`/`delete-cas` on keys that must not have changed. Either all of
+it is written or none; a lost race is retried from a fresh read a bounded
+number of times, then reported as `WriteConflictError`.
 """
 
 from __future__ import annotations
@@ -21,9 +31,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from caravan.consul_api import KVEntry
+from caravan.consul_api import (
+    MAX_TXN_OPS,
+    KVEntry,
+    TxnCas,
+    TxnCheckIndex,
+    TxnConflictError,
+    TxnDelete,
+    TxnDeleteCas,
+    TxnOp,
+    TxnSet,
+)
 from caravan.contract import KVLayout
 from scheduler.cluster_config import ClusterConfig
+from scheduler.profile_policy import policy_problems
 from scheduler.profiles import ModelProfile, ProfileError, parse_profile_text, profile_to_json
 from scheduler.world import DrainRecord
 
@@ -56,6 +77,14 @@ class KVStore(Protocol):
         self, key: str, *, recurse: bool = False, cas: int | None = None
     ) -> bool: ...
 
+    async def txn(self, ops: list[TxnOp] | tuple[TxnOp, ...]) -> tuple[KVEntry, ...]: ...
+
+
+# A lost race is retried from a fresh read this many times in all, then reported.
+WRITE_ATTEMPTS = 4
+# One transaction holds every profile of a submission plus the revision counter.
+MAX_PROFILES_PER_SUBMISSION = MAX_TXN_OPS - 1
+
 
 class UnknownModelError(KeyError):
     """No profile with that name exists in KV."""
@@ -70,6 +99,97 @@ class UnknownModelError(KeyError):
 
 class ScaleOutOfBoundsError(ValueError):
     """A manual scale outside the profile's replicas.min..max."""
+
+
+class WriteConflictError(Exception):
+    """Others kept changing the models while this change was applied; nothing was written.
+
+    Retryable: the same request may succeed a moment later.
+    """
+
+    retryable = True
+
+    def __init__(self, what: str, attempts: int) -> None:
+        self.what = what
+        self.attempts = attempts
+        super().__init__(
+            f"{what}: the models changed while this was being written ({attempts} attempts); "
+            "nothing was written, try again"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StoredModels:
+    """models/ and the revision counter as read, with the indexes a write is conditioned on."""
+
+    profiles: Mapping[str, ModelProfile]
+    # ModifyIndex of every key under models/ (valid or not), by model name.
+    indexes: Mapping[str, int]
+    revision: int = 0
+    revision_index: int = 0
+
+    def index_of(self, name: str) -> int:
+        """The index a write of this model is conditioned on (0: it must not exist)."""
+        return self.indexes.get(name, 0)
+
+
+def parse_stored_models(
+    entries: tuple[KVEntry, ...], revision: KVEntry | None, layout: KVLayout
+) -> StoredModels:
+    """Sort a read of models/ and the revision key (pure)."""
+    profiles: dict[str, ModelProfile] = {}
+    indexes: dict[str, int] = {}
+    for entry in entries:
+        name = _suffix(entry, layout.models)
+        indexes[name] = entry.modify_index
+        try:
+            profile = parse_profile_text(entry.value.decode("utf-8", "replace"), entry.key)
+        except ProfileError:
+            continue
+        if profile.name == name:
+            profiles[name] = profile
+    count = 0
+    if revision is not None:
+        try:
+            count = int(revision.value.decode().strip() or 0)
+        except ValueError:
+            count = 0
+    return StoredModels(
+        profiles=profiles,
+        indexes=indexes,
+        revision=count,
+        revision_index=revision.modify_index if revision is not None else 0,
+    )
+
+
+def submit_ops(profiles: list[ModelProfile], stored: StoredModels, layout: KVLayout) -> list[TxnOp]:
+    """The one transaction that writes `profiles`, valid only if nothing changed since `stored`."""
+    ops: list[TxnOp] = [
+        TxnCas(layout.model_key(p.name), profile_to_json(p).encode(), stored.index_of(p.name))
+        for p in profiles
+    ]
+    ops.append(
+        TxnCas(layout.models_revision, str(stored.revision + 1).encode(), stored.revision_index)
+    )
+    return ops
+
+
+def delete_ops(name: str, model_index: int, layout: KVLayout) -> list[TxnOp]:
+    """Remove a model and its desired count, demand signal and autoscaler memory, at once."""
+    return [
+        TxnDeleteCas(layout.model_key(name), model_index),
+        TxnDelete(layout.desired_key(name)),
+        TxnDelete(layout.demand_key(name)),
+        TxnDelete(layout.state_key(name)),
+    ]
+
+
+def scale_ops(name: str, count: int, model_index: int, layout: KVLayout) -> list[TxnOp]:
+    """Set the desired count, only if the profile whose bounds were checked is unchanged."""
+    return [
+        TxnCheckIndex(layout.model_key(name), model_index),
+        TxnSet(layout.desired_key(name), str(count).encode()),
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +291,17 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
                 demand[_suffix(entry, layout.demand)] = signal
         elif entry.key.startswith(layout.state):
             state[_suffix(entry, layout.state)] = entry.value
+    # Profiles written around caravan (Terraform, `consul kv put`) skipped the
+    # submit-time policy check: the scheduler refuses them here too, so they
+    # are left alone (their running replicas, if any, stay as they are).
+    policy_config = cluster_config or ClusterConfig()
+    for name, profile in list(profiles.items()):
+        problems = policy_problems(
+            profile, policy_config.profile_policy, cluster_images=policy_config.engine_images
+        )
+        if problems:
+            invalid[name] = "; ".join(problems)
+            del profiles[name]
     return DesiredState(
         profiles=profiles,
         invalid=invalid,
@@ -214,35 +345,67 @@ class ModelStore:
             raise UnknownModelError(name)
         return parse_profile_text(entry.value.decode("utf-8", "replace"), entry.key)
 
+    async def read_models(self) -> StoredModels:
+        """models/ and the revision counter, with the indexes writes are conditioned on."""
+        _, entries = await self.kv.kv_get_recurse(self.layout.models)
+        _, revision = await self.kv.kv_get(self.layout.models_revision)
+        return parse_stored_models(entries, revision, self.layout)
+
+    async def write_profiles(self, profiles: list[ModelProfile], stored: StoredModels) -> None:
+        """Write validated profiles in one transaction conditioned on `stored`.
+
+        Raises TxnConflictError (nothing written) when anything changed since.
+        """
+        if len(profiles) > MAX_PROFILES_PER_SUBMISSION:
+            raise ValueError(
+                f"a submission holds at most {MAX_PROFILES_PER_SUBMISSION} profiles "
+                f"(got {len(profiles)})"
+            )
+        await self.kv.txn(submit_ops(profiles, stored, self.layout))
+
     async def submit(self, profiles: list[ModelProfile]) -> None:
-        """Write validated profiles (all were validated before this is called)."""
-        for profile in profiles:
-            await self.kv.kv_put(self.layout.model_key(profile.name), profile_to_json(profile))
+        """Write profiles validated by the caller, all or none, retrying a lost race."""
+        for _ in range(WRITE_ATTEMPTS):
+            stored = await self.read_models()
+            try:
+                await self.write_profiles(profiles, stored)
+            except TxnConflictError:
+                continue
+            return
+        raise WriteConflictError("submit", WRITE_ATTEMPTS)
 
     async def delete(self, name: str) -> None:
         """Remove a model: the scheduler then drains and stops its replicas."""
-        _, entry = await self.kv.kv_get(self.layout.model_key(name))
-        if entry is None:
-            raise UnknownModelError(name)
-        await self.kv.kv_delete(self.layout.model_key(name))
-        for key in (
-            self.layout.desired_key(name),
-            self.layout.demand_key(name),
-            self.layout.state_key(name),
-        ):
-            await self.kv.kv_delete(key)
+        for _ in range(WRITE_ATTEMPTS):
+            _, entry = await self.kv.kv_get(self.layout.model_key(name))
+            if entry is None:
+                raise UnknownModelError(name)
+            try:
+                await self.kv.txn(delete_ops(name, entry.modify_index, self.layout))
+            except TxnConflictError:
+                continue
+            return
+        raise WriteConflictError(f"delete {name}", WRITE_ATTEMPTS)
 
     async def scale(self, name: str, count: int) -> ModelProfile:
         """Set the desired count of a model, within its replicas.min..max."""
-        profile = await self.profile(name)
-        bounds = profile.replicas
-        if not bounds.min <= count <= bounds.max:
-            raise ScaleOutOfBoundsError(
-                f"{name}: {count} replicas is outside replicas.min..max "
-                f"({bounds.min}..{bounds.max})"
-            )
-        await self.kv.kv_put(self.layout.desired_key(name), str(count))
-        return profile
+        for _ in range(WRITE_ATTEMPTS):
+            _, entry = await self.kv.kv_get(self.layout.model_key(name))
+            if entry is None:
+                raise UnknownModelError(name)
+            profile = parse_profile_text(entry.value.decode("utf-8", "replace"), entry.key)
+            bounds = profile.replicas
+            if not bounds.min <= count <= bounds.max:
+                raise ScaleOutOfBoundsError(
+                    f"{name}: {count} replicas is outside replicas.min..max "
+                    f"({bounds.min}..{bounds.max})"
+                )
+            try:
+                await self.kv.txn(scale_ops(name, count, entry.modify_index, self.layout))
+            except TxnConflictError:
+                continue
+            return profile
+        raise WriteConflictError(f"scale {name}", WRITE_ATTEMPTS)
 
     async def set_desired(self, name: str, count: int) -> None:
         """Write a desired count as the autoscaler decided it (bounds already applied)."""

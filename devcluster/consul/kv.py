@@ -10,7 +10,7 @@ a lock-delay on the keys they held.
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from devcluster.consul.raft import Raft
 from devcluster.consul.records import KVEntry, SessionBehavior
@@ -44,6 +44,14 @@ def _content(entry: KVEntry) -> tuple[bytes, int, str | None, int]:
 
 class InvalidSessionError(ValueError):
     """A lock named a session that does not exist (Consul answers 500 with this text)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVCheckpoint:
+    """The KV table as it was before a transaction, to put back if one of its ops fails."""
+
+    entries: tuple[tuple[str, KVEntry], ...]
+    tombstones: tuple[tuple[str, int], ...]
 
 
 class KVStore:
@@ -179,3 +187,13 @@ class KVStore:
                 self._delete(entry.key)
             else:
                 self._write(replace(entry, session=None))
+
+    # -- transactions (/v1/txn) ------------------------------------------------
+
+    def checkpoint(self) -> KVCheckpoint:
+        return KVCheckpoint(tuple(self._entries.items()), tuple(self._tombstones.items()))
+
+    def restore(self, checkpoint: KVCheckpoint) -> None:
+        """Roll back to `checkpoint`: a failed transaction leaves no trace."""
+        self._entries = dict(checkpoint.entries)
+        self._tombstones = dict(checkpoint.tombstones)

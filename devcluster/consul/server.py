@@ -22,7 +22,13 @@ from typing import Any, Self
 
 from aiohttp import web
 
-from devcluster.consul import handlers_agent, handlers_catalog, handlers_devcluster, handlers_kv
+from devcluster.consul import (
+    handlers_agent,
+    handlers_catalog,
+    handlers_devcluster,
+    handlers_kv,
+    handlers_txn,
+)
 from devcluster.consul.acl import AclResolver
 from devcluster.consul.checks import CheckRunners, Housekeeping
 from devcluster.consul.dns import ConsulDns, DnsListener
@@ -83,6 +89,7 @@ class ConsulServer:
         )
         for module in (handlers_agent, handlers_catalog, handlers_kv, handlers_devcluster):
             self._api.add_routes(module.ROUTES)
+        self._api.add_routes(handlers_txn.ROUTES)
         self._dns = DnsListener(ConsulDns(self.state))
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []

@@ -81,7 +81,8 @@ async def test_http_api_and_the_cli_through_it(stack: LocalStack):
             assert response.status == 200
         async with session.put(f"{base}/v1/models/other", data=text) as response:
             assert response.status == 400
-            assert "was PUT to 'other'" in (await response.json())["error"]["message"]
+            problems = " ".join((await response.json())["error"]["problems"])
+            assert "named 'tiny-chat' but was sent as 'other'" in problems
         async with session.put(f"{base}/v1/models/x", data="name: x\nengine: vllm\n") as response:
             body = await response.json()
             assert response.status == 400

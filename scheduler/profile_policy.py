@@ -1,0 +1,265 @@
+"""What a profile may put in `env`, `engine_args` and `image`, bounded by the cluster config.
+
+A profile's `env` and `engine_args` reach a process on a client node (under
+raw_exec, as the Nomad client's user). Whoever may submit a profile must not
+thereby choose what code that process loads, where it listens, or what it
+reads and writes on the node. So, by default:
+
+- environment variables that change how a process loads code (the dynamic
+  linker's `LD_*`/`DYLD_*`, interpreters' module paths and startup hooks,
+  shells' startup files, OpenSSL engine loading, glibc tunables), that
+  override the task's identity or GPUs (`NOMAD_*`, `NVIDIA_*`,
+  `CUDA_VISIBLE_DEVICES`), or that set engine flags through the environment
+  (llama-server reads every flag from `LLAMA_ARG_*`) are refused;
+- engine flags that load code (`--trust-remote-code`, `--worker-cls`,
+  `--middleware`, ...), change the listener (`--host`, `--port`, `--uds`,
+  `--api-key`) or give the engine's clients the node's file system
+  (`--allowed-local-media-path`, llama.cpp `--path`, `--slot-save-path`) are
+  refused;
+- an `image` other than the cluster's configured engine images is refused.
+
+An operator allows more with the cluster config's `profile_policy`
+(`allow_env`, `allow_engine_args`, `allowed_images`) and refuses more with
+`deny_env`/`deny_engine_args`. Names ending in `*` are prefixes.
+
+`policy_problems` is pure: one line per refusal, each naming the field and
+the value, so submit can report them all and write nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pydantic import BaseModel, ConfigDict
+
+from scheduler.profiles import Engine, ModelProfile
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+# Names ending in "*" are prefixes.
+DENIED_ENV: tuple[str, ...] = (
+    # The dynamic linker: preload/audit libraries, library search paths (glibc, musl, macOS).
+    "LD_*",
+    "DYLD_*",
+    "GLIBC_TUNABLES",
+    "GCONV_PATH",
+    "LOCPATH",
+    "NLSPATH",
+    "HOSTALIASES",
+    "MALLOC_*",
+    # Which executables run (vLLM and Triton spawn compilers and helpers by name).
+    "PATH",
+    # Python: module search paths, startup hooks, imports named in variables.
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "PYTHONSTARTUP",
+    "PYTHONUSERBASE",
+    "PYTHONPLATLIBDIR",
+    "PYTHONEXECUTABLE",
+    "PYTHONBREAKPOINT",
+    "PYTHONWARNINGS",
+    "PYTHONINSPECT",
+    "PYTHONPYCACHEPREFIX",
+    # Shells: startup files and prompt/trace hooks that run commands.
+    "BASH_ENV",
+    "ENV",
+    "SHELLOPTS",
+    "BASHOPTS",
+    "PS4",
+    "PROMPT_COMMAND",
+    "IFS",
+    # Other interpreters' module paths and option hooks.
+    "NODE_OPTIONS",
+    "NODE_PATH",
+    "PERL5LIB",
+    "PERLLIB",
+    "PERL5OPT",
+    "RUBYLIB",
+    "RUBYOPT",
+    "JAVA_TOOL_OPTIONS",
+    "_JAVA_OPTIONS",
+    "JDK_JAVA_OPTIONS",
+    "CLASSPATH",
+    "GIT_*",
+    # OpenSSL loads engine and provider shared objects named in its config.
+    "OPENSSL_CONF",
+    "OPENSSL_ENGINES",
+    "OPENSSL_MODULES",
+    # The task's identity, ports and devices, as Nomad and the GPU runtime set them.
+    "NOMAD_*",
+    "NVIDIA_*",
+    "CUDA_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    # vLLM: plugins, logging config (dictConfig instantiates classes), listener,
+    # dev endpoints, LoRA loading by API clients, the API key.
+    "VLLM_PLUGINS",
+    "VLLM_LOGGING_CONFIG_PATH",
+    "VLLM_HOST_IP",
+    "VLLM_PORT",
+    "VLLM_SERVER_DEV_MODE",
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+    "VLLM_API_KEY",
+    # llama-server reads every command-line flag from LLAMA_ARG_* as well.
+    "LLAMA_ARG_*",
+    "LLAMA_API_KEY",
+)
+
+DENIED_FLAGS: dict[Engine, tuple[str, ...]] = {
+    Engine.VLLM: (
+        "--host",
+        "--port",
+        "--uds",
+        "--api-key",
+        "--trust-remote-code",
+        "--worker-cls",
+        "--worker-extension-cls",
+        "--allowed-local-media-path",
+        "--middleware",
+        "--tool-parser-plugin",
+        "--logits-processors",
+        "--kv-transfer-config",
+        # A YAML file of further arguments, which would bypass this check.
+        "--config",
+    ),
+    Engine.LLAMACPP: (
+        "--host",
+        "--port",
+        "--api-key",
+        "--api-key-file",
+        "--path",
+        "--slot-save-path",
+        "--log-file",
+        # Offloads the model and its computation to other hosts.
+        "--rpc",
+        # Lets the engine's clients change its global settings.
+        "--props",
+        # Built-in agent tools (read files, run commands) and where they run.
+        "--tools",
+        "--tools-runtime",
+        "--media-path",
+        # Router mode: loads (and spawns servers for) any model of a directory.
+        "--models-dir",
+        "--models-preset",
+    ),
+}
+
+
+class ProfilePolicy(BaseModel):
+    """The cluster config's `profile_policy`: what profiles may set beyond the defaults."""
+
+    model_config = _FROZEN
+
+    # Environment variable names (or `PREFIX*`) a profile may set although denied by default.
+    allow_env: tuple[str, ...] = ()
+    # Engine flags a profile may pass although denied by default (e.g. "--trust-remote-code").
+    allow_engine_args: tuple[str, ...] = ()
+    # Images a profile may name in `image`, besides the cluster's own; "*" allows any.
+    allowed_images: tuple[str, ...] = ()
+    # More names (or `PREFIX*`) to refuse, on top of the defaults.
+    deny_env: tuple[str, ...] = ()
+    deny_engine_args: tuple[str, ...] = ()
+
+
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    for pattern in patterns:
+        if pattern.endswith("*"):
+            if name.startswith(pattern[:-1]):
+                return True
+        elif name == pattern:
+            return True
+    return False
+
+
+def env_problems(env: Iterable[str], policy: ProfilePolicy) -> list[str]:
+    """One line per environment variable the policy refuses."""
+    denied = (*DENIED_ENV, *policy.deny_env)
+    return [
+        f"env: {name} is refused by the cluster's profile policy (it can change "
+        "what code the engine process loads or where it runs); an operator may allow "
+        "it with profile_policy.allow_env in the cluster config"
+        for name in sorted(env)
+        if _matches(name, denied) and not _matches(name, policy.allow_env)
+    ]
+
+
+def flag_name(engine: Engine, arg: str) -> str | None:
+    """The flag an engine argument sets, normalised as the engine parses it; None for values."""
+    if not arg.startswith("-") or arg == "-" or _is_number(arg):
+        return None
+    flag = arg.split("=", 1)[0]
+    if engine is Engine.VLLM:
+        # vLLM's parser reads `--a_b` as `--a-b` and `--x.y=v` as a field of `--x`.
+        flag = flag.split(".", 1)[0]
+        head, dashes = flag.lstrip("-"), len(flag) - len(flag.lstrip("-"))
+        flag = "-" * dashes + head.replace("_", "-")
+    return flag
+
+
+def _is_number(arg: str) -> bool:
+    try:
+        float(arg)
+    except ValueError:
+        return False
+    return True
+
+
+def _denied_flag(engine: Engine, flag: str, denied: tuple[str, ...]) -> str | None:
+    for name in denied:
+        if flag == name:
+            return name
+        # vLLM parses with argparse, which accepts an unambiguous prefix of a long flag.
+        abbreviates = flag.startswith("--") and len(flag) > len("--x") and name.startswith(flag)
+        if engine is Engine.VLLM and abbreviates:
+            return name
+    return None
+
+
+def engine_arg_problems(
+    engine: Engine, engine_args: Iterable[str], policy: ProfilePolicy
+) -> list[str]:
+    """One line per engine flag the policy refuses."""
+    denied = (*DENIED_FLAGS[engine], *policy.deny_engine_args)
+    problems = []
+    seen: set[str] = set()
+    for arg in engine_args:
+        flag = flag_name(engine, arg)
+        if flag is None or flag in seen:
+            continue
+        seen.add(flag)
+        name = _denied_flag(engine, flag, denied)
+        if name is None or name in policy.allow_engine_args or flag in policy.allow_engine_args:
+            continue
+        shown = flag if flag == name else f"{flag} (read by {engine.value} as {name})"
+        problems.append(
+            f"engine_args: {shown} is refused by the cluster's profile policy (it changes the "
+            "engine's code, listener or file access); an operator may allow it with "
+            "profile_policy.allow_engine_args in the cluster config"
+        )
+    return problems
+
+
+def image_problems(
+    image: str | None, policy: ProfilePolicy, cluster_images: Iterable[str]
+) -> list[str]:
+    if image is None or image in cluster_images:
+        return []
+    if "*" in policy.allowed_images or image in policy.allowed_images:
+        return []
+    message = (
+        f"image: {image} is not one of the cluster's engine images and the profile policy "
+        "does not allow it; an operator may allow it with profile_policy.allowed_images "
+        "in the cluster config"
+    )
+    return [message]
+
+
+def policy_problems(
+    profile: ModelProfile, policy: ProfilePolicy, *, cluster_images: Iterable[str] = ()
+) -> list[str]:
+    """Everything in `profile` the policy refuses (empty when it may run), one line each."""
+    return [
+        *env_problems(profile.env, policy),
+        *engine_arg_problems(profile.engine, profile.engine_args, policy),
+        *image_problems(profile.image, policy, cluster_images),
+    ]
