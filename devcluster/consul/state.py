@@ -527,10 +527,13 @@ class ConsulState:
         return applied
 
     def kv_unlock(self, key: str, value: bytes, flags: int, session_id: str) -> bool:
+        """Release (kvsUnlockTxn): only the holder may; anyone else gets false, nothing written.
+
+        Unlike acquire, the session is not looked up (an unknown or destroyed
+        one simply is not the holder) and lock-delay is not consulted.
+        """
         if not session_id:
             raise StateError("missing session", status=500)
-        if self.sessions.get(session_id) is None:
-            raise StateError(f'invalid session "{session_id}"', status=500)
         applied = self.kv.unlock(key, value, flags, session_id)
         self.raft.notify()
         return applied
