@@ -17,6 +17,10 @@ from typing import Any
 
 FILTER_ERROR_PREFIX = "Failed to create boolean expression evaluator: "
 
+# In a template, a map whose values are structs holds one entry under ANY_KEY:
+# any key selects it, then the struct's fields (`TaggedAddresses.lan.Port`).
+ANY_KEY = "*"
+
 # Fields whose children are map keys (any key is a valid selector).
 MAP_FIELDS = frozenset(
     {"Meta", "NodeMeta", "ServiceMeta", "TaggedAddresses", "ServiceTaggedAddresses", "Header"}
@@ -81,6 +85,9 @@ def _selector_valid(template: Mapping[str, Any], path: tuple[str, ...]) -> bool:
     for index, part in enumerate(path):
         if not isinstance(current, Mapping):
             return False
+        if part not in current and ANY_KEY in current:
+            current = current[ANY_KEY]
+            continue
         if part not in current:
             return index > 0 and path[index - 1] in MAP_FIELDS and index == len(path) - 1
         current = current[part]

@@ -124,7 +124,7 @@ async def agent_services(context: RequestContext) -> Reply:
     if not context.can_read():
         return Reply(data={})
     out = {}
-    for service in context.state.services_on(node.name):
+    for service in context.state.agent_services(node.name):
         rendered = agent_service_json(service, context.state.datacenter)
         if predicate is None or predicate(rendered):
             out[service.service_id] = rendered
@@ -143,7 +143,7 @@ async def agent_service(context: RequestContext) -> Reply:
     wanted_hash = context.get("hash")
 
     def current() -> tuple[str, dict[str, object] | None]:
-        service = context.state.service(node.name, service_id)
+        service = context.state.agent_service(node.name, service_id)
         if service is None:
             return "", None
         rendered = agent_service_json(service, context.state.datacenter)
@@ -169,7 +169,7 @@ async def agent_checks(context: RequestContext) -> Reply:
     if not context.can_read():
         return Reply(data={})
     out = {}
-    for check in context.state.checks_on(node.name):
+    for check in context.state.agent_checks(node.name):
         rendered = check_json(check, context.state.service_tags(check), indexes=False)
         if predicate is None or predicate(rendered):
             out[check.check_id] = rendered
@@ -200,7 +200,7 @@ async def register_service(context: RequestContext) -> Reply:
 
 
 def _known_service(context: RequestContext, node: NodeRecord, service_id: str) -> ServiceRecord:
-    service = context.state.service(node.name, service_id)
+    service = context.state.agent_service(node.name, service_id)
     context.authz()
     if service is None:
         raise HttpError(
@@ -272,7 +272,7 @@ async def register_check(context: RequestContext) -> Reply:
 
 
 def _known_check(context: RequestContext, node: NodeRecord, check_id: str) -> None:
-    check = context.state.check(node.name, check_id)
+    check = context.state.agent_check(node.name, check_id)
     context.authz()
     if check is None:
         raise HttpError(
@@ -341,11 +341,10 @@ def _aggregate(statuses: list[str]) -> str:
 def _service_health(
     context: RequestContext, node: NodeRecord, service: ServiceRecord
 ) -> tuple[int, str, dict[str, object]]:
+    # State.ChecksForService(id, includeNodeChecks=true): the service's checks
+    # and the agent's own node-level checks (serfHealth is not one of them).
     checks = [
-        c
-        for c in context.state.checks_on(node.name)
-        if c.service_id == service.service_id
-        or (not c.service_id and c.check_id.startswith("_node_maintenance"))
+        c for c in context.state.agent_checks(node.name) if c.service_id in ("", service.service_id)
     ]
     status = _aggregate([c.status for c in checks])
     body: dict[str, object] = {
@@ -376,7 +375,7 @@ async def health_by_name(context: RequestContext) -> Reply:
         raise HttpError(400, "Missing service Name")
     context.require("service:read", name)
     code, status, results = 404, f"ServiceName {name} Not Found", []
-    for service in context.state.services_on(node.name):
+    for service in context.state.agent_services(node.name):
         if service.name != name:
             continue
         service_code, service_status, body = _service_health(context, node, service)
@@ -394,7 +393,7 @@ async def health_by_id(context: RequestContext) -> Reply:
     service_id = context.tail
     if not service_id:
         raise HttpError(400, "Missing serviceID")
-    service = context.state.service(node.name, service_id)
+    service = context.state.agent_service(node.name, service_id)
     if service is None:
         reason = f"ServiceId {service_id} not found"
         if _text_wanted(context):
