@@ -257,13 +257,11 @@ async def catalog_datacenters(context: RequestContext) -> Reply:
 
 
 async def status_leader(context: RequestContext) -> Reply:
-    identity = context.api.identity
-    return Reply(data=f"{identity.address}:{identity.server_port}")
+    return Reply(data=context.api.identity.rpc_address)
 
 
 async def status_peers(context: RequestContext) -> Reply:
-    identity = context.api.identity
-    return Reply(data=[f"{identity.address}:{identity.server_port}"])
+    return Reply(data=[context.api.identity.rpc_address])
 
 
 # Health states Consul knows; others simply match no check.
