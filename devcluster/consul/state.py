@@ -2,7 +2,9 @@
 
 All tables share one raft-like index (`Raft`). The catalog and the local
 state of each node's agent are the same rows here: a registration through a
-node's agent is in the catalog at once (Consul syncs within moments).
+node's agent is in the catalog at once (Consul syncs within moments). Rows
+the servers write themselves (the `consul` service, `serfHealth`) are marked
+`local=False`: they are catalog-only, and the `agent_*` reads leave them out.
 
 Index rules mirrored from Consul's state store:
 - identical re-registrations and check results that change nothing do not
