@@ -287,8 +287,10 @@ TEMPLATE_CATALOG_SERVICE: JSON = catalog_service_json(
 ) | {"ServiceTaggedAddresses": _TEMPLATE_SERVICE_ADDRESSES}
 TEMPLATE_CHECK: JSON = check_json(_TEMPLATE_CHECK, ())
 TEMPLATE_NODE: JSON = node_json(_TEMPLATE_NODE, "dc1")
+# api.AgentService's Locality has no `bexpr:"-"` (NodeService's does), so it filters here.
 TEMPLATE_AGENT_SERVICE: JSON = _with_maps(agent_service_json(_TEMPLATE_SERVICE, "dc1")) | {
-    "Kind": ""
+    "Kind": "",
+    "Locality": {"Region": "", "Zone": ""},
 }
 # /v1/catalog/node/<node> filters its Services map by NodeService fields.
 TEMPLATE_NODE_SERVICE: JSON = _with_maps(node_service_json(_TEMPLATE_SERVICE)) | {"Kind": ""}

@@ -64,6 +64,20 @@ async def test_locality_parts_are_omitted_when_empty(aio, target: Target, unique
     assert "ServiceLocality" not in catalog[0]
 
 
+async def test_agent_services_filter_on_locality(aio, target: Target, unique):
+    """api.AgentService's Locality is filterable: `Locality.Region == "eu"`."""
+    eu, us = f"loce-{unique}", f"locu-{unique}"
+    await _register(target, Name=eu, Locality={"Region": "eu"})
+    await _register(target, Name=us, Locality={"Region": "us"})
+    status, text, _ = await raw_request(
+        target, "GET", "/v1/agent/services?filter=Locality.Region%20%3D%3D%20%22eu%22"
+    )
+    await aio.agent.service.deregister(eu)
+    await aio.agent.service.deregister(us)
+    assert 200 == status, text
+    assert [eu] == [sid for sid in json.loads(text) if sid in (eu, us)]
+
+
 async def test_wrongly_typed_locality_is_400(aio, target: Target, unique):
     """Locality must decode into {Region, Zone} strings."""
     name = f"locb-{unique}"
