@@ -126,6 +126,7 @@ class _Parser:
         self._tokens = _tokenize(expression)
         self._position = 0
         self._template = template
+        self._selectors: list[tuple[str, ...]] = []
 
     def _peek(self, offset: int = 0) -> _Token | None:
         index = self._position + offset
@@ -153,6 +154,11 @@ class _Parser:
         predicate = self._or()
         if self._peek() is not None:
             raise self._error(f"no match found, unexpected {self._peek_text()!r}")
+        # bexpr parses the whole expression first, then validates its selectors.
+        for path in self._selectors:
+            if not _selector_valid(self._template, path):
+                dotted = ".".join(path)
+                raise FilterError(f'{FILTER_ERROR_PREFIX}Selector "{dotted}" is not valid')
         return predicate
 
     def _peek_text(self) -> str:
@@ -215,9 +221,7 @@ class _Parser:
             else:
                 break
         path = tuple(parts)
-        if not _selector_valid(self._template, path):
-            dotted = ".".join(path)
-            raise FilterError(f'{FILTER_ERROR_PREFIX}Selector "{dotted}" is not valid')
+        self._selectors.append(path)
         return path
 
     def _value(self) -> str:
