@@ -28,8 +28,10 @@ class Kind(Enum):
     STRING_MAP = "map[string]string"
     STRING_LIST_MAP = "map[string][]string"
     ANY = "interface {}"
+    OBJECT = "object"  # any JSON object (or null), kept as decoded; Field.go_type names it
     STRUCT = "struct"
     STRUCT_LIST = "[]struct"
+    STRUCT_MAP = "map[string]struct"
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +40,8 @@ class Field:
     kind: Kind
     struct: StructSpec | None = None
     aliases: tuple[str, ...] = ()
+    # The Go type printed in type errors, where the kind alone does not say it.
+    go_type: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,41 +79,69 @@ def _json_type(value: Any) -> str:
     return "null"
 
 
-def _mismatch(value: Any, spec: StructSpec, field: Field) -> DecodeError:
-    go_type = field.struct.go_name if field.struct is not None else field.kind.value
-    if field.kind is Kind.STRUCT_LIST:
-        go_type = f"[]{go_type}"
+def _mismatch(
+    value: Any, spec: StructSpec, field: Field, *, go_type: str = "", path: str = ""
+) -> DecodeError:
+    """Go's UnmarshalTypeError text: innermost struct, then the field path from the top."""
+    if not go_type:
+        go_type = field.go_type
+    if not go_type:
+        go_type = field.struct.go_name if field.struct is not None else field.kind.value
+        if field.kind is Kind.STRUCT_LIST:
+            go_type = f"[]{go_type}"
     return DecodeError(
         f"json: cannot unmarshal {_json_type(value)} into Go struct field "
-        f"{spec.go_name}.{field.name} of type {go_type}"
+        f"{spec.go_name}.{path}{field.name} of type {go_type}"
     )
 
 
-def _decode_value(value: Any, spec: StructSpec, field: Field) -> Any:
+def _decode_struct_map(value: Any, spec: StructSpec, field: Field) -> dict[str, dict[str, Any]]:
+    """map[string]<struct>: any keys; each value decoded into the struct (null = zero value).
+
+    Go's error context does not name map keys: a bad `Port` under
+    `TaggedAddresses.lan` is `<Struct>.TaggedAddresses.Port`.
+    """
+    struct = field.struct
+    if struct is None:  # pragma: no cover - table error
+        raise AssertionError(f"field {field.name} needs a struct spec")
+    if not isinstance(value, dict):
+        raise _mismatch(value, spec, field)
+    out: dict[str, dict[str, Any]] = {}
+    for key, item in value.items():
+        if item is None:
+            out[key] = {}
+            continue
+        if not isinstance(item, dict):
+            raise _mismatch(item, spec, field, go_type=f"structs.{struct.go_name}")
+        out[key] = decode_struct(item, struct, path=f"{field.name}.")
+    return out
+
+
+def _decode_value(value: Any, spec: StructSpec, field: Field, path: str = "") -> Any:
     kind = field.kind
     if value is None and kind is not Kind.DURATION:
         return None
     if kind is Kind.STRING:
         if not isinstance(value, str):
-            raise _mismatch(value, spec, field)
+            raise _mismatch(value, spec, field, path=path)
         return value
     if kind in (Kind.INT, Kind.UINT):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _mismatch(value, spec, field)
+            raise _mismatch(value, spec, field, path=path)
         if isinstance(value, float) and not value.is_integer():
             raise DecodeError(
                 f"json: cannot unmarshal number {value} into Go struct field "
-                f"{spec.go_name}.{field.name} of type {kind.value}"
+                f"{spec.go_name}.{path}{field.name} of type {kind.value}"
             )
         if kind is Kind.UINT and value < 0:
             raise DecodeError(
                 f"json: cannot unmarshal number {value} into Go struct field "
-                f"{spec.go_name}.{field.name} of type uint64"
+                f"{spec.go_name}.{path}{field.name} of type uint64"
             )
         return int(value)
     if kind is Kind.BOOL:
         if not isinstance(value, bool):
-            raise _mismatch(value, spec, field)
+            raise _mismatch(value, spec, field, path=path)
         return value
     if kind is Kind.DURATION:
         # Consul's CheckType.UnmarshalJSON switches on the JSON type: strings are
@@ -124,46 +156,55 @@ def _decode_value(value: Any, spec: StructSpec, field: Field) -> Any:
         return None
     if kind is Kind.STRING_LIST:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise _mismatch(value, spec, field)
+            raise _mismatch(value, spec, field, path=path)
         return list(value)
     if kind is Kind.STRING_MAP:
         if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-            raise _mismatch(value, spec, field)
+            raise _mismatch(value, spec, field, path=path)
         return dict(value)
     if kind is Kind.STRING_LIST_MAP:
         if not isinstance(value, dict) or not all(
             isinstance(v, list) and all(isinstance(s, str) for s in v) for v in value.values()
         ):
-            raise _mismatch(value, spec, field)
+            raise _mismatch(value, spec, field, path=path)
         return {k: list(v) for k, v in value.items()}
     if kind is Kind.ANY:
         return value
+    if kind is Kind.OBJECT:
+        if not isinstance(value, dict):
+            raise _mismatch(value, spec, field, path=path)
+        return value
+    if kind is Kind.STRUCT_MAP:
+        return _decode_struct_map(value, spec, field)
     if field.struct is None:  # pragma: no cover - table error
         raise AssertionError(f"field {field.name} of kind {kind} needs a struct spec")
     if kind is Kind.STRUCT:
         if not isinstance(value, dict):
-            raise _mismatch(value, spec, field)
+            raise _mismatch(value, spec, field, path=path)
         return decode_struct(value, field.struct)
     if not isinstance(value, list):
-        raise _mismatch(value, spec, field)
+        raise _mismatch(value, spec, field, path=path)
     items: list[dict[str, Any]] = []
     for item in value:
         if item is None:
             continue
         if not isinstance(item, dict):
-            raise _mismatch(item, spec, field)
+            raise _mismatch(item, spec, field, path=path)
         items.append(decode_struct(item, field.struct))
     return items
 
 
-def decode_struct(data: dict[str, Any], spec: StructSpec) -> dict[str, Any]:
-    """Decode one JSON object into {Go field name: value}; later duplicate keys win, as in Go."""
+def decode_struct(data: dict[str, Any], spec: StructSpec, *, path: str = "") -> dict[str, Any]:
+    """Decode one JSON object into {Go field name: value}; later duplicate keys win, as in Go.
+
+    `path` is the field path above this struct, for Go's error texts.
+    """
     out: dict[str, Any] = {}
     for key, value in data.items():
         field = spec.lookup(key)
         if field is None:
             raise DecodeError(f'json: unknown field "{key}"')
-        decoded = _decode_value(value, spec, field)
+        decoded = _decode_value(value, spec, field, path)
         if decoded is not None:
             out[field.name] = decoded
     return out
@@ -258,6 +299,12 @@ CHECK_DEFINITION = StructSpec(
 
 WEIGHTS = StructSpec("Weights", _fields(Field("Passing", Kind.INT), Field("Warning", Kind.INT)))
 
+SERVICE_ADDRESS = StructSpec(
+    "ServiceAddress", _fields(Field("Address", Kind.STRING), Field("Port", Kind.INT))
+)
+
+LOCALITY = StructSpec("Locality", _fields(Field("Region", Kind.STRING), Field("Zone", Kind.STRING)))
+
 SERVICE_DEFINITION = StructSpec(
     "ServiceDefinition",
     _fields(
@@ -266,7 +313,13 @@ SERVICE_DEFINITION = StructSpec(
         Field("Name", Kind.STRING),
         Field("Tags", Kind.STRING_LIST),
         Field("Address", Kind.STRING),
-        Field("TaggedAddresses", Kind.ANY, aliases=("tagged_addresses",)),
+        Field(
+            "TaggedAddresses",
+            Kind.STRUCT_MAP,
+            struct=SERVICE_ADDRESS,
+            aliases=("tagged_addresses",),
+            go_type="map[string]structs.ServiceAddress",
+        ),
         Field("Meta", Kind.STRING_MAP),
         Field("Port", Kind.INT),
         Field("SocketPath", Kind.STRING, aliases=("socket_path",)),
@@ -275,9 +328,10 @@ SERVICE_DEFINITION = StructSpec(
         Field("Weights", Kind.STRUCT, struct=WEIGHTS),
         Field("Token", Kind.STRING),
         Field("EnableTagOverride", Kind.BOOL, aliases=("enable_tag_override",)),
-        Field("Proxy", Kind.ANY),
-        Field("Connect", Kind.ANY),
-        Field("Locality", Kind.ANY),
+        # Decoded for their JSON type only; definitions.py refuses any content.
+        Field("Proxy", Kind.OBJECT, go_type="structs.ConnectProxyConfig"),
+        Field("Connect", Kind.OBJECT, go_type="structs.ServiceConnect"),
+        Field("Locality", Kind.STRUCT, struct=LOCALITY, go_type="structs.Locality"),
         Field("Namespace", Kind.STRING),
         Field("Partition", Kind.STRING),
     ),

@@ -6,7 +6,14 @@ import ipaddress
 import re
 from typing import Any
 
-from devcluster.consul.records import STATUSES, CheckSpec, ServiceRecord, Status
+from devcluster.consul.records import (
+    STATUSES,
+    CheckSpec,
+    Locality,
+    ServiceAddress,
+    ServiceRecord,
+    Status,
+)
 
 NANOS = 1_000_000_000
 MIN_CHECK_INTERVAL_S = 1.0  # the agent raises shorter intervals to 1s (checks.MinInterval)
@@ -14,6 +21,21 @@ META_KEY = re.compile(r"^[a-zA-Z0-9_-]+$")
 META_MAX_PAIRS = 64
 META_KEY_MAX = 128
 META_VALUE_MAX = 512
+# Service kinds that only make sense with Connect (structs.ServiceKind*).
+MESH_KINDS = frozenset(
+    {
+        "connect-proxy",
+        "mesh-gateway",
+        "terminating-gateway",
+        "ingress-gateway",
+        "api-gateway",
+        "destination",
+    }
+)
+MESH_REFUSED = (
+    "devcluster does not emulate Connect (service mesh), so it refuses {what} instead of "
+    "storing a registration it cannot honour; register without it (see devcluster/README.md)"
+)
 SCRIPTS_DISABLED = (
     "Scripts are disabled on this agent from remote calls; "
     "to enable, configure 'enable_script_checks' to true"
@@ -136,6 +158,93 @@ def check_spec(
     )
 
 
+def parse_go_ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """Go's net.ParseIP: an IPv4 or IPv6 literal, no zone, no brackets; None otherwise."""
+    if "%" in text:
+        return None
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return None
+
+
+def is_go_ipv4(ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None) -> bool:
+    """ip.To4() != nil: IPv4, or IPv6 written as an IPv4-mapped address."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        return ip.ipv4_mapped is not None
+    return ip is not None
+
+
+def _validate_tagged_addresses(tagged: dict[str, ServiceAddress]) -> None:
+    """Agent.validateService's tagged address rules (an AddService error, so HTTP 500).
+
+    Consul checks `lan_ipv6` twice and `wan_ipv6` never; so does this.
+    """
+    rules = (("lan_ipv4", True), ("wan_ipv4", True), ("lan_ipv6", False), ("lan_ipv6", False))
+    for key, want_v4 in rules:
+        if key not in tagged:
+            continue
+        ip = parse_go_ip(tagged[key].address)
+        if ip is None or is_go_ipv4(ip) is not want_v4:
+            family = "ipv4" if want_v4 else "ipv6"
+            raise DefinitionError(
+                f'Service tagged address "{key}" must be a valid {family} address', status=500
+            )
+
+
+def _with_default_tagged_addresses(
+    tagged: dict[str, ServiceAddress], address: str, port: int
+) -> dict[str, ServiceAddress]:
+    """addServiceInternal: an IP-literal address adds lan/wan entries for its family."""
+    ip = parse_go_ip(address)
+    if ip is None:
+        return tagged
+    family = "ipv4" if is_go_ipv4(ip) else "ipv6"
+    out = dict(tagged)
+    for key in (f"lan_{family}", f"wan_{family}"):
+        out.setdefault(key, ServiceAddress(address=address, port=port))
+    return out
+
+
+def _set_keys(value: Any, prefix: str) -> list[str]:
+    """The dotted keys of a decoded JSON object that hold something other than a zero value."""
+    if isinstance(value, dict):
+        keys: list[str] = []
+        for key, item in value.items():
+            keys.extend(_set_keys(item, f"{prefix}.{key}"))
+        return keys
+    if value in (None, False, 0, "", []):
+        return []
+    return [prefix]
+
+
+_CONNECT_POINTERS = frozenset({"sidecarservice", "sidecar_service", "peermeta"})
+
+
+def _refuse_mesh(definition: dict[str, Any]) -> None:
+    """Connect, Proxy and mesh kinds are refused (400); empty or zero-valued ones are ignored.
+
+    Go decodes `"Connect": {}` or `{"Native": false}` to the zero value, the same as
+    leaving it out, so those register as a plain service would. The pointers in
+    ServiceConnect are the exception: any non-null value, even `{}`, asks for a sidecar.
+    """
+    kind = definition.get("Kind", "")
+    if kind in MESH_KINDS:
+        raise DefinitionError(MESH_REFUSED.format(what=f'Kind "{kind}"'))
+    connect = definition.get("Connect") or {}
+    keys = {
+        *_set_keys(connect, "Connect"),
+        *(
+            f"Connect.{key}"
+            for key, value in connect.items()
+            if key.casefold() in _CONNECT_POINTERS and value is not None
+        ),
+        *_set_keys(definition.get("Proxy"), "Proxy"),
+    }
+    if keys:
+        raise DefinitionError(MESH_REFUSED.format(what=", ".join(sorted(keys))))
+
+
 def _validate_meta(meta: dict[str, str]) -> None:
     if len(meta) > META_MAX_PAIRS:
         raise DefinitionError(
@@ -180,6 +289,7 @@ def service_definition(
             raise DefinitionError("Invalid Weights: Warning must be greater or equal than 0")
     meta = definition.get("Meta", {})
     _validate_meta(meta)
+    _refuse_mesh(definition)
     raw_checks = []
     if definition.get("Check"):
         raw_checks.append(definition["Check"])
@@ -193,21 +303,33 @@ def service_definition(
         if check.get("Status") and _status(check["Status"]) is None:
             raise DefinitionError("Status for checks must 'passing', 'warning', 'critical'")
     service_id = definition.get("ID") or name
+    tagged = {
+        key: ServiceAddress(address=value.get("Address", ""), port=value.get("Port", 0))
+        for key, value in definition.get("TaggedAddresses", {}).items()
+    }
+    _validate_tagged_addresses(tagged)
+    port = definition.get("Port", 0)
+    raw_locality = definition.get("Locality")
     service = ServiceRecord(
         node=node,
         service_id=service_id,
         name=name,
         tags=tuple(definition.get("Tags", ())),
         address=address,
-        port=definition.get("Port", 0),
+        port=port,
         meta=dict(meta),
-        tagged_addresses=definition.get("TaggedAddresses"),
+        tagged_addresses=_with_default_tagged_addresses(tagged, address, port),
         weight_passing=passing,
         weight_warning=warning,
         enable_tag_override=definition.get("EnableTagOverride", False),
         kind=definition.get("Kind", ""),
         create_index=0,
         modify_index=0,
+        locality=(
+            Locality(region=raw_locality.get("Region", ""), zone=raw_locality.get("Zone", ""))
+            if raw_locality is not None
+            else None
+        ),
     )
     specs: list[CheckSpec] = []
     for position, check in enumerate(raw_checks, start=1):

@@ -17,6 +17,10 @@ from typing import Any
 
 FILTER_ERROR_PREFIX = "Failed to create boolean expression evaluator: "
 
+# In a template, a map whose values are structs holds one entry under ANY_KEY:
+# any key selects it, then the struct's fields (`TaggedAddresses.lan.Port`).
+ANY_KEY = "*"
+
 # Fields whose children are map keys (any key is a valid selector).
 MAP_FIELDS = frozenset(
     {"Meta", "NodeMeta", "ServiceMeta", "TaggedAddresses", "ServiceTaggedAddresses", "Header"}
@@ -81,6 +85,9 @@ def _selector_valid(template: Mapping[str, Any], path: tuple[str, ...]) -> bool:
     for index, part in enumerate(path):
         if not isinstance(current, Mapping):
             return False
+        if part not in current and ANY_KEY in current:
+            current = current[ANY_KEY]
+            continue
         if part not in current:
             return index > 0 and path[index - 1] in MAP_FIELDS and index == len(path) - 1
         current = current[part]
@@ -119,6 +126,7 @@ class _Parser:
         self._tokens = _tokenize(expression)
         self._position = 0
         self._template = template
+        self._selectors: list[tuple[str, ...]] = []
 
     def _peek(self, offset: int = 0) -> _Token | None:
         index = self._position + offset
@@ -146,6 +154,11 @@ class _Parser:
         predicate = self._or()
         if self._peek() is not None:
             raise self._error(f"no match found, unexpected {self._peek_text()!r}")
+        # bexpr parses the whole expression first, then validates its selectors.
+        for path in self._selectors:
+            if not _selector_valid(self._template, path):
+                dotted = ".".join(path)
+                raise FilterError(f'{FILTER_ERROR_PREFIX}Selector "{dotted}" is not valid')
         return predicate
 
     def _peek_text(self) -> str:
@@ -208,9 +221,7 @@ class _Parser:
             else:
                 break
         path = tuple(parts)
-        if not _selector_valid(self._template, path):
-            dotted = ".".join(path)
-            raise FilterError(f'{FILTER_ERROR_PREFIX}Selector "{dotted}" is not valid')
+        self._selectors.append(path)
         return path
 
     def _value(self) -> str:

@@ -45,7 +45,10 @@ def _parse_bool(value: str) -> bool | None:
     return None
 
 
-def member_json(context: RequestContext, node: NodeRecord) -> dict[str, object]:
+def member_json(
+    context: RequestContext, node: NodeRecord, *, wan: bool = False
+) -> dict[str, object]:
+    """A serf member; in the WAN pool (servers only) it is `<node>.<dc>` on the WAN port."""
     identity = context.api.identity
     is_server = node.name == identity.node_name
     tags = {
@@ -60,10 +63,13 @@ def member_json(context: RequestContext, node: NodeRecord) -> dict[str, object]:
     }
     if is_server:
         tags.update({"port": str(identity.server_port), "bootstrap": "1", "expect": "1"})
+    if wan:
+        # Network segments are a LAN notion; the WAN pool's tags have none.
+        del tags["segment"]
     return {
-        "Name": node.name,
+        "Name": f"{node.name}.{context.state.datacenter}" if wan else node.name,
         "Addr": node.address,
-        "Port": identity.serf_lan_port,
+        "Port": identity.serf_wan_port if wan else identity.serf_lan_port,
         "Tags": tags,
         "Status": 4 if node.failed else 1,
         "ProtocolMin": 1,
@@ -105,16 +111,59 @@ async def agent_self(context: RequestContext) -> Reply:
             "DebugConfig": debug,
             "Coord": None,
             "Member": member_json(context, node),
-            "Stats": {"consul": {"server": str(config["Server"]).lower(), "leader": "true"}},
+            "Stats": agent_stats(context, node),
             "Meta": dict(node.meta),
         }
     )
 
 
+def agent_stats(context: RequestContext, node: NodeRecord) -> dict[str, dict[str, str]]:
+    """Agent.Stats(): Server.Stats() or Client.Stats(), plus the agent's and build's sections.
+
+    A dev server bootstraps itself and leads; `leader_addr` is the address
+    /v1/status/leader answers (the RPC address), one datacenter is known.
+    """
+    identity = context.api.identity
+    acl = "enabled" if context.api.acl.enabled else "disabled"
+    consul: dict[str, str]
+    if node.name == identity.node_name:
+        consul = {
+            "server": "true",
+            "leader": "true",
+            "leader_addr": identity.rpc_address,
+            "bootstrap": "true",
+            "known_datacenters": "1",
+            "acl": acl,
+        }
+    else:
+        consul = {"server": "false", "known_servers": "1", "acl": acl}
+    state = context.state
+    return {
+        "consul": consul,
+        "agent": {
+            "check_monitors": "0",
+            "check_ttls": str(sum(1 for c in state.agent_checks(node.name) if c.spec.ttl_s > 0)),
+            "checks": str(len(state.agent_checks(node.name))),
+            "services": str(len(state.agent_services(node.name))),
+        },
+        "build": {"prerelease": "", "revision": "devcluster", "version": identity.version},
+    }
+
+
 async def agent_members(context: RequestContext) -> Reply:
-    context.agent_node()
+    """LAN members (every node), or with `?wan=<anything>` the WAN pool: the servers only."""
+    node = context.agent_node()
+    wan = bool(context.get("wan"))
+    segment = context.get("segment")
+    if wan and segment not in ("", "_all"):
+        raise HttpError(400, "Cannot provide a segment with wan=true")
     if not context.can_read():
         return Reply(data=[])
+    if wan:
+        if node.name != context.api.identity.node_name:
+            # Agent.WANMembers: a client agent is in no WAN pool (a JSON null).
+            return Reply(data=None)
+        return Reply(data=[member_json(context, node, wan=True)])
     return Reply(data=[member_json(context, n) for n in context.state.nodes()])
 
 
@@ -124,7 +173,7 @@ async def agent_services(context: RequestContext) -> Reply:
     if not context.can_read():
         return Reply(data={})
     out = {}
-    for service in context.state.services_on(node.name):
+    for service in context.state.agent_services(node.name):
         rendered = agent_service_json(service, context.state.datacenter)
         if predicate is None or predicate(rendered):
             out[service.service_id] = rendered
@@ -143,7 +192,7 @@ async def agent_service(context: RequestContext) -> Reply:
     wanted_hash = context.get("hash")
 
     def current() -> tuple[str, dict[str, object] | None]:
-        service = context.state.service(node.name, service_id)
+        service = context.state.agent_service(node.name, service_id)
         if service is None:
             return "", None
         rendered = agent_service_json(service, context.state.datacenter)
@@ -169,7 +218,7 @@ async def agent_checks(context: RequestContext) -> Reply:
     if not context.can_read():
         return Reply(data={})
     out = {}
-    for check in context.state.checks_on(node.name):
+    for check in context.state.agent_checks(node.name):
         rendered = check_json(check, context.state.service_tags(check), indexes=False)
         if predicate is None or predicate(rendered):
             out[check.check_id] = rendered
@@ -200,7 +249,7 @@ async def register_service(context: RequestContext) -> Reply:
 
 
 def _known_service(context: RequestContext, node: NodeRecord, service_id: str) -> ServiceRecord:
-    service = context.state.service(node.name, service_id)
+    service = context.state.agent_service(node.name, service_id)
     context.authz()
     if service is None:
         raise HttpError(
@@ -272,7 +321,7 @@ async def register_check(context: RequestContext) -> Reply:
 
 
 def _known_check(context: RequestContext, node: NodeRecord, check_id: str) -> None:
-    check = context.state.check(node.name, check_id)
+    check = context.state.agent_check(node.name, check_id)
     context.authz()
     if check is None:
         raise HttpError(
@@ -341,11 +390,10 @@ def _aggregate(statuses: list[str]) -> str:
 def _service_health(
     context: RequestContext, node: NodeRecord, service: ServiceRecord
 ) -> tuple[int, str, dict[str, object]]:
+    # State.ChecksForService(id, includeNodeChecks=true): the service's checks
+    # and the agent's own node-level checks (serfHealth is not one of them).
     checks = [
-        c
-        for c in context.state.checks_on(node.name)
-        if c.service_id == service.service_id
-        or (not c.service_id and c.check_id.startswith("_node_maintenance"))
+        c for c in context.state.agent_checks(node.name) if c.service_id in ("", service.service_id)
     ]
     status = _aggregate([c.status for c in checks])
     body: dict[str, object] = {
@@ -376,7 +424,7 @@ async def health_by_name(context: RequestContext) -> Reply:
         raise HttpError(400, "Missing service Name")
     context.require("service:read", name)
     code, status, results = 404, f"ServiceName {name} Not Found", []
-    for service in context.state.services_on(node.name):
+    for service in context.state.agent_services(node.name):
         if service.name != name:
             continue
         service_code, service_status, body = _service_health(context, node, service)
@@ -394,7 +442,7 @@ async def health_by_id(context: RequestContext) -> Reply:
     service_id = context.tail
     if not service_id:
         raise HttpError(400, "Missing serviceID")
-    service = context.state.service(node.name, service_id)
+    service = context.state.agent_service(node.name, service_id)
     if service is None:
         reason = f"ServiceId {service_id} not found"
         if _text_wanted(context):

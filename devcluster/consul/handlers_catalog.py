@@ -11,6 +11,7 @@ from devcluster.consul.render import (
     TEMPLATE_CHECK,
     TEMPLATE_HEALTH_ENTRY,
     TEMPLATE_NODE,
+    TEMPLATE_NODE_SERVICE,
     catalog_service_json,
     check_json,
     health_entry_json,
@@ -154,8 +155,14 @@ async def health_node(context: RequestContext) -> Reply:
 
 
 async def catalog_services(context: RequestContext) -> Reply:
+    """Catalog.ListServices: `?filter=` runs per instance over /v1/catalog/service's fields.
+
+    The answer is servicesTagsByName of the surviving instances: the union of
+    their tags, and a name none of whose instances survived is left out.
+    """
     options = context.query_options()
     meta_pairs = _node_meta_filter(context)
+    predicate = context.filter(TEMPLATE_CATALOG_SERVICE)
     visible = context.can_read()
     state = context.state
 
@@ -164,6 +171,10 @@ async def catalog_services(context: RequestContext) -> Reply:
         for service in state.all_services() if visible else []:
             node = state.node(service.node)
             if node is None or not _node_matches(node, meta_pairs):
+                continue
+            if predicate is not None and not predicate(
+                catalog_service_json(ServiceInstance(node, service, ()), state.datacenter)
+            ):
                 continue
             tags = services.setdefault(service.name, [])
             tags.extend(t for t in service.tags if t not in tags)
@@ -221,6 +232,9 @@ async def catalog_node(context: RequestContext) -> Reply:
     if not name:
         raise HttpError(400, "Missing node name")
     options = context.query_options()
+    # Catalog.NodeServices filters the Services map by NodeService fields; the
+    # expression is checked even when the node does not exist.
+    predicate = context.filter(TEMPLATE_NODE_SERVICE)
     visible = context.can_read()
     state = context.state
 
@@ -229,7 +243,10 @@ async def catalog_node(context: RequestContext) -> Reply:
         index = max(state.nodes_index(), state.catalog_index())
         if node is None:
             return index, None
-        services = {s.service_id: node_service_json(s) for s in state.services_on(name)}
+        rendered = {s.service_id: node_service_json(s) for s in state.services_on(name)}
+        services = {
+            sid: svc for sid, svc in rendered.items() if predicate is None or predicate(svc)
+        }
         return index, {"Node": node_json(node, state.datacenter), "Services": services}
 
     return await context.block(options, compute)
@@ -240,13 +257,11 @@ async def catalog_datacenters(context: RequestContext) -> Reply:
 
 
 async def status_leader(context: RequestContext) -> Reply:
-    identity = context.api.identity
-    return Reply(data=f"{identity.address}:{identity.server_port}")
+    return Reply(data=context.api.identity.rpc_address)
 
 
 async def status_peers(context: RequestContext) -> Reply:
-    identity = context.api.identity
-    return Reply(data=[f"{identity.address}:{identity.server_port}"])
+    return Reply(data=[context.api.identity.rpc_address])
 
 
 # Health states Consul knows; others simply match no check.

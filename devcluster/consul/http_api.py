@@ -82,6 +82,12 @@ class ServerIdentity:
     version: str
     server_port: int = 8300
     serf_lan_port: int = 8301
+    serf_wan_port: int = 8302
+
+    @property
+    def rpc_address(self) -> str:
+        """The raft leader's (this server's) RPC address: /v1/status/leader, leader_addr."""
+        return f"{self.address}:{self.server_port}"
 
 
 Handler = Callable[["RequestContext"], Awaitable[Reply]]

@@ -38,7 +38,30 @@ class NodeRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class ServiceAddress:
+    """One value of a service's TaggedAddresses (structs.ServiceAddress)."""
+
+    address: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class Locality:
+    """Where a service runs (structs.Locality); both parts optional."""
+
+    region: str = ""
+    zone: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class ServiceRecord:
+    """A catalog service instance.
+
+    `local` is False for rows the servers write themselves (the `consul`
+    service of a server node): they are in the catalog but in no agent's
+    local state, so /v1/agent/* does not see them.
+    """
+
     node: str
     service_id: str
     name: str
@@ -46,13 +69,15 @@ class ServiceRecord:
     address: str
     port: int
     meta: dict[str, str]
-    tagged_addresses: dict[str, object] | None
+    tagged_addresses: dict[str, ServiceAddress]
     weight_passing: int
     weight_warning: int
     enable_tag_override: bool
     kind: str
     create_index: int
     modify_index: int
+    locality: Locality | None = None
+    local: bool = True
 
     def same_content(self, other: ServiceRecord) -> bool:
         """True when a re-registration changes nothing a reader could see."""
@@ -67,6 +92,8 @@ class ServiceRecord:
             self.weight_warning,
             self.enable_tag_override,
             self.kind,
+            self.locality,
+            self.local,
         ) == (
             other.name,
             other.tags,
@@ -78,6 +105,8 @@ class ServiceRecord:
             other.weight_warning,
             other.enable_tag_override,
             other.kind,
+            other.locality,
+            other.local,
         )
 
 
@@ -116,6 +145,8 @@ class CheckSpec:
 
 @dataclass(frozen=True, slots=True)
 class CheckRecord:
+    """A catalog health check; `local` is False for serf's `serfHealth` (no agent owns it)."""
+
     node: str
     spec: CheckSpec
     status: Status
@@ -126,6 +157,7 @@ class CheckRecord:
     critical_since: float | None
     create_index: int
     modify_index: int
+    local: bool = True
 
     @property
     def check_id(self) -> str:

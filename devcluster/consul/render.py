@@ -6,10 +6,12 @@ import base64
 from typing import Any
 
 from devcluster.consul.durations import format_go_duration_s
+from devcluster.consul.filter import ANY_KEY
 from devcluster.consul.records import (
     CheckRecord,
     CheckSpec,
     KVEntry,
+    Locality,
     NodeRecord,
     ServiceRecord,
     SessionRecord,
@@ -43,6 +45,24 @@ def _weights(service: ServiceRecord) -> JSON:
 _PROXY = {"Mode": "", "MeshGateway": {}, "Expose": {}}
 
 
+def tagged_addresses_json(service: ServiceRecord) -> JSON:
+    """map[string]ServiceAddress as Consul writes it (both fields always present)."""
+    return {
+        key: {"Address": value.address, "Port": value.port}
+        for key, value in sorted(service.tagged_addresses.items())
+    }
+
+
+def locality_json(locality: Locality) -> JSON:
+    """structs.Locality: Region and Zone are each omitted when empty."""
+    out: JSON = {}
+    if locality.region:
+        out["Region"] = locality.region
+    if locality.zone:
+        out["Zone"] = locality.zone
+    return out
+
+
 def node_service_json(service: ServiceRecord) -> JSON:
     out: JSON = {
         "ID": service.service_id,
@@ -62,7 +82,9 @@ def node_service_json(service: ServiceRecord) -> JSON:
     if service.kind:
         out["Kind"] = service.kind
     if service.tagged_addresses:
-        out["TaggedAddresses"] = service.tagged_addresses
+        out["TaggedAddresses"] = tagged_addresses_json(service)
+    if service.locality is not None:
+        out["Locality"] = locality_json(service.locality)
     return out
 
 
@@ -81,7 +103,9 @@ def agent_service_json(service: ServiceRecord, datacenter: str) -> JSON:
     if service.kind:
         out["Kind"] = service.kind
     if service.tagged_addresses:
-        out["TaggedAddresses"] = service.tagged_addresses
+        out["TaggedAddresses"] = tagged_addresses_json(service)
+    if service.locality is not None:
+        out["Locality"] = locality_json(service.locality)
     return out
 
 
@@ -143,7 +167,7 @@ def health_entry_json(instance: ServiceInstance, state: ConsulState) -> JSON:
 
 def catalog_service_json(instance: ServiceInstance, datacenter: str) -> JSON:
     node, service = instance.node, instance.service
-    return {
+    out: JSON = {
         "ID": node.node_id,
         "Node": node.name,
         "Address": node.address,
@@ -166,6 +190,12 @@ def catalog_service_json(instance: ServiceInstance, datacenter: str) -> JSON:
         "CreateIndex": service.create_index,
         "ModifyIndex": service.modify_index,
     }
+    # ServiceNode's omitempty fields.
+    if service.tagged_addresses:
+        out["ServiceTaggedAddresses"] = tagged_addresses_json(service)
+    if service.locality is not None:
+        out["ServiceLocality"] = locality_json(service.locality)
+    return out
 
 
 def session_json(session: SessionRecord) -> JSON:
@@ -238,8 +268,12 @@ _TEMPLATE_CHECK = CheckRecord(
 )
 
 
+# A service's TaggedAddresses map to {Address, Port} structs: any key, then those fields.
+_TEMPLATE_SERVICE_ADDRESSES: JSON = {ANY_KEY: {"Address": "", "Port": 0}}
+
+
 def _with_maps(record: JSON) -> JSON:
-    record.setdefault("TaggedAddresses", {})
+    record.setdefault("TaggedAddresses", _TEMPLATE_SERVICE_ADDRESSES)
     return record
 
 
@@ -250,9 +284,13 @@ TEMPLATE_HEALTH_ENTRY: JSON = {
 }
 TEMPLATE_CATALOG_SERVICE: JSON = catalog_service_json(
     ServiceInstance(_TEMPLATE_NODE, _TEMPLATE_SERVICE, ()), "dc1"
-) | {"ServiceTaggedAddresses": {}}
+) | {"ServiceTaggedAddresses": _TEMPLATE_SERVICE_ADDRESSES}
 TEMPLATE_CHECK: JSON = check_json(_TEMPLATE_CHECK, ())
 TEMPLATE_NODE: JSON = node_json(_TEMPLATE_NODE, "dc1")
+# api.AgentService's Locality has no `bexpr:"-"` (NodeService's does), so it filters here.
 TEMPLATE_AGENT_SERVICE: JSON = _with_maps(agent_service_json(_TEMPLATE_SERVICE, "dc1")) | {
-    "Kind": ""
+    "Kind": "",
+    "Locality": {"Region": "", "Zone": ""},
 }
+# /v1/catalog/node/<node> filters its Services map by NodeService fields.
+TEMPLATE_NODE_SERVICE: JSON = _with_maps(node_service_json(_TEMPLATE_SERVICE)) | {"Kind": ""}

@@ -129,13 +129,16 @@ class ConsulServer:
                     "serf_protocol_min": "1",
                     "version": CONSUL_VERSION,
                 },
-                tagged_addresses=None,
+                tagged_addresses={},
                 weight_passing=1,
                 weight_warning=1,
                 enable_tag_override=False,
                 kind="",
                 create_index=0,
                 modify_index=0,
+                # The leader writes this row (reconcileMember), not the agent:
+                # it is in the catalog, not in /v1/agent/services.
+                local=False,
             ),
             [],
             replace_existing_checks=False,

@@ -2,7 +2,9 @@
 
 All tables share one raft-like index (`Raft`). The catalog and the local
 state of each node's agent are the same rows here: a registration through a
-node's agent is in the catalog at once (Consul syncs within moments).
+node's agent is in the catalog at once (Consul syncs within moments). Rows
+the servers write themselves (the `consul` service, `serfHealth`) are marked
+`local=False`: they are catalog-only, and the `agent_*` reads leave them out.
 
 Index rules mirrored from Consul's state store:
 - identical re-registrations and check results that change nothing do not
@@ -114,6 +116,23 @@ class ConsulState:
     def check(self, node: str, check_id: str) -> CheckRecord | None:
         return self._checks.get((node, check_id))
 
+    # The agent's local state: what /v1/agent/* sees. Rows the servers write
+    # themselves (the `consul` service, `serfHealth`) live only in the catalog.
+
+    def agent_service(self, node: str, service_id: str) -> ServiceRecord | None:
+        service = self._services.get((node, service_id))
+        return service if service is not None and service.local else None
+
+    def agent_services(self, node: str) -> list[ServiceRecord]:
+        return [s for s in self.services_on(node) if s.local]
+
+    def agent_check(self, node: str, check_id: str) -> CheckRecord | None:
+        check = self._checks.get((node, check_id))
+        return check if check is not None and check.local else None
+
+    def agent_checks(self, node: str) -> list[CheckRecord]:
+        return [c for c in self.checks_on(node) if c.local]
+
     def checks_on(self, node: str) -> list[CheckRecord]:
         return sorted(
             (c for (n, _), c in self._checks.items() if n == node), key=lambda c: c.check_id
@@ -194,6 +213,7 @@ class ConsulState:
                 status="passing",
                 output=SERF_ALIVE_OUTPUT,
                 index=index,
+                local=False,
             )
         self._bump_service_names(index, self._names_on_node(name))
         self.raft.notify()
@@ -249,6 +269,7 @@ class ConsulState:
         output: str,
         index: int,
         service_name: str = "",
+        local: bool = True,
     ) -> None:
         key = (node, spec.check_id)
         existing = self._checks.get(key)
@@ -269,6 +290,7 @@ class ConsulState:
             critical_since=critical_since,
             create_index=existing.create_index if existing else index,
             modify_index=index,
+            local=local,
         )
         if existing is None or existing.spec != spec:
             # A new or changed definition (re)starts its TTL timer.
@@ -358,7 +380,7 @@ class ConsulState:
         """Agent AddCheck (/v1/agent/check/register): a new definition starts from its Status."""
         service_name = ""
         if spec.service_id:
-            service = self._services.get((node, spec.service_id))
+            service = self.agent_service(node, spec.service_id)
             if service is None:
                 raise StateError(f'ServiceID "{spec.service_id}" does not exist', status=404)
             service_name = service.name
@@ -409,6 +431,7 @@ class ConsulState:
             output=output,
             index=write_index,
             service_name=check.service_name,
+            local=check.local,
         )
         names = {check.service_name} if check.service_name else self._names_on_node(node)
         self._bump_service_names(write_index, names)
@@ -431,7 +454,7 @@ class ConsulState:
     def set_service_maintenance(
         self, node: str, service_id: str, *, enable: bool, reason: str
     ) -> None:
-        service = self._services.get((node, service_id))
+        service = self.agent_service(node, service_id)
         if service is None:
             raise StateError(f'No service registered with ID "{service_id}"', status=404)
         check_id = f"{SERVICE_MAINTENANCE_PREFIX}{service_id}"
@@ -527,10 +550,13 @@ class ConsulState:
         return applied
 
     def kv_unlock(self, key: str, value: bytes, flags: int, session_id: str) -> bool:
+        """Release (kvsUnlockTxn): only the holder may; anyone else gets false, nothing written.
+
+        Unlike acquire, the session is not looked up (an unknown or destroyed
+        one simply is not the holder) and lock-delay is not consulted.
+        """
         if not session_id:
             raise StateError("missing session", status=500)
-        if self.sessions.get(session_id) is None:
-            raise StateError(f'invalid session "{session_id}"', status=500)
         applied = self.kv.unlock(key, value, flags, session_id)
         self.raft.notify()
         return applied
