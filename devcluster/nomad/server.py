@@ -74,9 +74,13 @@ class NomadServer:
         self.consul_addr = consul_addr
         self.consul_token = consul_token
         self.outage = False
+        self.server_id = str(uuid.uuid4())
         self.nomad_version = NOMAD_VERSION
         self.host = self.settings.host
         self.port = 0
+        self.rpc_port = 0
+        self.serf_port = 0
+        self._placeholders: list[asyncio.Server] = []
         self.clients: dict[str, ClientNode] = {}
         self._rng = random.Random(self.settings.seed)
         self._tasks: list[asyncio.Task[Any]] = []
@@ -106,12 +110,30 @@ class NomadServer:
     def address(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def rpc_address(self) -> str:
+        """`host:port` of the server's RPC listener: what `status/leader` and `peers` answer."""
+        return f"{self.host}:{self.rpc_port}"
+
     def member(self) -> dict[str, Any]:
+        """The server's Serf member: Serf address and port; its RPC port in the tags."""
         return {
             "Name": "devcluster-server.global",
             "Addr": self.host,
-            "Port": self.port,
-            "Tags": {"role": "nomad", "region": "global", "dc": "dc1", "build": NOMAD_VERSION},
+            "Port": self.serf_port,
+            "Tags": {
+                "role": "nomad",
+                "region": "global",
+                "dc": "dc1",
+                "build": NOMAD_VERSION,
+                "revision": "devcluster",
+                "vsn": "1",
+                "raft_vsn": "3",
+                "id": self.server_id,
+                "rpc_addr": self.host,
+                "port": str(self.rpc_port),
+                "bootstrap": "1",
+            },
             "Status": "alive",
             "ProtocolMin": 1,
             "ProtocolMax": 5,
@@ -152,12 +174,28 @@ class NomadServer:
         await site.start()
         sockets = self._runner.addresses
         self.port = int(sockets[0][1])
+        self.rpc_port = await self._hold_port(self.settings.rpc_port)
+        self.serf_port = await self._hold_port(self.settings.serf_port)
         self._tasks.append(asyncio.create_task(self.scheduler.run(), name="nomad-scheduler"))
         self._tasks.append(asyncio.create_task(self.leader.run(), name="nomad-leader"))
         for spec in self.settings.nodes:
             await self.add_node(spec)
 
+    async def _hold_port(self, port: int) -> int:
+        """Listen on `port` (0: any free one) and close every connection: devcluster speaks
+        only HTTP, but the RPC and Serf addresses it reports must be its own."""
+
+        async def refuse(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.close()
+
+        placeholder = await asyncio.start_server(refuse, self.settings.host, port)
+        self._placeholders.append(placeholder)
+        return int(placeholder.sockets[0].getsockname()[1])
+
     async def _stop(self) -> None:
+        for placeholder in self._placeholders:
+            placeholder.close()
+        self._placeholders.clear()
         for client in self.clients.values():
             with contextlib.suppress(Exception):
                 await client.shutdown()

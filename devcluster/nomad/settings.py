@@ -72,6 +72,10 @@ class NomadServerSettings(BaseModel):
 
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535)
+    # Nomad's RPC (4647) and Serf (4648) ports: devcluster holds them (a listener that
+    # closes every connection) so the addresses it reports are real and its own.
+    rpc_port: int = Field(default=0, ge=0, le=65535)
+    serf_port: int = Field(default=0, ge=0, le=65535)
     token: str | None = None
     heartbeat_grace_s: float = Field(default=DEFAULT_HEARTBEAT_GRACE_S, gt=0)
     event_heartbeat_s: float = Field(default=NOMAD_EVENT_HEARTBEAT_S, gt=0)
@@ -147,6 +151,18 @@ def add_nomad_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--nomad-port", type=int, default=4646, help="HTTP port (0 = any free)")
     group.add_argument(
+        "--nomad-rpc-port",
+        type=int,
+        default=None,
+        help="RPC port it reports and holds (default: HTTP port + 1, any free with port 0)",
+    )
+    group.add_argument(
+        "--nomad-serf-port",
+        type=int,
+        default=None,
+        help="Serf port it reports and holds (default: HTTP port + 2, any free with port 0)",
+    )
+    group.add_argument(
         "--heartbeat-grace",
         type=_seconds,
         default=DEFAULT_HEARTBEAT_GRACE_S,
@@ -164,9 +180,17 @@ def add_nomad_arguments(parser: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace, *, host: str = "127.0.0.1") -> NomadServerSettings:
     if args.nodes < 0 or args.gpu_nodes < 0:
         raise ValueError("--nodes and --gpu-nodes must be >= 0")
+
+    def companion(given: int | None, offset: int) -> int:
+        if given is not None:
+            return given
+        return args.nomad_port + offset if args.nomad_port else 0
+
     return NomadServerSettings(
         host=host,
         port=args.nomad_port,
+        rpc_port=companion(args.nomad_rpc_port, 1),
+        serf_port=companion(args.nomad_serf_port, 2),
         token=args.nomad_token,
         heartbeat_grace_s=args.heartbeat_grace,
         image_map=args.image_map,

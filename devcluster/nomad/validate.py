@@ -841,6 +841,11 @@ def group_errors(group: Json, job: Json) -> list[str]:
     return errors
 
 
+def is_parameterized(job: Json) -> bool:
+    """`Job.IsParameterized`: a parameterized job that is not itself a dispatched child."""
+    return job.get("ParameterizedJob") is not None and not job.get("Dispatched")
+
+
 def validate_job(job: Json) -> list[str]:
     """The top-level error list of `jobValidate.Validate` for a canonicalized job."""
     errors: list[str] = []
@@ -899,6 +904,8 @@ def validate_job(job: Json) -> list[str]:
         nested = _nested(group_errors(group, job))
         if nested is not None:
             errors.append(f"Task group {group.get('Name', '')} validation failed: {nested}")
+    if is_parameterized(job) and job_type not in {"batch", "sysbatch"}:
+        errors.append('Parameterized job can only be used with "batch" or "sysbatch" scheduler')
     if job_type == "_core":
         errors.append("job type cannot be core")
     priority = int(job.get("Priority", 0))
