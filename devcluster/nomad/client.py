@@ -608,7 +608,6 @@ class ClientNode:
         consul: ConsulAgentClient | None,
         data_dir: Path,
         driver_settings: DriverSettings,
-        heartbeat_interval_s: float,
         clock_ns: Callable[[], int],
         rng: random.Random,
     ) -> None:
@@ -617,7 +616,6 @@ class ClientNode:
         self.consul = consul
         self.alloc_root = data_dir / node.name / "alloc"
         self.driver_settings = driver_settings
-        self.heartbeat_interval_s = heartbeat_interval_s
         self.clock_ns = clock_ns
         self.rng = rng
         self.runners: dict[str, AllocRunner] = {}
@@ -646,9 +644,10 @@ class ClientNode:
             self.spawn(self._check_loop(self.consul))
 
     async def _heartbeat_loop(self) -> None:
+        # As a Nomad client: heartbeat again after the TTL the server handed back.
         while True:
-            self.endpoints.heartbeat(self.node.id)
-            await asyncio.sleep(self.heartbeat_interval_s)
+            ttl_s = self.endpoints.heartbeat(self.node.id)
+            await asyncio.sleep(ttl_s)
 
     async def _check_loop(self, consul: ConsulAgentClient) -> None:
         while True:

@@ -12,11 +12,13 @@ import base64
 import copy
 import dataclasses
 import json
+import random
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from devcluster.nomad.canonicalize import add_implied_constraints, canonicalize_job
 from devcluster.nomad.gotext import go_time
+from devcluster.nomad.heartbeat import HeartbeatSettings, heartbeat_ttl_s
 from devcluster.nomad.model import (
     Allocation,
     Deployment,
@@ -156,12 +158,17 @@ class Endpoints:
         *,
         new_id: Callable[[], str],
         monotonic: Callable[[], float],
+        heartbeat: HeartbeatSettings | None = None,
+        stagger: Callable[[], float] = random.random,
     ) -> None:
         self.state = state
         self.scheduler = scheduler
         self.new_id = new_id
         self.monotonic = monotonic
-        self.last_heartbeat: dict[str, float] = {}
+        self.heartbeat_settings = heartbeat or HeartbeatSettings()
+        self.stagger = stagger
+        # When each live node's heartbeat timer runs out (TTL + grace after its last one).
+        self.heartbeat_deadline: dict[str, float] = {}
 
     # -- admission ----------------------------------------------------------
 
@@ -392,7 +399,7 @@ class Endpoints:
 
     def register_node(self, node: Node) -> Node:
         """A client (re)registers: `initializing`, then `ready` once fingerprinted."""
-        self.last_heartbeat[node.id] = self.monotonic()
+        self.reset_heartbeat_timer(node.id)
         previous = self.state.nodes.get(node.id)
         message = "Node registered" if previous is None else "Node re-registered"
         events = (*(previous.events if previous else ()), self._node_event(message))[-10:]
@@ -429,11 +436,25 @@ class Endpoints:
             self.create_node_evals(node_id, "node-update")
         return stored
 
-    def heartbeat(self, node_id: str) -> None:
-        self.last_heartbeat[node_id] = self.monotonic()
+    def reset_heartbeat_timer(self, node_id: str) -> float:
+        """`resetHeartbeatTimer`: a new TTL for the client; the timer runs TTL + grace."""
+        timers = len(self.heartbeat_deadline.keys() - {node_id}) + 1
+        ttl = heartbeat_ttl_s(self.heartbeat_settings, timers, self.stagger())
+        self.heartbeat_deadline[node_id] = self.monotonic() + ttl + self.heartbeat_settings.grace_s
+        return ttl
+
+    def heartbeat(self, node_id: str) -> float:
+        """A client heartbeats; returns the TTL after which it should heartbeat again."""
+        ttl = self.reset_heartbeat_timer(node_id)
         node = self.state.nodes.get(node_id)
         if node is not None and node.status == "down":
             self.set_node_status(node_id, "ready", "Node reregistered by heartbeat")
+        return ttl
+
+    def heartbeat_expired(self, node_id: str) -> None:
+        """`invalidateHeartbeat`: the timer ran out; the node is down."""
+        self.heartbeat_deadline.pop(node_id, None)
+        self.set_node_status(node_id, "down", "Node heartbeat missed")
 
     def create_node_evals(self, node_id: str, triggered_by: str) -> list[str]:
         jobs: dict[tuple[str, str], Json] = {}

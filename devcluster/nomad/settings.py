@@ -28,8 +28,11 @@ GPU_MEMORY_MIB = {
     "Tesla T4": 15360,
 }
 DEFAULT_GPU_MEMORY_MIB = 81559
-# Real Nomad's minimum heartbeat TTL is 10 s plus jitter; tests use shorter.
+# Nomad's server defaults (nomad/config.go): heartbeat_grace, min_heartbeat_ttl,
+# max_heartbeats_per_second. A dead node is down after TTL (10-20 s) + grace.
 DEFAULT_HEARTBEAT_GRACE_S = 10.0
+DEFAULT_MIN_HEARTBEAT_TTL_S = 10.0
+DEFAULT_MAX_HEARTBEATS_PER_SECOND = 50.0
 NOMAD_EVENT_HEARTBEAT_S = 30.0
 
 
@@ -78,6 +81,8 @@ class NomadServerSettings(BaseModel):
     serf_port: int = Field(default=0, ge=0, le=65535)
     token: str | None = None
     heartbeat_grace_s: float = Field(default=DEFAULT_HEARTBEAT_GRACE_S, gt=0)
+    min_heartbeat_ttl_s: float = Field(default=DEFAULT_MIN_HEARTBEAT_TTL_S, gt=0)
+    max_heartbeats_per_second: float = Field(default=DEFAULT_MAX_HEARTBEATS_PER_SECOND, gt=0)
     event_heartbeat_s: float = Field(default=NOMAD_EVENT_HEARTBEAT_S, gt=0)
     nodes: tuple[NodeSpec, ...] = ()
     image_map: Path | None = None
@@ -166,7 +171,19 @@ def add_nomad_arguments(parser: argparse.ArgumentParser) -> None:
         "--heartbeat-grace",
         type=_seconds,
         default=DEFAULT_HEARTBEAT_GRACE_S,
-        help="seconds without heartbeat before a node is down (real Nomad: at least 10 s)",
+        help="Nomad's heartbeat_grace: added to the TTL before a silent node is down (10s)",
+    )
+    group.add_argument(
+        "--min-heartbeat-ttl",
+        type=_seconds,
+        default=DEFAULT_MIN_HEARTBEAT_TTL_S,
+        help="Nomad's min_heartbeat_ttl: the smallest TTL handed to clients (10s)",
+    )
+    group.add_argument(
+        "--max-heartbeats-per-second",
+        type=float,
+        default=DEFAULT_MAX_HEARTBEATS_PER_SECOND,
+        help="Nomad's max_heartbeats_per_second: scales the TTL with the node count (50)",
     )
     group.add_argument("--nomad-token", default=None, help="require this X-Nomad-Token")
     group.add_argument(
@@ -193,6 +210,8 @@ def settings_from_args(args: argparse.Namespace, *, host: str = "127.0.0.1") -> 
         serf_port=companion(args.nomad_serf_port, 2),
         token=args.nomad_token,
         heartbeat_grace_s=args.heartbeat_grace,
+        min_heartbeat_ttl_s=args.min_heartbeat_ttl,
+        max_heartbeats_per_second=args.max_heartbeats_per_second,
         image_map=args.image_map,
         data_dir=args.nomad_data_dir,
         nodes=default_nodes(
