@@ -11,6 +11,7 @@ Everything here is pure.
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -749,7 +750,18 @@ def task_errors(task: Json, group: Json, job_type: str) -> list[str]:
     nested = _nested(_task_service_errors(task, group))
     if nested is not None:
         errors.append(nested)
+    payload = task.get("DispatchPayload")
+    if payload is not None and dispatch_file_escapes(str(payload.get("File") or "")):
+        errors.append(
+            "Dispatch Payload validation failed: destination escapes allocation directory"
+        )
     return errors
+
+
+def dispatch_file_escapes(file: str) -> bool:
+    """`PathEscapesAllocViaRelative("task/local/", file)`: cleaned, it leaves the alloc dir."""
+    cleaned = posixpath.normpath(posixpath.join("task/local/", file))
+    return cleaned == ".." or cleaned.startswith("../") or posixpath.isabs(cleaned)
 
 
 def group_errors(group: Json, job: Json) -> list[str]:

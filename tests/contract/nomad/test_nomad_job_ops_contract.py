@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 from pathlib import Path
 from typing import Any
@@ -97,7 +98,11 @@ def _parameterized(job_id: str) -> dict[str, Any]:
     job["Type"] = "batch"
     job["ParameterizedJob"] = {"Payload": "optional", "MetaRequired": ["model"]}
     task = job["TaskGroups"][0]["Tasks"][0]
-    task["Config"]["args"] = ["-c", "pass"]
+    # Succeeds only if the dispatched payload is in local/input.txt.
+    check = "import os, sys; p = os.environ['NOMAD_TASK_DIR'] + '/input.txt'; "
+    check += "sys.exit(0 if open(p).read() == 'hello' else 3)"
+    task["Config"]["args"] = ["-c", check]
+    task["DispatchPayload"] = {"File": "input.txt"}
     job["TaskGroups"][0]["RestartPolicy"]["Mode"] = "fail"
     return body
 
@@ -117,8 +122,13 @@ async def test_dispatch_creates_a_child_job(
     assert "Dispatch did not provide required meta keys: [model]" in (
         missing_meta.value.nomad_resp.text
     )
+    payload = base64.b64encode(b"hello").decode()
     result = await asyncio.to_thread(
-        client.job.dispatch_job, job_id, meta={"model": "tiny"}, id_prefix_template="run"
+        client.job.dispatch_job,
+        job_id,
+        payload=payload,
+        meta={"model": "tiny"},
+        id_prefix_template="run",
     )
     assert {"DispatchedJobID", "EvalID", "EvalCreateIndex", "JobCreateIndex", "Index"} <= set(
         result
@@ -133,9 +143,26 @@ async def test_dispatch_creates_a_child_job(
     )
     listed = await get_json(http, f"{target.address}/v1/jobs?prefix={job_id}")
     assert {job_id, child_id} == {j["ID"] for j in listed}
+
+    async def completed() -> list[dict[str, Any]] | None:
+        allocs = await get_json(http, f"{target.address}/v1/job/{child_id}/allocations")
+        return allocs if any(a["ClientStatus"] == "complete" for a in allocs) else None
+
+    await eventually(completed, timeout_s=20)
     for job in (child_id, job_id):
         async with http.delete(f"{target.address}/v1/job/{job}?purge=true") as response:
             assert 200 == response.status
+
+
+async def test_payload_destination_may_not_leave_the_allocation(
+    target: NomadTarget, http: aiohttp.ClientSession, unique: str
+) -> None:
+    """`DispatchPayload.File` escaping the allocation directory fails validation."""
+    body = _parameterized(f"escape-{unique}")
+    body["Job"]["TaskGroups"][0]["Tasks"][0]["DispatchPayload"] = {"File": "../../../x"}
+    async with http.put(f"{target.address}/v1/jobs", json=body) as response:
+        assert 500 == response.status
+        assert "destination escapes allocation directory" in await response.text()
 
 
 async def test_dispatching_a_plain_job_is_refused(target: NomadTarget, unique: str) -> None:
