@@ -413,6 +413,8 @@ def _expand_dynamic(body: Json, scope: Mapping[str, Any]) -> Json:
         contents = [content for _, content in _entries(spec.get("content", []), "content")]
         if len(contents) != 1:
             raise JobspecError(f'dynamic "{label}" needs exactly one content block')
+        if any(_is_block_or_map(value) for value in contents[0].values()):
+            raise JobspecError(f'dynamic "{label}": blocks inside content are not supported')
         pairs = items.items() if isinstance(items, dict) else enumerate(items or [])
         for key, item in pairs:
             inner = {**scope, f"{label}.value": item, f"{label}.key": key}
