@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 # What the demo needs beyond the runtime: devcluster's DNS, the tiny model's
 # GGUF writer, the official client. They come with `pip install 'caravan[demo]'`.
-DEMO_EXTRA_MODULES = ("dns", "gguf", "numpy", "openai")
+DEMO_EXTRA_MODULES = ("dns", "gguf", "hcl2", "numpy", "openai")
 DEMO_PROFILES = ("tiny-llamacpp-cpu.yaml", "qwen-vllm-h100.yaml")
 PROMPT = "Say hello to the caravan."
 

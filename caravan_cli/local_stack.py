@@ -51,8 +51,12 @@ class StackOptions:
     gpu_nodes: int = 2
     gpus_per_node: int = 8
     gpu_model: str = "NVIDIA H100 80GB HBM3"
-    # Short timings so failures show up in seconds, not minutes.
-    heartbeat_grace_s: float = 3.0
+    # Failure detection as on a real cluster (Nomad's heartbeat_grace and
+    # min_heartbeat_ttl: a dead node is down 10-30 s later; Consul's serf keeps
+    # memberlist's defaults). Tests about something else may shorten them.
+    heartbeat_grace_s: float = 10.0
+    min_heartbeat_ttl_s: float = 10.0
+    # Short timings so the other failures show up in seconds, not minutes.
     leader_ttl_s: float = 10.0
     resync_s: float = 5.0
     replace_lost_after_s: float = 20.0
@@ -214,6 +218,7 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                     gpu_model=options.gpu_model,
                 ),
                 heartbeat_grace_s=options.heartbeat_grace_s,
+                min_heartbeat_ttl_s=options.min_heartbeat_ttl_s,
                 data_dir=work_dir / "nomad",
             ),
         )

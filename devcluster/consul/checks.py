@@ -152,8 +152,7 @@ class CheckRunners:
     def _desired(self) -> dict[tuple[str, str], CheckSpec]:
         desired: dict[tuple[str, str], CheckSpec] = {}
         for check in self._state.all_checks():
-            node = self._state.node(check.node)
-            if node is None or node.failed:
+            if self._state.agent_down(check.node):
                 continue
             if check.spec.check_type in ("http", "tcp") and check.spec.interval_s > 0:
                 desired[(check.node, check.check_id)] = check.spec

@@ -3,6 +3,7 @@
 PUT    /v1/devcluster/node/register   {"Node": "n1", "Address": "127.0.0.2", "Meta": {}}
 DELETE /v1/devcluster/node/<name>
 PUT    /v1/devcluster/node/<name>/fail
+PUT    /v1/devcluster/node/<name>/kill      (agent dies; serf notices after its delay)
 PUT    /v1/devcluster/node/<name>/recover
 GET    /v1/devcluster/nodes
 """
@@ -71,6 +72,7 @@ async def node_action(context: RequestContext) -> Reply:
             not in (
                 "fail",
                 "recover",
+                "kill",
             )
         )
     ):
@@ -84,6 +86,11 @@ async def node_action(context: RequestContext) -> Reply:
     if method == "DELETE":
         state.deregister_node(name)
         return Reply(data=True)
+    if action == "kill":
+        delay = state.kill_node(name)
+        node = state.node(name)
+        body = node_json(node, state.datacenter) if node else {}
+        return Reply(data=body | {"Failed": False, "FailureDetectedInSeconds": delay})
     state.set_node_failed(name, failed=action == "fail")
     node = state.node(name)
     return Reply(data=node_json(node, state.datacenter) if node else None)

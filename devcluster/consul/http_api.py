@@ -218,7 +218,7 @@ class RequestContext:
                 f'devcluster: unknown node "{name}" in {NODE_HEADER}; '
                 "register it with PUT /v1/devcluster/node/register",
             )
-        if node.failed:
+        if self.state.agent_down(name):
             raise HttpError(
                 503, f'devcluster: the agent of node "{name}" is not reachable (node failed)'
             )

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
 
@@ -34,6 +34,7 @@ from devcluster.consul.checks import CheckRunners, Housekeeping
 from devcluster.consul.dns import ConsulDns, DnsListener
 from devcluster.consul.http_api import ConsulHttpApi, ServerIdentity
 from devcluster.consul.records import NodeRecord, ServiceRecord
+from devcluster.consul.serf import SerfTiming
 from devcluster.consul.state import CONSUL_VERSION, ConsulState
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ class ConsulConfig:
     # Consul's check_reap_interval and the floor on DeregisterCriticalServiceAfter.
     check_reap_interval_s: float = 30.0
     deregister_critical_min_s: float = 60.0
+    # memberlist's LAN failure detection (how long a killed node's serfHealth stays passing).
+    serf: SerfTiming = field(default_factory=SerfTiming)
 
     def __repr__(self) -> str:
         # Never show the token.
@@ -74,6 +77,7 @@ class ConsulServer:
             datacenter=self.config.datacenter,
             clock=clock,
             deregister_critical_min_s=self.config.deregister_critical_min_s,
+            serf=self.config.serf,
         )
         identity = ServerIdentity(
             node_name=self.config.node_name,
@@ -222,6 +226,14 @@ class ConsulServer:
         """The node's agent stops answering: serfHealth critical, its checks stop running."""
         if not self.state.set_node_failed(name, failed=True):
             raise KeyError(name)
+
+    def kill_node(self, name: str) -> float:
+        """The node's agent dies now; serfHealth goes critical after serf's detection delay
+        (returned, in seconds). `fail_node` is the same with no delay."""
+        delay = self.state.kill_node(name)
+        if delay is None:
+            raise KeyError(name)
+        return delay
 
     def recover_node(self, name: str) -> None:
         if not self.state.set_node_failed(name, failed=False):

@@ -18,6 +18,7 @@ Index rules mirrored from Consul's state store:
 
 from __future__ import annotations
 
+import random
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -39,6 +40,7 @@ from devcluster.consul.records import (
     SessionRecord,
     Status,
 )
+from devcluster.consul.serf import SerfTiming, detection_delay_s
 from devcluster.consul.sessions import SessionStore
 
 DEFAULT_SERVICE_MAINTENANCE_REASON = (
@@ -80,10 +82,17 @@ class ConsulState:
         datacenter: str = "dc1",
         clock: Callable[[], float],
         deregister_critical_min_s: float = 60.0,
+        serf: SerfTiming | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self.datacenter = datacenter
         self.clock = clock
         self.deregister_critical_min_s = deregister_critical_min_s
+        self.serf = serf or SerfTiming()
+        self._rng = rng or random.Random()
+        # Agents that died but serf has not declared failed yet, and when it will.
+        self._unreachable: set[str] = set()
+        self._serf_deadlines: dict[str, float] = {}
         self.raft = Raft()
         self.kv = KVStore(self.raft)
         self.sessions = SessionStore(self.raft, self.kv)
@@ -219,6 +228,33 @@ class ConsulState:
         self.raft.notify()
         return node
 
+    def kill_node(self, name: str) -> float | None:
+        """The node's agent dies: it stops answering and running checks at once, and serf
+        declares it failed (serfHealth critical) after its failure-detection delay, which
+        is returned (None for an unknown node; 0 when already failed)."""
+        node = self._nodes.get(name)
+        if node is None:
+            return None
+        if node.failed:
+            return 0.0
+        if name in self._serf_deadlines:
+            return max(self._serf_deadlines[name] - self.clock(), 0.0)
+        dead = self._unreachable | {name}
+        delay = detection_delay_s(
+            self.serf,
+            members=len(self._nodes),
+            live_probers=sum(1 for n in self._nodes if n not in dead and not self._nodes[n].failed),
+            rng=self._rng,
+        )
+        self._unreachable.add(name)
+        self._serf_deadlines[name] = self.clock() + delay
+        self.raft.notify()
+        return delay
+
+    def agent_down(self, name: str) -> bool:
+        """Whether the node's local agent does not answer (killed or declared failed)."""
+        return self._node_failed(name)
+
     def deregister_node(self, name: str) -> bool:
         if name not in self._nodes:
             return False
@@ -227,6 +263,8 @@ class ConsulState:
         self.sessions.invalidate_for_node(name, now)
         index = self.raft.next_index()
         del self._nodes[name]
+        self._unreachable.discard(name)
+        self._serf_deadlines.pop(name, None)
         for key in [k for k in self._services if k[0] == name]:
             del self._services[key]
         for key in [k for k in self._checks if k[0] == name]:
@@ -242,7 +280,11 @@ class ConsulState:
         node = self._nodes.get(name)
         if node is None:
             return False
+        self._serf_deadlines.pop(name, None)
+        if not failed:
+            self._unreachable.discard(name)
         if node.failed == failed:
+            self.raft.notify()
             return True
         index = self.raft.next_index()
         self._nodes[name] = replace(node, failed=failed)
@@ -569,6 +611,7 @@ class ConsulState:
             for (node, _), deadline in self._ttl_deadlines.items()
             if not self._node_failed(node)
         ]
+        candidates += self._serf_deadlines.values()
         session_deadline = self.sessions.next_deadline()
         if session_deadline is not None:
             candidates.append(session_deadline)
@@ -576,10 +619,13 @@ class ConsulState:
 
     def _node_failed(self, node: str) -> bool:
         record = self._nodes.get(node)
-        return record is None or record.failed
+        return record is None or record.failed or node in self._unreachable
 
     def expire(self, now: float) -> None:
-        """Expire sessions and TTL checks whose time is up."""
+        """Expire sessions and TTL checks whose time is up; serf declares dead agents failed."""
+        for name, detected_at in list(self._serf_deadlines.items()):
+            if detected_at <= now:
+                self.set_node_failed(name, failed=True)
         changed = bool(self.sessions.expire_due(now))
         for key, deadline in list(self._ttl_deadlines.items()):
             if deadline > now or self._node_failed(key[0]):

@@ -257,6 +257,9 @@ def canonicalize_job(decoded: Json) -> Json:
     for spread in job.get("Spreads") or []:
         spread.setdefault("Weight", DEFAULT_WEIGHT)
     _canonicalize_affinities(job.get("Affinities"))
+    parameterized = job.get("ParameterizedJob")
+    if isinstance(parameterized, dict) and not parameterized.get("Payload"):
+        parameterized["Payload"] = "optional"
     # The server's own Canonicalize.
     if not job.get("Datacenters"):
         job["Datacenters"] = ["*"]

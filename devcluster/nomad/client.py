@@ -15,6 +15,7 @@ every process group), as when a machine loses power.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import logging
@@ -144,12 +145,26 @@ class TaskRunner:
     def now(self) -> int:
         return self.alloc_runner.client.clock_ns()
 
+    def _write_dispatch_payload(self, local_dir: Path) -> None:
+        """A dispatched job's payload goes to `local/<DispatchPayload.File>` of the task."""
+        target = str((self.task.get("DispatchPayload") or {}).get("File") or "")
+        payload = self.alloc_runner.job.get("Payload")
+        if not target or not payload:
+            return
+        alloc_dir = local_dir.parent.parent.resolve()
+        path = (local_dir / target).resolve()
+        if not path.is_relative_to(alloc_dir):
+            return  # refused at registration (destination escapes allocation directory)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(base64.b64decode(str(payload)))
+
     async def run(self) -> None:
         runner = self.alloc_runner
         client = runner.client
         task_dir = runner.alloc_dir / self.name
         for sub in ("local", "secrets", "tmp"):
             (task_dir / sub).mkdir(parents=True, exist_ok=True)
+        self._write_dispatch_payload(task_dir / "local")
         self.emit(TaskEvent("Task Setup", self.now(), message="Building Task Directory"))
         tracker = RestartTracker(
             policy=self.task.get("RestartPolicy") or {},
@@ -608,7 +623,6 @@ class ClientNode:
         consul: ConsulAgentClient | None,
         data_dir: Path,
         driver_settings: DriverSettings,
-        heartbeat_interval_s: float,
         clock_ns: Callable[[], int],
         rng: random.Random,
     ) -> None:
@@ -617,7 +631,6 @@ class ClientNode:
         self.consul = consul
         self.alloc_root = data_dir / node.name / "alloc"
         self.driver_settings = driver_settings
-        self.heartbeat_interval_s = heartbeat_interval_s
         self.clock_ns = clock_ns
         self.rng = rng
         self.runners: dict[str, AllocRunner] = {}
@@ -646,9 +659,10 @@ class ClientNode:
             self.spawn(self._check_loop(self.consul))
 
     async def _heartbeat_loop(self) -> None:
+        # As a Nomad client: heartbeat again after the TTL the server handed back.
         while True:
-            self.endpoints.heartbeat(self.node.id)
-            await asyncio.sleep(self.heartbeat_interval_s)
+            ttl_s = self.endpoints.heartbeat(self.node.id)
+            await asyncio.sleep(ttl_s)
 
     async def _check_loop(self, consul: ConsulAgentClient) -> None:
         while True:

@@ -205,6 +205,9 @@ class ConsulAgentClient:
     async def fail_node(self, name: str) -> bool:
         return await self._put(f"/v1/devcluster/node/{name}/fail")
 
+    async def kill_node(self, name: str) -> bool:
+        return await self._put(f"/v1/devcluster/node/{name}/kill")
+
     async def recover_node(self, name: str) -> bool:
         return await self._put(f"/v1/devcluster/node/{name}/recover")
 

@@ -373,6 +373,44 @@ NODE_DRAIN_REQUEST = _struct(
 NODE_ELIGIBILITY_REQUEST = _struct(
     "NodeUpdateEligibilityRequest", NodeID=STRING, Eligibility=STRING
 )
+JOB_REVERT_REQUEST = Struct(
+    "JobRevertRequest",
+    {"JobID": STRING, "JobVersion": UINT64, "EnforcePriorVersion": UINT64, **_WRITE_REQUEST},
+)
+JOB_STABILITY_REQUEST = Struct(
+    "JobStabilityRequest",
+    {"JobID": STRING, "JobVersion": UINT64, "Stable": BOOL, **_WRITE_REQUEST},
+)
+JOB_DISPATCH_REQUEST = Struct(
+    "JobDispatchRequest",
+    {
+        "JobID": STRING,
+        "Payload": BYTES,
+        "Meta": STRING_MAP,
+        "IdPrefixTemplate": STRING,
+        "Priority": INT,
+        **_WRITE_REQUEST,
+    },
+)
+DEPLOYMENT_PAUSE_REQUEST = Struct(
+    "DeploymentPauseRequest", {"DeploymentID": STRING, "Pause": BOOL, **_WRITE_REQUEST}
+)
+DEPLOYMENT_PROMOTE_REQUEST = Struct(
+    "DeploymentPromoteRequest",
+    {"DeploymentID": STRING, "All": BOOL, "Groups": STRINGS, **_WRITE_REQUEST},
+)
+DEPLOYMENT_ALLOC_HEALTH_REQUEST = Struct(
+    "DeploymentAllocHealthRequest",
+    {
+        "DeploymentID": STRING,
+        "HealthyAllocationIDs": STRINGS,
+        "UnhealthyAllocationIDs": STRINGS,
+        **_WRITE_REQUEST,
+    },
+)
+JOBS_PARSE_REQUEST = _struct(
+    "JobsParseRequest", JobHCL=STRING, HCLv1=BOOL, Variables=ANY, Canonicalize=BOOL
+)
 
 
 @dataclass(frozen=True, slots=True)

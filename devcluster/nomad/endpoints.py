@@ -8,16 +8,28 @@ answers with (`ApiError`).
 
 from __future__ import annotations
 
+import base64
+import copy
 import dataclasses
 import json
+import random
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from devcluster.nomad.canonicalize import add_implied_constraints, canonicalize_job
 from devcluster.nomad.gotext import go_time
-from devcluster.nomad.model import Allocation, DrainStrategy, Evaluation, Node, task_groups
+from devcluster.nomad.heartbeat import HeartbeatSettings, heartbeat_ttl_s
+from devcluster.nomad.model import (
+    Allocation,
+    Deployment,
+    DrainStrategy,
+    Evaluation,
+    Node,
+    task_groups,
+)
 from devcluster.nomad.state import SERVER_JOB_FIELDS, ClusterState, EnforceIndexError, job_spec
 from devcluster.nomad.validate import (
+    is_parameterized,
     job_warnings,
     validate_job,
     validation_failure_text,
@@ -146,12 +158,17 @@ class Endpoints:
         *,
         new_id: Callable[[], str],
         monotonic: Callable[[], float],
+        heartbeat: HeartbeatSettings | None = None,
+        stagger: Callable[[], float] = random.random,
     ) -> None:
         self.state = state
         self.scheduler = scheduler
         self.new_id = new_id
         self.monotonic = monotonic
-        self.last_heartbeat: dict[str, float] = {}
+        self.heartbeat_settings = heartbeat or HeartbeatSettings()
+        self.stagger = stagger
+        # When each live node's heartbeat timer runs out (TTL + grace after its last one).
+        self.heartbeat_deadline: dict[str, float] = {}
 
     # -- admission ----------------------------------------------------------
 
@@ -212,7 +229,10 @@ class Endpoints:
             stored, evaluation, index, changed = self.state.register_job(
                 job,
                 enforce_index=enforce,
-                make_eval=lambda stored: self._new_eval(stored, "job-register"),
+                # Periodic and parameterized jobs get no evaluation: their children do.
+                make_eval=None
+                if job.get("Periodic") is not None or is_parameterized(job)
+                else lambda stored: self._new_eval(stored, "job-register"),
             )
         except EnforceIndexError as exc:
             raise ApiError(500, str(exc)) from None
@@ -379,7 +399,7 @@ class Endpoints:
 
     def register_node(self, node: Node) -> Node:
         """A client (re)registers: `initializing`, then `ready` once fingerprinted."""
-        self.last_heartbeat[node.id] = self.monotonic()
+        self.reset_heartbeat_timer(node.id)
         previous = self.state.nodes.get(node.id)
         message = "Node registered" if previous is None else "Node re-registered"
         events = (*(previous.events if previous else ()), self._node_event(message))[-10:]
@@ -416,11 +436,25 @@ class Endpoints:
             self.create_node_evals(node_id, "node-update")
         return stored
 
-    def heartbeat(self, node_id: str) -> None:
-        self.last_heartbeat[node_id] = self.monotonic()
+    def reset_heartbeat_timer(self, node_id: str) -> float:
+        """`resetHeartbeatTimer`: a new TTL for the client; the timer runs TTL + grace."""
+        timers = len(self.heartbeat_deadline.keys() - {node_id}) + 1
+        ttl = heartbeat_ttl_s(self.heartbeat_settings, timers, self.stagger())
+        self.heartbeat_deadline[node_id] = self.monotonic() + ttl + self.heartbeat_settings.grace_s
+        return ttl
+
+    def heartbeat(self, node_id: str) -> float:
+        """A client heartbeats; returns the TTL after which it should heartbeat again."""
+        ttl = self.reset_heartbeat_timer(node_id)
         node = self.state.nodes.get(node_id)
         if node is not None and node.status == "down":
             self.set_node_status(node_id, "ready", "Node reregistered by heartbeat")
+        return ttl
+
+    def heartbeat_expired(self, node_id: str) -> None:
+        """`invalidateHeartbeat`: the timer ran out; the node is down."""
+        self.heartbeat_deadline.pop(node_id, None)
+        self.set_node_status(node_id, "down", "Node heartbeat missed")
 
     def create_node_evals(self, node_id: str, triggered_by: str) -> list[str]:
         jobs: dict[tuple[str, str], Json] = {}
@@ -517,3 +551,293 @@ class Endpoints:
             "Index": stored.modify_index,
             "NodeModifyIndex": stored.modify_index,
         }
+
+    # -- job versions, dispatch, deployments (issue 16 item 2) ------------------
+
+    def _versioned(self, namespace: str, job_id: str, version: int) -> Json:
+        stored = self.state.job_versions.get((namespace, job_id), {}).get(version)
+        if stored is None:
+            raise ApiError(
+                500,
+                f'job "{job_id}" in namespace "{namespace}" at version {version} not found',
+            )
+        return stored
+
+    def revert_job(
+        self, namespace: str, job_id: str, version: int, enforce_prior_version: int | None
+    ) -> Json:
+        """`Job.Revert`: register an older version again (a new version, not stable)."""
+        current = self.state.job(namespace, job_id)
+        if current is None:
+            raise ApiError(500, f'job "{job_id}" not found')
+        if version == int(current["Version"]):
+            raise ApiError(500, "can't revert to current version")
+        older = self._versioned(namespace, job_id, version)
+        request: Json = {"Job": _spec_only(older)}
+        if enforce_prior_version is not None:
+            if int(current["Version"]) != enforce_prior_version:
+                raise ApiError(
+                    500,
+                    f"Current job has version {current['Version']}; enforcing version "
+                    f"{enforce_prior_version}",
+                )
+            request.update(EnforceIndex=True, JobModifyIndex=int(current["JobModifyIndex"]))
+        return self.register_job(request, job_id, namespace)
+
+    def set_job_stability(self, namespace: str, job_id: str, version: int, stable: bool) -> Json:
+        """`Job.Stable`: the answer is only the write index (`JobStabilityResponse`)."""
+        self._versioned(namespace, job_id, version)
+        index = self.state.set_job_stability(namespace, job_id, version, stable)
+        return {"Index": index}
+
+    def dispatch_job(
+        self,
+        namespace: str,
+        job_id: str,
+        *,
+        meta: Mapping[str, str],
+        payload: bytes,
+        id_prefix_template: str,
+        priority: int,
+    ) -> Json:
+        """`Job.Dispatch`: a child job `<parent>/dispatch-<unix>-<id>` with its own eval."""
+        parent = self.state.job(namespace, job_id)
+        if parent is None:
+            raise ApiError(500, "parameterized job not found")
+        if not is_parameterized(parent):
+            raise ApiError(500, f'Specified job "{job_id}" is not a parameterized job')
+        if parent.get("Stop"):
+            raise ApiError(500, f'Specified job "{job_id}" is stopped')
+        problem = dispatch_problem(
+            parent["ParameterizedJob"], meta, payload, priority or int(parent["Priority"])
+        )
+        if problem is not None:
+            raise ApiError(500, problem)
+        now_ns = self.state.clock_ns()
+        suffix = f"{now_ns // 1_000_000_000}-{self.new_id()[:8]}"
+        child_id = (
+            f"{job_id}/dispatch-{id_prefix_template}-{suffix}"
+            if id_prefix_template
+            else f"{job_id}/dispatch-{suffix}"
+        )
+        child = _spec_only(parent)
+        child.update(
+            ID=child_id,
+            Name=child_id,
+            ParentID=job_id,
+            Dispatched=True,
+            Priority=priority or int(parent["Priority"]),
+            Meta={**(parent.get("Meta") or {}), **meta} or None,
+            Payload=base64.b64encode(payload).decode() if payload else None,
+        )
+        stored, evaluation, index, _ = self.state.register_job(
+            child,
+            enforce_index=None,
+            make_eval=lambda job: self._new_eval(job, "job-register"),
+        )
+        if evaluation is not None:
+            self.scheduler.enqueue(evaluation)
+        return {
+            "DispatchedJobID": child_id,
+            "EvalID": evaluation.id if evaluation is not None else "",
+            "EvalCreateIndex": index,
+            "JobCreateIndex": int(stored["CreateIndex"]),
+            "Index": index,
+        }
+
+    def evaluate_node(self, node_id: str) -> Json:
+        """`Node.Evaluate`: an evaluation per job with allocations on the node (exact ID)."""
+        node = self.state.nodes.get(node_id)
+        if node is None:
+            raise ApiError(500, "node not found")
+        eval_ids = self.create_node_evals(node_id, "node-update")
+        index = self.state.index if eval_ids else 0
+        return {
+            "HeartbeatTTL": 0,
+            "EvalIDs": eval_ids or None,
+            "EvalCreateIndex": index,
+            "NodeModifyIndex": 0,
+            "Features": 0,
+            "LeaderRPCAddr": "",
+            "NumNodes": 0,
+            "Servers": None,
+            "SchedulingEligibility": "",
+            "SignedIdentity": None,
+            "Index": index,
+            "LastContact": 0,
+            "KnownLeader": False,
+            "NextToken": "",
+        }
+
+    def _active_deployment(self, deployment_id: str, terminal_text: str) -> Deployment:
+        deployment = self.state.deployments.get(deployment_id)
+        if deployment is None:
+            raise ApiError(500, "deployment not found")
+        if not deployment.active:
+            raise ApiError(500, terminal_text)
+        return deployment
+
+    def _deployment_eval(self, deployment: Deployment) -> Evaluation:
+        job = self.state.job(deployment.namespace, deployment.job_id) or {
+            "ID": deployment.job_id,
+            "Namespace": deployment.namespace,
+        }
+        evaluation = dataclasses.replace(
+            self._new_eval(job, "deployment-watcher"), deployment_id=deployment.id
+        )
+        self.state.upsert_evals([evaluation])
+        self.scheduler.enqueue(self.state.evals[evaluation.id])
+        return evaluation
+
+    def _rollback_target(self, deployment: Deployment, description: str) -> tuple[Json | None, str]:
+        """The latest stable version to revert to when a group auto-reverts, and the text."""
+        if not any(group.auto_revert for group in deployment.task_groups.values()):
+            return None, description
+        key = (deployment.namespace, deployment.job_id)
+        versions = self.state.job_versions.get(key, {})
+        stable = [versions[v] for v in sorted(versions, reverse=True) if versions[v].get("Stable")]
+        if not stable:
+            return None, f"{description} - no stable job version to auto revert to"
+        target = stable[0]
+        current = self.state.jobs.get(key)
+        if current is not None and job_spec(current) == job_spec(target):
+            return None, (
+                f"{description} - not rolling back to stable job version {target['Version']} "
+                "as current job has same specification"
+            )
+        return target, f"{description} - rolling back to job version {target['Version']}"
+
+    def _fail(self, deployment: Deployment, description: str) -> Json:
+        target, description = self._rollback_target(deployment, description)
+        stored = self.state.upsert_deployment(
+            dataclasses.replace(deployment, status="failed", status_description=description),
+            "DeploymentStatusUpdate",
+        )
+        evaluation = self._deployment_eval(stored)
+        reverted = None
+        if target is not None:
+            reverted = int(target["Version"])
+            self.register_job({"Job": _spec_only(target)}, None, deployment.namespace)
+        return {
+            "EvalID": evaluation.id,
+            "EvalCreateIndex": self.state.evals[evaluation.id].create_index,
+            "DeploymentModifyIndex": stored.modify_index,
+            "RevertedJobVersion": reverted,
+            "Index": self.state.index,
+        }
+
+    def fail_deployment(self, deployment_id: str) -> Json:
+        deployment = self._active_deployment(deployment_id, "can't fail terminal deployment")
+        return self._fail(deployment, "Deployment marked as failed")
+
+    def pause_deployment(self, deployment_id: str, *, pause: bool) -> Json:
+        terminal = (
+            "can't pause terminal deployment" if pause else "can't resume terminal deployment"
+        )
+        deployment = self._active_deployment(deployment_id, terminal)
+        status, description = ("paused", "Deployment is paused")
+        if not pause:
+            status, description = ("running", "Deployment is running")
+        stored = self.state.upsert_deployment(
+            dataclasses.replace(deployment, status=status, status_description=description),
+            "DeploymentStatusUpdate",
+        )
+        response: Json = {
+            "EvalID": "",
+            "EvalCreateIndex": 0,
+            "DeploymentModifyIndex": stored.modify_index,
+            "RevertedJobVersion": None,
+            "Index": stored.modify_index,
+        }
+        if not pause:
+            evaluation = self._deployment_eval(stored)
+            index = self.state.evals[evaluation.id].create_index
+            response.update(EvalID=evaluation.id, EvalCreateIndex=index, Index=index)
+        return response
+
+    def promote_deployment(self, deployment_id: str) -> Json:
+        """devcluster places no canaries, so there is nothing to promote but the eval."""
+        deployment = self._active_deployment(deployment_id, "can't promote terminal deployment")
+        stored = self.state.upsert_deployment(deployment, "DeploymentPromotion")
+        evaluation = self._deployment_eval(stored)
+        index = self.state.evals[evaluation.id].create_index
+        return {
+            "EvalID": evaluation.id,
+            "EvalCreateIndex": index,
+            "DeploymentModifyIndex": index,
+            "RevertedJobVersion": None,
+            "Index": index,
+        }
+
+    def set_alloc_health(
+        self, deployment_id: str, healthy: list[str], unhealthy: list[str]
+    ) -> Json:
+        """`Deployment.SetAllocHealth`: mark allocations; any unhealthy one fails it."""
+        if not healthy and not unhealthy:
+            raise ApiError(500, "must specify at least one healthy/unhealthy allocation ID")
+        deployment = self._active_deployment(
+            deployment_id, "can't set health of allocations for a terminal deployment"
+        )
+        marked: list[Allocation] = []
+        now = go_time(self.state.clock_ns())
+        for alloc_id, is_healthy in [(a, True) for a in healthy] + [(a, False) for a in unhealthy]:
+            alloc = self.state.allocs.get(alloc_id)
+            if alloc is None:
+                raise ApiError(500, f'unknown alloc "{alloc_id}"')
+            if alloc.deployment_id != deployment_id:
+                raise ApiError(
+                    500, f'alloc "{alloc_id}" is not part of deployment "{deployment_id}"'
+                )
+            status = {**(alloc.deployment_status or {}), "Healthy": is_healthy, "Timestamp": now}
+            marked.append(dataclasses.replace(alloc, deployment_status=status))
+        self.state.client_update(marked)
+        if unhealthy:
+            return self._fail(deployment, "Failed due to unhealthy allocations")
+        evaluation = self._deployment_eval(deployment)
+        index = self.state.evals[evaluation.id].create_index
+        return {
+            "EvalID": evaluation.id,
+            "EvalCreateIndex": index,
+            "DeploymentModifyIndex": index,
+            "RevertedJobVersion": None,
+            "Index": index,
+        }
+
+
+DISPATCH_PAYLOAD_LIMIT = 16 * 1024
+MAX_PRIORITY = 100
+
+
+def _spec_only(job: Json) -> Json:
+    """A stored job without the fields the server sets, ready to register again."""
+    spec = {k: copy.deepcopy(v) for k, v in job.items() if k not in SERVER_JOB_FIELDS}
+    spec["Stable"] = False
+    return spec
+
+
+def _go_list(keys: list[str]) -> str:
+    return "[" + " ".join(keys) + "]"
+
+
+def dispatch_problem(
+    config: Json, meta: Mapping[str, str], payload: bytes, priority: int
+) -> str | None:
+    """`validateDispatchRequest`: Nomad's text for the first problem, or None."""
+    mode = str(config.get("Payload") or "optional")
+    if mode == "required" and not payload:
+        return "Payload is not provided but required by parameterized job"
+    if mode == "forbidden" and payload:
+        return "Payload provided but forbidden by parameterized job"
+    if len(payload) > DISPATCH_PAYLOAD_LIMIT:
+        return f"Payload exceeds maximum size; {len(payload)} > {DISPATCH_PAYLOAD_LIMIT}"
+    required = list(config.get("MetaRequired") or [])
+    allowed = set(required) | set(config.get("MetaOptional") or [])
+    unpermitted = sorted(key for key in meta if key not in allowed)
+    if unpermitted:
+        return f"Dispatch request included unpermitted metadata keys: {_go_list(unpermitted)}"
+    missing = [key for key in required if key not in meta]
+    if missing:
+        return f"Dispatch did not provide required meta keys: {_go_list(missing)}"
+    if not 1 <= priority <= MAX_PRIORITY:
+        return f"dispatch job priority must be between [1, {MAX_PRIORITY}]"
+    return None

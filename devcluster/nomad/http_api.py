@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from devcluster.nomad import http_ops
 from devcluster.nomad.decode import (
     JOB_PLAN_REQUEST,
     JOB_REGISTER_REQUEST,
@@ -67,20 +68,33 @@ def _server(request: web.Request) -> NomadServer:
     return server
 
 
-def _bool_param(request: web.Request, name: str) -> bool:
-    raw = request.query.get(name)
-    if raw is None:
-        return False
-    value = raw.strip().lower()
-    if value in {"", "1", "t", "true"}:
+GO_TRUE = frozenset({"1", "t", "T", "TRUE", "true", "True"})
+GO_FALSE = frozenset({"0", "f", "F", "FALSE", "false", "False"})
+
+
+def parse_go_bool(name: str, raw: str | None) -> bool | None:
+    """Nomad's `parseBool`: absent or blank is unset (None), else `strconv.ParseBool`."""
+    if raw is None or raw == "":
+        return None
+    if raw in GO_TRUE:
         return True
-    if value in {"0", "f", "false"}:
+    if raw in GO_FALSE:
         return False
-    raise ApiError(
-        500,
+    quoted = json.dumps(raw)
+    raise ValueError(
         f'Failed to parse value of "{name}" ({raw}) as a bool: strconv.ParseBool: '
-        f'parsing "{raw}": invalid syntax',
+        f"parsing {quoted}: invalid syntax"
     )
+
+
+def _bool_param(request: web.Request, name: str, *, status: int = 500, prefix: str = "") -> bool:
+    """A boolean query parameter, false when unset; a bad value is `status` with Nomad's text
+    (a plain error, so 500, on most endpoints)."""
+    try:
+        value = parse_go_bool(name, request.query.get(name))
+    except ValueError as exc:
+        raise ApiError(status, f"{prefix}{exc}") from None
+    return bool(value)
 
 
 async def _block(request: web.Request, tables: Sequence[str]) -> int:
@@ -123,6 +137,13 @@ async def _decode(request: web.Request, schema: Any) -> Json:
     return decoded
 
 
+# Shared with the handler modules (`http_ops`).
+json_response = _json_response
+server_of = _server
+namespace_of = _namespace
+decode_request = _decode
+
+
 # -- middleware ------------------------------------------------------------
 
 
@@ -163,8 +184,8 @@ def _job_stub(server: NomadServer, job: Json, *, with_meta: bool) -> Json:
         "Multiregion": None,
         "Type": job.get("Type"),
         "Priority": job.get("Priority"),
-        "Periodic": False,
-        "ParameterizedJob": False,
+        "Periodic": job.get("Periodic") is not None,
+        "ParameterizedJob": job.get("ParameterizedJob") is not None and not job.get("Dispatched"),
         "Stop": job.get("Stop", False),
         "Status": job.get("Status", ""),
         "StatusDescription": job.get("StatusDescription", ""),
@@ -181,10 +202,10 @@ def _job_stub(server: NomadServer, job: Json, *, with_meta: bool) -> Json:
 
 
 async def list_jobs(request: web.Request) -> web.Response:
+    with_meta = _bool_param(request, "meta")
     index = await _block(request, ("jobs",))
     server = _server(request)
     prefix = request.query.get("prefix", "")
-    with_meta = _bool_param(request, "meta")
     jobs = [
         _job_stub(server, job, with_meta=with_meta)
         for (namespace, job_id), job in sorted(server.state.jobs.items())
@@ -286,6 +307,10 @@ async def evaluate_job(request: web.Request) -> web.Response:
     job = server.state.job(_namespace(request), request.match_info["job_id"])
     if job is None:
         raise ApiError(404, "job not found")
+    if job.get("Periodic") is not None:
+        raise ApiError(500, "can't evaluate periodic job")
+    if job.get("ParameterizedJob") is not None and not job.get("Dispatched"):
+        raise ApiError(500, "can't evaluate parameterized job")
     eval_ids = server.endpoints.create_evals([job], "job-register")
     return _json_response(
         {
@@ -322,10 +347,10 @@ def _find_alloc(request: web.Request) -> Allocation:
 
 
 async def list_allocations(request: web.Request) -> web.Response:
+    resources = _bool_param(request, "resources")
     index = await _block(request, ("allocs",))
     server = _server(request)
     prefix = request.query.get("prefix", "")
-    resources = _bool_param(request, "resources")
     body = [
         alloc.to_stub(server.state.alloc_job(alloc), resources=resources)
         for alloc in sorted(server.state.allocs.values(), key=lambda a: a.create_index)
@@ -350,13 +375,15 @@ async def stop_allocation(request: web.Request) -> web.Response:
 
 
 async def list_nodes(request: web.Request) -> web.Response:
+    # A bad field selection is a 400 here (a plain 500 on other endpoints).
+    fields_error = "Failed to parse node list fields: "
+    resources = _bool_param(request, "resources", status=400, prefix=fields_error)
+    with_os = _bool_param(request, "os", status=400, prefix=fields_error)
     index = await _block(request, ("nodes",))
     server = _server(request)
     prefix = request.query.get("prefix", "")
-    resources = _bool_param(request, "resources")
-    with_os = _bool_param(request, "os")
     body = [
-        node.to_stub(resources=resources, with_attributes=with_os)
+        node.to_stub(resources=resources, with_os=with_os)
         for node in sorted(server.state.nodes.values(), key=lambda n: n.create_index)
         if node.id.startswith(prefix)
     ]
@@ -545,7 +572,7 @@ async def agent_self(request: web.Request) -> web.Response:
                 },
                 "ACL": {"Enabled": bool(server.settings.token)},
                 "Addresses": {"HTTP": host, "RPC": host, "Serf": host},
-                "Ports": {"HTTP": port, "RPC": port, "Serf": port},
+                "Ports": {"HTTP": port, "RPC": server.rpc_port, "Serf": server.serf_port},
                 "Server": {"Enabled": True, "BootstrapExpect": 1},
                 "Client": {"Enabled": True},
             },
@@ -554,6 +581,7 @@ async def agent_self(request: web.Request) -> web.Response:
                 "nomad": {
                     "server": "true",
                     "leader": "true",
+                    "leader_addr": server.rpc_address,
                     "bootstrap": "true",
                     "known_regions": "1",
                 }
@@ -575,8 +603,8 @@ async def agent_members(request: web.Request) -> web.Response:
 
 
 async def agent_servers(request: web.Request) -> web.Response:
-    server = _server(request)
-    return _json_response([f"{server.host}:{server.port}"])
+    # The client's known servers: their RPC addresses.
+    return _json_response([_server(request).rpc_address])
 
 
 async def agent_health(_request: web.Request) -> web.Response:
@@ -586,13 +614,12 @@ async def agent_health(_request: web.Request) -> web.Response:
 
 
 async def status_leader(request: web.Request) -> web.Response:
-    server = _server(request)
-    return _json_response(f"{server.host}:{server.port}")
+    # Raft's leader address is the server's RPC address, not the HTTP one.
+    return _json_response(_server(request).rpc_address)
 
 
 async def status_peers(request: web.Request) -> web.Response:
-    server = _server(request)
-    return _json_response([f"{server.host}:{server.port}"])
+    return _json_response([_server(request).rpc_address])
 
 
 async def regions(_request: web.Request) -> web.Response:
@@ -695,4 +722,15 @@ def build_app(server: NomadServer) -> web.Application:
     route.add_post("/v1/devcluster/alloc/{alloc_id}/crash", devcluster_crash_alloc)
     route.add_put("/v1/devcluster/outage", devcluster_outage)
     route.add_post("/v1/devcluster/outage", devcluster_outage)
+    http_ops.add_routes(route)
+    # Dispatched children have a `/` in their ID (`<parent>/dispatch-<time>-<id>`).
+    child = "{job_id:[^{}]+/dispatch-[^{}/]+}"
+    route.add_get(f"/v1/job/{child}", get_job)
+    route.add_delete(f"/v1/job/{child}", deregister_job)
+    route.add_get(f"/v1/job/{child}/allocations", job_allocations)
+    route.add_get(f"/v1/job/{child}/evaluations", job_evaluations)
+    route.add_get(f"/v1/job/{child}/deployments", job_deployments)
+    route.add_get(f"/v1/job/{child}/deployment", job_latest_deployment)
+    route.add_get(f"/v1/job/{child}/summary", job_summary)
+    route.add_get(f"/v1/job/{child}/versions", job_versions)
     return app

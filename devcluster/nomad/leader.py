@@ -1,8 +1,8 @@
 """What Nomad's leader does in the background: heartbeats, drains, deployments.
 
-* Heartbeat monitor: a node that has not heartbeated within the grace turns
-  `down` ("Node heartbeat missed"); its allocations are then lost and
-  replaced by the evaluation that follows.
+* Heartbeat monitor: a node whose heartbeat timer (its TTL plus the grace,
+  see `heartbeat.py`) ran out turns `down` ("Node heartbeat missed"); its
+  allocations are then lost and replaced by the evaluation that follows.
 * Drainer: marks allocations of a draining node for migration, `MaxParallel`
   of a group at a time (all at once past the deadline), and ends the drain
   when nothing is left.
@@ -27,12 +27,9 @@ TICK_S = 0.25
 
 
 class Leader:
-    def __init__(
-        self, endpoints: Endpoints, *, heartbeat_grace_s: float, monotonic: Callable[[], float]
-    ) -> None:
+    def __init__(self, endpoints: Endpoints, *, monotonic: Callable[[], float]) -> None:
         self.endpoints = endpoints
         self.state = endpoints.state
-        self.heartbeat_grace_s = heartbeat_grace_s
         self.monotonic = monotonic
 
     async def run(self) -> None:
@@ -54,9 +51,9 @@ class Leader:
         for node in list(self.state.nodes.values()):
             if node.status not in {"ready", "initializing"}:
                 continue
-            last = self.endpoints.last_heartbeat.get(node.id, now)
-            if now - last > self.heartbeat_grace_s:
-                self.endpoints.set_node_status(node.id, "down", "Node heartbeat missed")
+            deadline = self.endpoints.heartbeat_deadline.get(node.id)
+            if deadline is not None and now > deadline:
+                self.endpoints.heartbeat_expired(node.id)
 
     # -- drains -------------------------------------------------------------
 

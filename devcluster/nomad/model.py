@@ -216,11 +216,12 @@ class Node:
             "ModifyIndex": self.modify_index,
         }
 
-    def to_stub(self, *, resources: bool = False, with_attributes: bool = False) -> Json:
+    def to_stub(self, *, resources: bool = False, with_os: bool = False) -> Json:
+        """`NodeListStub`: `Attributes` (only `os.name`) with `os=true`, resources with
+        `resources=true`; both keys are left out otherwise (`omitempty`)."""
         stub: Json = {
             "Address": self.address,
             "ID": self.id,
-            "Attributes": dict(sorted(self.attributes.items())) if with_attributes else None,
             "Datacenter": self.datacenter,
             "Name": self.name,
             "NodeClass": self.node_class,
@@ -232,12 +233,15 @@ class Node:
             "StatusDescription": self.status_description,
             "Drivers": self._drivers_api(),
             "HostVolumes": None,
-            "NodeResources": self._node_resources_api() if resources else None,
-            "ReservedResources": self._reserved_api() if resources else None,
             "LastDrain": self.last_drain,
             "CreateIndex": self.create_index,
             "ModifyIndex": self.modify_index,
         }
+        if with_os:
+            stub["Attributes"] = {"os.name": self.attributes.get("os.name", "")}
+        if resources:
+            stub["NodeResources"] = self._node_resources_api()
+            stub["ReservedResources"] = self._reserved_api()
         return stub
 
 

@@ -32,6 +32,7 @@ from devcluster.nomad.consul_sync import ConsulAgentClient
 from devcluster.nomad.drivers import DriverSettings, load_image_mappings
 from devcluster.nomad.endpoints import ApiError, Endpoints
 from devcluster.nomad.fingerprint import NOMAD_VERSION, loopback_address, node_from_spec
+from devcluster.nomad.heartbeat import HeartbeatSettings
 from devcluster.nomad.http_api import build_app
 from devcluster.nomad.leader import Leader
 from devcluster.nomad.model import Node
@@ -53,6 +54,7 @@ class NomadServer:
         consul_token: str | None = None,
         nodes: int | Sequence[NodeSpec] | None = None,
         heartbeat_grace_s: float | None = None,
+        min_heartbeat_ttl_s: float | None = None,
         token: str | None = None,
         port: int | None = None,
     ) -> None:
@@ -66,6 +68,8 @@ class NomadServer:
             changes["nodes"] = default_nodes()
         if heartbeat_grace_s is not None:
             changes["heartbeat_grace_s"] = heartbeat_grace_s
+        if min_heartbeat_ttl_s is not None:
+            changes["min_heartbeat_ttl_s"] = min_heartbeat_ttl_s
         if token is not None:
             changes["token"] = token
         if port is not None:
@@ -74,9 +78,13 @@ class NomadServer:
         self.consul_addr = consul_addr
         self.consul_token = consul_token
         self.outage = False
+        self.server_id = str(uuid.uuid4())
         self.nomad_version = NOMAD_VERSION
         self.host = self.settings.host
         self.port = 0
+        self.rpc_port = 0
+        self.serf_port = 0
+        self._placeholders: list[asyncio.Server] = []
         self.clients: dict[str, ClientNode] = {}
         self._rng = random.Random(self.settings.seed)
         self._tasks: list[asyncio.Task[Any]] = []
@@ -88,13 +96,18 @@ class NomadServer:
         self.state = ClusterState(time.time_ns)
         self.scheduler = Scheduler(self.state, rng=self._rng, new_id=self.new_id)
         self.endpoints = Endpoints(
-            self.state, self.scheduler, new_id=self.new_id, monotonic=time.monotonic
-        )
-        self.leader = Leader(
-            self.endpoints,
-            heartbeat_grace_s=self.settings.heartbeat_grace_s,
+            self.state,
+            self.scheduler,
+            new_id=self.new_id,
             monotonic=time.monotonic,
+            heartbeat=HeartbeatSettings(
+                min_ttl_s=self.settings.min_heartbeat_ttl_s,
+                max_per_second=self.settings.max_heartbeats_per_second,
+                grace_s=self.settings.heartbeat_grace_s,
+            ),
+            stagger=self._rng.random,
         )
+        self.leader = Leader(self.endpoints, monotonic=time.monotonic)
         self.driver_settings = DriverSettings(
             image_mappings=load_image_mappings(self.settings.image_map)
         )
@@ -106,12 +119,30 @@ class NomadServer:
     def address(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def rpc_address(self) -> str:
+        """`host:port` of the server's RPC listener: what `status/leader` and `peers` answer."""
+        return f"{self.host}:{self.rpc_port}"
+
     def member(self) -> dict[str, Any]:
+        """The server's Serf member: Serf address and port; its RPC port in the tags."""
         return {
             "Name": "devcluster-server.global",
             "Addr": self.host,
-            "Port": self.port,
-            "Tags": {"role": "nomad", "region": "global", "dc": "dc1", "build": NOMAD_VERSION},
+            "Port": self.serf_port,
+            "Tags": {
+                "role": "nomad",
+                "region": "global",
+                "dc": "dc1",
+                "build": NOMAD_VERSION,
+                "revision": "devcluster",
+                "vsn": "1",
+                "raft_vsn": "3",
+                "id": self.server_id,
+                "rpc_addr": self.host,
+                "port": str(self.rpc_port),
+                "bootstrap": "1",
+            },
             "Status": "alive",
             "ProtocolMin": 1,
             "ProtocolMax": 5,
@@ -152,12 +183,28 @@ class NomadServer:
         await site.start()
         sockets = self._runner.addresses
         self.port = int(sockets[0][1])
+        self.rpc_port = await self._hold_port(self.settings.rpc_port)
+        self.serf_port = await self._hold_port(self.settings.serf_port)
         self._tasks.append(asyncio.create_task(self.scheduler.run(), name="nomad-scheduler"))
         self._tasks.append(asyncio.create_task(self.leader.run(), name="nomad-leader"))
         for spec in self.settings.nodes:
             await self.add_node(spec)
 
+    async def _hold_port(self, port: int) -> int:
+        """Listen on `port` (0: any free one) and close every connection: devcluster speaks
+        only HTTP, but the RPC and Serf addresses it reports must be its own."""
+
+        async def refuse(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.close()
+
+        placeholder = await asyncio.start_server(refuse, self.settings.host, port)
+        self._placeholders.append(placeholder)
+        return int(placeholder.sockets[0].getsockname()[1])
+
     async def _stop(self) -> None:
+        for placeholder in self._placeholders:
+            placeholder.close()
+        self._placeholders.clear()
         for client in self.clients.values():
             with contextlib.suppress(Exception):
                 await client.shutdown()
@@ -197,7 +244,6 @@ class NomadServer:
             consul=self._consul,
             data_dir=self.data_dir,
             driver_settings=self.driver_settings,
-            heartbeat_interval_s=min(self.settings.heartbeat_grace_s / 4, 1.0),
             clock_ns=self.state.clock_ns,
             rng=self._rng,
         )
@@ -212,12 +258,14 @@ class NomadServer:
         return client
 
     async def kill_node(self, node_id: str) -> None:
-        """Power off a node: its processes die, heartbeats stop, its Consul agent fails."""
+        """Power off a node: its processes die and its heartbeats stop now; Nomad marks it
+        down when its heartbeat timer runs out (TTL + grace) and Consul's serf declares its
+        agent failed after the gossip detection delay, as on a real cluster."""
         client = self._client(node_id)
         client.kill()
         await client.wait_stopped()
         if self._consul is not None:
-            await self._consul.fail_node(client.node.name)
+            await self._consul.kill_node(client.node.name)
 
     async def restart_node(self, node_id: str) -> None:
         """Bring a node back, empty, and ready for new allocations."""
@@ -225,8 +273,8 @@ class NomadServer:
         if not client.killed:
             client.kill()
         if self.state.nodes[node_id].status != "down":
-            # Coming back empty means its allocations are lost, as if the grace had passed.
-            self.endpoints.set_node_status(node_id, "down", "Node heartbeat missed")
+            # Coming back empty means its allocations are lost, as if the timer had run out.
+            self.endpoints.heartbeat_expired(node_id)
         await client.restart()
 
     def crash_alloc(self, alloc_id: str, task: str | None = None) -> list[int]:

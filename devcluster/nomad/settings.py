@@ -28,8 +28,11 @@ GPU_MEMORY_MIB = {
     "Tesla T4": 15360,
 }
 DEFAULT_GPU_MEMORY_MIB = 81559
-# Real Nomad's minimum heartbeat TTL is 10 s plus jitter; tests use shorter.
+# Nomad's server defaults (nomad/config.go): heartbeat_grace, min_heartbeat_ttl,
+# max_heartbeats_per_second. A dead node is down after TTL (10-20 s) + grace.
 DEFAULT_HEARTBEAT_GRACE_S = 10.0
+DEFAULT_MIN_HEARTBEAT_TTL_S = 10.0
+DEFAULT_MAX_HEARTBEATS_PER_SECOND = 50.0
 NOMAD_EVENT_HEARTBEAT_S = 30.0
 
 
@@ -72,8 +75,14 @@ class NomadServerSettings(BaseModel):
 
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535)
+    # Nomad's RPC (4647) and Serf (4648) ports: devcluster holds them (a listener that
+    # closes every connection) so the addresses it reports are real and its own.
+    rpc_port: int = Field(default=0, ge=0, le=65535)
+    serf_port: int = Field(default=0, ge=0, le=65535)
     token: str | None = None
     heartbeat_grace_s: float = Field(default=DEFAULT_HEARTBEAT_GRACE_S, gt=0)
+    min_heartbeat_ttl_s: float = Field(default=DEFAULT_MIN_HEARTBEAT_TTL_S, gt=0)
+    max_heartbeats_per_second: float = Field(default=DEFAULT_MAX_HEARTBEATS_PER_SECOND, gt=0)
     event_heartbeat_s: float = Field(default=NOMAD_EVENT_HEARTBEAT_S, gt=0)
     nodes: tuple[NodeSpec, ...] = ()
     image_map: Path | None = None
@@ -147,10 +156,34 @@ def add_nomad_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--nomad-port", type=int, default=4646, help="HTTP port (0 = any free)")
     group.add_argument(
+        "--nomad-rpc-port",
+        type=int,
+        default=None,
+        help="RPC port it reports and holds (default: HTTP port + 1, any free with port 0)",
+    )
+    group.add_argument(
+        "--nomad-serf-port",
+        type=int,
+        default=None,
+        help="Serf port it reports and holds (default: HTTP port + 2, any free with port 0)",
+    )
+    group.add_argument(
         "--heartbeat-grace",
         type=_seconds,
         default=DEFAULT_HEARTBEAT_GRACE_S,
-        help="seconds without heartbeat before a node is down (real Nomad: at least 10 s)",
+        help="Nomad's heartbeat_grace: added to the TTL before a silent node is down (10s)",
+    )
+    group.add_argument(
+        "--min-heartbeat-ttl",
+        type=_seconds,
+        default=DEFAULT_MIN_HEARTBEAT_TTL_S,
+        help="Nomad's min_heartbeat_ttl: the smallest TTL handed to clients (10s)",
+    )
+    group.add_argument(
+        "--max-heartbeats-per-second",
+        type=float,
+        default=DEFAULT_MAX_HEARTBEATS_PER_SECOND,
+        help="Nomad's max_heartbeats_per_second: scales the TTL with the node count (50)",
     )
     group.add_argument("--nomad-token", default=None, help="require this X-Nomad-Token")
     group.add_argument(
@@ -164,11 +197,21 @@ def add_nomad_arguments(parser: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace, *, host: str = "127.0.0.1") -> NomadServerSettings:
     if args.nodes < 0 or args.gpu_nodes < 0:
         raise ValueError("--nodes and --gpu-nodes must be >= 0")
+
+    def companion(given: int | None, offset: int) -> int:
+        if given is not None:
+            return given
+        return args.nomad_port + offset if args.nomad_port else 0
+
     return NomadServerSettings(
         host=host,
         port=args.nomad_port,
+        rpc_port=companion(args.nomad_rpc_port, 1),
+        serf_port=companion(args.nomad_serf_port, 2),
         token=args.nomad_token,
         heartbeat_grace_s=args.heartbeat_grace,
+        min_heartbeat_ttl_s=args.min_heartbeat_ttl,
+        max_heartbeats_per_second=args.max_heartbeats_per_second,
         image_map=args.image_map,
         data_dir=args.nomad_data_dir,
         nodes=default_nodes(

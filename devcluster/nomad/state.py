@@ -58,7 +58,13 @@ def job_spec(job: Mapping[str, Any]) -> str:
 
 
 def job_status(job: Json, allocs: Iterable[Allocation], evals: Iterable[Evaluation]) -> str:
-    """`getJobStatus`: running with a live allocation, pending with a live eval, else dead."""
+    """`getJobStatus`: running with a live allocation, pending with a live eval, else dead.
+
+    Periodic and parameterized jobs (not their children) run until stopped."""
+    if job.get("Periodic") is not None or (
+        job.get("ParameterizedJob") is not None and not job.get("Dispatched")
+    ):
+        return "dead" if job.get("Stop") else "running"
     has_alloc = False
     for alloc in allocs:
         has_alloc = True
@@ -372,6 +378,23 @@ class ClusterState:
         self.jobs[key] = updated
         self.job_versions.setdefault(key, {})[version] = updated
         self._finish(index, ["jobs"], [_job_event(updated, "DeploymentStatusUpdate")])
+
+    def set_job_stability(self, namespace: str, job_id: str, version: int, stable: bool) -> int:
+        """`UpdateJobStability`: flag one stored version (and the job, when current)."""
+        key = (namespace, job_id)
+        index = self._next()
+        stored = self.job_versions.get(key, {}).get(version)
+        if stored is None or bool(stored.get("Stable")) == stable:
+            self._finish(index, [], [])
+            return index
+        updated = {**stored, "Stable": stable, "ModifyIndex": index}
+        self.job_versions[key][version] = updated
+        current = self.jobs.get(key)
+        if current is not None and int(current["Version"]) == version:
+            self.jobs[key] = {**current, "Stable": stable, "ModifyIndex": index}
+        # Nomad publishes no event for a stability change.
+        self._finish(index, ["jobs"], [])
+        return index
 
     # -- evaluations --------------------------------------------------------
 

@@ -11,6 +11,7 @@ Everything here is pure.
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -749,7 +750,18 @@ def task_errors(task: Json, group: Json, job_type: str) -> list[str]:
     nested = _nested(_task_service_errors(task, group))
     if nested is not None:
         errors.append(nested)
+    payload = task.get("DispatchPayload")
+    if payload is not None and dispatch_file_escapes(str(payload.get("File") or "")):
+        errors.append(
+            "Dispatch Payload validation failed: destination escapes allocation directory"
+        )
     return errors
+
+
+def dispatch_file_escapes(file: str) -> bool:
+    """`PathEscapesAllocViaRelative("task/local/", file)`: cleaned, it leaves the alloc dir."""
+    cleaned = posixpath.normpath(posixpath.join("task/local/", file))
+    return cleaned == ".." or cleaned.startswith("../") or posixpath.isabs(cleaned)
 
 
 def group_errors(group: Json, job: Json) -> list[str]:
@@ -841,6 +853,11 @@ def group_errors(group: Json, job: Json) -> list[str]:
     return errors
 
 
+def is_parameterized(job: Json) -> bool:
+    """`Job.IsParameterized`: a parameterized job that is not itself a dispatched child."""
+    return job.get("ParameterizedJob") is not None and not job.get("Dispatched")
+
+
 def validate_job(job: Json) -> list[str]:
     """The top-level error list of `jobValidate.Validate` for a canonicalized job."""
     errors: list[str] = []
@@ -899,6 +916,8 @@ def validate_job(job: Json) -> list[str]:
         nested = _nested(group_errors(group, job))
         if nested is not None:
             errors.append(f"Task group {group.get('Name', '')} validation failed: {nested}")
+    if is_parameterized(job) and job_type not in {"batch", "sysbatch"}:
+        errors.append('Parameterized job can only be used with "batch" or "sysbatch" scheduler')
     if job_type == "_core":
         errors.append("job type cannot be core")
     priority = int(job.get("Priority", 0))

@@ -1,4 +1,10 @@
-"""A devcluster (3 CPU nodes, 2 GPU nodes with H100s) and a scheduler, in-process."""
+"""A devcluster (3 CPU nodes, 2 GPU nodes with H100s) and a scheduler, in-process.
+
+These tests are about the scheduler's reactions, not how long failure
+detection takes, so Nomad's heartbeat TTL and grace are shortened (1 s + 1 s
+instead of 10 s + 10 s: a dead node is down within 3 s). The exit criterion
+(tests/component/test_exit_criterion.py) runs through the real delays.
+"""
 
 from __future__ import annotations
 
@@ -37,6 +43,8 @@ async def stack(tmp_path: Path) -> AsyncIterator[LocalStack]:
         work_dir=tmp_path,
         resync_s=2.0,
         replace_lost_after_s=15.0,
+        heartbeat_grace_s=1.0,
+        min_heartbeat_ttl_s=1.0,
     )
     async with local_stack(options) as running:
         yield running

@@ -39,12 +39,21 @@ async def test_node_kill_restores_replicas_without_touching_healthy_ones(stack: 
         for j in (await stack.scheduler.nomad.list_jobs("caravan-tiny-chat-")).value
     }
 
+    victim_name = next(
+        n.name for n in (await stack.scheduler.nomad.list_nodes()).value if n.id == victim_node
+    )
     await stack.cluster.nomad.kill_node(victim_node)
 
     async def restored() -> bool:
+        # The dead node's entry stays passing until Consul's serf notices (seconds).
         nodes = await passing(stack, "tiny-chat")
         now = await running_allocs(stack, "caravan-tiny-chat-")
-        return len(nodes) == 3 and victim_node not in {n for _, n in now.values()} and len(now) == 3
+        return (
+            len(nodes) == 3
+            and victim_name not in nodes
+            and victim_node not in {n for _, n in now.values()}
+            and len(now) == 3
+        )
 
     await eventually(restored, timeout_s=60)
     after = await running_allocs(stack, "caravan-tiny-chat-")

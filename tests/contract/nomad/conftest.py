@@ -1,10 +1,13 @@
 """The Nomad the contract tests talk to: devcluster in-process, or a real agent.
 
 Without CARAVAN_REAL_NOMAD the fixture starts devcluster's Nomad in the test's
-event loop: two CPU nodes and one GPU node, a 1.5 s heartbeat grace so node
-failures show quickly, no Consul. With CARAVAN_REAL_NOMAD=1 the same tests
-run against the agent at NOMAD_ADDR (e.g. `nomad agent -dev` with raw_exec
-enabled); tests of devcluster-only behaviour skip there, saying so.
+event loop: two CPU nodes and one GPU node, no Consul. These tests are about
+API answers, not detection timing, so Nomad's heartbeat TTL and grace are
+shortened (0.5 s + 1 s instead of 10 s + 10 s); the heartbeat-timing tests
+(test_nomad_heartbeat_contract.py) start their own server with the defaults.
+With CARAVAN_REAL_NOMAD=1 the same tests run against the agent at NOMAD_ADDR
+(e.g. `nomad agent -dev` with raw_exec enabled); tests of devcluster-only
+behaviour skip there, saying so.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from nomad_contract_support import REAL, NomadTarget
 from devcluster.nomad.server import NomadServer
 from devcluster.nomad.settings import NodeSpec
 
-HEARTBEAT_GRACE_S = 1.5
+HEARTBEAT_GRACE_S = 1.0
+MIN_HEARTBEAT_TTL_S = 0.5
 
 
 @pytest.fixture
@@ -35,7 +39,9 @@ async def target() -> AsyncIterator[NomadTarget]:
         NodeSpec(),
         NodeSpec(gpus=2, node_class="gpu", memory_mb=262144),
     ]
-    async with NomadServer(nodes=nodes, heartbeat_grace_s=HEARTBEAT_GRACE_S) as server:
+    async with NomadServer(
+        nodes=nodes, heartbeat_grace_s=HEARTBEAT_GRACE_S, min_heartbeat_ttl_s=MIN_HEARTBEAT_TTL_S
+    ) as server:
         yield NomadTarget(address=server.address, server=server)
 
 
