@@ -365,6 +365,7 @@ BLOCKS: dict[str, tuple[str, bool, str | None]] = {
     "ui": ("UI", False, None),
     "link": ("Links", True, None),
     "parameterized": ("ParameterizedJob", False, None),
+    "lifecycle": ("Lifecycle", False, None),
 }
 RAW_MAPS = frozenset({"config", "env", "meta"})
 
@@ -474,6 +475,8 @@ def convert_block(kind: str, body: Json, scope: Mapping[str, Any]) -> Json:
                 items.append(converted)
             out[field] = items if repeated else items[-1]
             continue
+        if isinstance(raw, list) and raw and isinstance(raw[0], dict) and raw[0].get(BLOCK):
+            raise JobspecError(f'block "{name}" is not supported by devcluster\'s jobs/parse')
         value = raw if resolved else value_of(raw, scope)
         out[_pascal(name)] = _attribute(name, value)
     return _finish(kind, out)

@@ -352,3 +352,25 @@ async def test_allocation_health_marks_allocations(
         state["StatusDescription"],
     )
     await asyncio.to_thread(client.job.deregister_job, job_id, purge=True)
+
+
+async def test_parse_caravan_router_sidecar_jobspec(
+    target: NomadTarget, http: aiohttp.ClientSession
+) -> None:
+    """The sidecar example parses: a prestart sidecar router on the bridge group's loopback."""
+    text = (JOBSPECS / "caravan-router-sidecar.nomad.hcl").read_text()
+    async with http.post(f"{target.address}/v1/jobs/parse", json={"JobHCL": text}) as response:
+        assert 200 == response.status, await response.text()
+        job = await response.json()
+    group = job["TaskGroups"][0]
+    tasks = {task["Name"]: task for task in group["Tasks"]}
+    router = tasks["caravan-router"]
+    assert ("chat-app", "bridge") == (job["ID"], group["Networks"][0]["Mode"])
+    assert {"Hook": "prestart", "Sidecar": True} == {
+        k: router["Lifecycle"][k] for k in ("Hook", "Sidecar")
+    }
+    args = router["Config"]["args"]
+    assert ["127.0.0.1", "8080"] == [args[args.index("--host") + 1], args[args.index("--port") + 1]]
+    assert "http://${attr.unique.network.ip-address}:8500" == router["Env"]["CONSUL_HTTP_ADDR"]
+    assert "false" == router["Env"]["CARAVAN_ROUTER_REGISTER_SERVICE"]
+    assert "http://127.0.0.1:8080/v1" == tasks["app"]["Env"]["OPENAI_BASE_URL"]

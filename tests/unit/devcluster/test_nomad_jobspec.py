@@ -44,12 +44,23 @@ def test_escaped_interpolation_stays_literal() -> None:
         ('job "x" { priority = max(1, 2) }', 'Call to unknown function: "max"'),
         ('job "x" {}\njob "y" {}', "expected 1 job block, found 2"),
         ('job "x" { kill_timeout = "soon" }', '"kill_timeout" = "soon" is not a duration'),
+        ('job "x" {\n  vault {\n    role = "r"\n  }\n}\n', 'block "vault" is not supported'),
     ],
 )
 def test_unsupported_hcl_is_refused_by_name(hcl: str, message: str) -> None:
     """Anything devcluster does not evaluate is an error saying what, never a guess."""
     with pytest.raises(JobspecError, match=message):
         parse_jobspec(hcl)
+
+
+def test_lifecycle_is_one_object() -> None:
+    """A task's lifecycle block is Nomad's single TaskLifecycle object, not a list."""
+    hcl = (
+        'job "x" {\n  group "g" {\n    task "t" {\n      lifecycle {\n'
+        '        hook    = "prestart"\n        sidecar = true\n      }\n    }\n  }\n}\n'
+    )
+    task = parse_jobspec(hcl)["TaskGroups"][0]["Tasks"][0]
+    assert {"Hook": "prestart", "Sidecar": True} == task["Lifecycle"]
 
 
 def test_undeclared_variable_values_are_refused() -> None:
