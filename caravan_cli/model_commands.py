@@ -2,8 +2,9 @@
 
 By default these talk to Consul KV and Nomad directly (found through
 `CONSUL_HTTP_ADDR`, `NOMAD_ADDR` and friends); with `--scheduler URL` (or
-`CARAVAN_SCHEDULER_ADDR`) they go through a scheduler's HTTP API instead.
-Both paths run the same `ModelService` code and print the same output.
+`CARAVAN_SCHEDULER_ADDR`) they go through a scheduler's HTTP API instead,
+sending `CARAVAN_API_TOKEN` as a bearer token when it is set. Both paths run
+the same `ModelService` code and print the same output.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -32,6 +34,23 @@ from scheduler.status import InvalidStoredProfileError, StatusReader
 
 class CommandError(Exception):
     """A failure to report on stderr as one line, with exit code 1."""
+
+
+API_TOKEN_ENV = "CARAVAN_API_TOKEN"  # noqa: S105 - a variable name, not a secret
+# What an HTTP header value may hold (RFC 9110 field-vchar); anything else is a paste error.
+_HEADER_SAFE = re.compile(r"[\x21-\x7e]+")
+
+
+def api_token_header(token: str | None) -> dict[str, str]:
+    """The Authorization header for CARAVAN_API_TOKEN (none when unset or empty)."""
+    if token is None or not token.strip():
+        return {}
+    token = token.strip()
+    if not _HEADER_SAFE.fullmatch(token):
+        raise CommandError(
+            f"{API_TOKEN_ENV} holds spaces or control characters; set it to the token alone"
+        )
+    return {"Authorization": f"Bearer {token}"}
 
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -110,9 +129,12 @@ class DirectModels:
 class RemoteModels:
     """Through a scheduler's HTTP API."""
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str) -> None:
+    def __init__(
+        self, session: aiohttp.ClientSession, base_url: str, *, token_set: bool = False
+    ) -> None:
         self.session = session
         self.base_url = base_url.rstrip("/")
+        self.token_set = token_set
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
@@ -120,6 +142,19 @@ class RemoteModels:
                 body = await response.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise CommandError(f"scheduler at {self.base_url} unreachable: {exc}") from None
+        if response.status == 401:
+            if not self.token_set:
+                raise CommandError(
+                    f"the scheduler at {self.base_url} needs a token: set {API_TOKEN_ENV}"
+                )
+            raise CommandError(
+                f"the scheduler at {self.base_url} refused {API_TOKEN_ENV} as malformed"
+            )
+        if response.status == 403:
+            raise CommandError(
+                f"the scheduler at {self.base_url} refused {API_TOKEN_ENV}: "
+                "it is not one of the scheduler's API tokens"
+            )
         if response.status >= 400:
             error = body.get("error", {}) if isinstance(body, dict) else {}
             problems = error.get("problems") or []
@@ -160,8 +195,12 @@ def _profile_name(source: str, text: str) -> str:
 async def _models(args: argparse.Namespace) -> AsyncIterator[Models]:
     config = load_cluster_config(args.config)
     if args.scheduler:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-            yield RemoteModels(session, args.scheduler)
+        headers = api_token_header(os.environ.get(API_TOKEN_ENV))
+        base_url = args.scheduler if "://" in args.scheduler else f"http://{args.scheduler}"
+        async with aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=30), headers=headers
+        ) as session:
+            yield RemoteModels(session, base_url, token_set=bool(headers))
         return
     async with scheduler_clients(os.environ) as (consul, nomad):
         store = ModelStore(consul, KVLayout(args.kv_prefix))
