@@ -2,6 +2,9 @@
 
 Each module in `COMMAND_MODULES` adds its subcommands to the parser; the
 commands themselves are thin wiring over the packages' pure functions.
+A setting that cannot be used (a missing CA file, a bad client certificate,
+an invalid API token file: `caravan.errors.SettingsError`) ends any
+subcommand with one `error:` line naming the variable and the file, exit 1.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Protocol
 
+from caravan.errors import SettingsError
 from caravan_cli import (
     demo,
     model_commands,
@@ -56,6 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = handler(args)
     except KeyboardInterrupt:
         return 130
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return code
 
 

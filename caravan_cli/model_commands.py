@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from caravan.contract import KVLayout
-from caravan.errors import HashiError
+from caravan.errors import HashiError, HashiPermissionDenied
 from scheduler.app import scheduler_clients
 from scheduler.cluster_config import ClusterConfigError, load_cluster_config
 from scheduler.model_service import ModelService, SubmissionRejectedError
@@ -235,6 +235,8 @@ def _runner(command: Command) -> Callable[[argparse.Namespace], int]:
             ClusterConfigError,
         ) as exc:
             print(f"error: {exc}", file=sys.stderr)
+        except HashiPermissionDenied as exc:
+            print(f"error: {exc} (check CONSUL_HTTP_TOKEN and NOMAD_TOKEN)", file=sys.stderr)
         except HashiError as exc:
             print(f"error: {exc}", file=sys.stderr)
             if exc.retryable:

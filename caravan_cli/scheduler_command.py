@@ -9,9 +9,11 @@ import os
 import signal
 import sys
 
+from caravan.consul_api import ConsulSettings
 from caravan.contract import KVLayout
 from caravan.log_format import configure_logging
-from scheduler.api_auth import TOKENS_ENV, TOKENS_FILE_ENV, ApiTokenError, load_token_source
+from caravan.nomad_api import NomadSettings
+from scheduler.api_auth import TOKENS_ENV, TOKENS_FILE_ENV, load_token_source
 from scheduler.app import SchedulerOptions, SchedulerProcess, scheduler_clients
 from scheduler.cluster_config import ClusterConfig, ClusterConfigError, load_cluster_config
 
@@ -74,14 +76,15 @@ def run_scheduler(args: argparse.Namespace) -> int:
     try:
         config = load_cluster_config(args.cluster_config)
         KVLayout(args.kv_prefix)
-        # Tokens only through the environment or a file: never a flag, which `ps` shows.
-        api_tokens = load_token_source(os.environ.get(TOKENS_ENV), args.api_tokens_file)
-    except ApiTokenError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
     except (ClusterConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # Tokens only through the environment or a file, never a flag, which `ps` shows.
+    # A bad one raises SettingsError: one line and exit 1 from caravan_cli.main.
+    api_tokens = load_token_source(os.environ.get(TOKENS_ENV), args.api_tokens_file)
+    # Read the Consul and Nomad variables now, so a bad TLS file is reported before anything starts.
+    ConsulSettings.from_env(os.environ)
+    NomadSettings.from_env(os.environ)
     options = SchedulerOptions(
         http_host=args.http_host,
         http_port=args.http_port,

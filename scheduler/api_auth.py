@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from caravan.errors import SettingsError
+
 log = logging.getLogger(__name__)
 
 TOKENS_ENV = "CARAVAN_SCHEDULER_API_TOKENS"
@@ -41,7 +43,7 @@ _B64TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
 Compare = Callable[[bytes, bytes], bool]
 
 
-class ApiTokenError(ValueError):
+class ApiTokenError(SettingsError):
     """A token setting is invalid; the message names the variable or file, never a token.
 
     Not retryable: the operator must fix the setting.
