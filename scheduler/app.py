@@ -236,7 +236,7 @@ class SchedulerProcess:
         await site.start()
         sockets = getattr(site._server, "sockets", None) or []  # noqa: SLF001 - aiohttp has no public accessor
         self.bound_port = sockets[0].getsockname()[1] if sockets else self.options.http_port
-        self.bound_host = host
+        self.bound_host = sockets[0].getsockname()[0] if sockets else host
         log.info(
             "scheduler_api_listening",
             extra={"host": host, "port": self.bound_port, "auth": tokens is not None},
