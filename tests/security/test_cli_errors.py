@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 from tls_material import TlsMaterial
 
 from caravan_cli.main import main
+from devcluster.consul.server import ConsulConfig, ConsulServer
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = ROOT / "examples" / "profiles" / "tiny-llamacpp-cpu.yaml"
@@ -175,3 +177,29 @@ def test_a_bad_scheduler_token_file_stops_the_scheduler_in_one_line(tmp_path: Pa
         line.split(": the token")[0].removeprefix("error: ") for line in done.stderr.splitlines()
     ]
     assert "short" not in done.stderr
+
+
+async def test_a_wrong_consul_token_is_one_line_naming_the_variable():
+    """Consul refusing CONSUL_HTTP_TOKEN gives one line that says which token to check."""
+    async with ConsulServer(ConsulConfig(management_token="m" * 32)) as server:
+        environ = {
+            "CONSUL_HTTP_ADDR": server.http_addr,
+            "CONSUL_HTTP_TOKEN": "not-the-management-token",
+        }
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "caravan_cli",
+            "list",
+            env={**clean_environ(), **NOWHERE, **environ},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, err = await asyncio.wait_for(process.communicate(), 60)
+    lines = err.decode().splitlines()
+    assert 1 == process.returncode
+    assert 1 == len(lines), lines
+    assert lines[0].startswith("error: consul ")
+    assert "permission denied" in lines[0]
+    assert lines[0].endswith("(check CONSUL_HTTP_TOKEN and NOMAD_TOKEN)")
+    assert "not-the-management-token" not in lines[0]
