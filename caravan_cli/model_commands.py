@@ -139,7 +139,9 @@ class RemoteModels:
     async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
             async with self.session.request(method, self.base_url + path, **kwargs) as response:
-                body = await response.json(content_type=None)
+                # A refusal may come from a proxy in front, with a body that is not JSON.
+                refused = response.status in {401, 403}
+                body = None if refused else await response.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise CommandError(f"scheduler at {self.base_url} unreachable: {exc}") from None
         if response.status == 401:
