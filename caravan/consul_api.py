@@ -48,7 +48,9 @@ from caravan.errors import (
     HashiNotFound,
     HashiPermissionDenied,
     HashiUnavailable,
+    SettingsError,
 )
+from caravan.tls_files import TlsFile, tls_context
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +105,7 @@ class ConsulSettings(BaseModel):
             elif given == "https":
                 scheme = "https"
             else:
-                raise ValueError(
+                raise SettingsError(
                     f"CONSUL_HTTP_ADDR has an unsupported scheme {given!r} "
                     "(use host:port, http://host:port or https://host:port)"
                 )
@@ -112,9 +114,9 @@ class ConsulSettings(BaseModel):
         try:
             port = parsed.port
         except ValueError as exc:
-            raise ValueError(f"CONSUL_HTTP_ADDR has an invalid port: {address!r}") from exc
+            raise SettingsError(f"CONSUL_HTTP_ADDR has an invalid port: {address!r}") from exc
         if not parsed.hostname or parsed.path not in ("", "/"):
-            raise ValueError(f"CONSUL_HTTP_ADDR must be [scheme://]host[:port], got {address!r}")
+            raise SettingsError(f"CONSUL_HTTP_ADDR must be [scheme://]host[:port], got {address!r}")
         if port is None:
             port = 443 if scheme == "https" else 80
         verify = True
@@ -128,14 +130,14 @@ class ConsulSettings(BaseModel):
                 with open(token_file, encoding="utf-8") as handle:  # noqa: PTH123 - wiring-time read
                     token = handle.read().strip() or token
             except OSError as exc:
-                raise ValueError(
-                    f"CONSUL_HTTP_TOKEN_FILE {token_file!r} cannot be read: {exc.strerror}"
+                raise SettingsError(
+                    f"CONSUL_HTTP_TOKEN_FILE: file {token_file} cannot be read: {exc.strerror}"
                 ) from exc
         client_cert = environ.get("CONSUL_CLIENT_CERT") or None
         client_key = environ.get("CONSUL_CLIENT_KEY") or None
         if bool(client_cert) != bool(client_key):
-            raise ValueError("CONSUL_CLIENT_CERT and CONSUL_CLIENT_KEY must be set together")
-        return cls(
+            raise SettingsError("CONSUL_CLIENT_CERT and CONSUL_CLIENT_KEY must be set together")
+        settings = cls(
             scheme=scheme,
             host=parsed.hostname,
             port=port,
@@ -146,17 +148,31 @@ class ConsulSettings(BaseModel):
             client_cert=client_cert,
             client_key=client_key,
         )
+        if settings.ca_cert or settings.ca_path or settings.client_cert:
+            # Checked even for plain http: a TLS file that was named but cannot be
+            # used is a mistake to report now, by its variable, not at first connect.
+            settings._tls_context()
+        return settings
+
+    def _tls_context(self) -> ssl.SSLContext:
+        def file(variable: str, path: str | None) -> TlsFile | None:
+            return TlsFile(variable, path) if path else None
+
+        return tls_context(
+            ca_cert=file("CONSUL_CACERT", self.ca_cert),
+            ca_path=file("CONSUL_CAPATH", self.ca_path),
+            client_cert=file("CONSUL_CLIENT_CERT", self.client_cert),
+            client_key=file("CONSUL_CLIENT_KEY", self.client_key),
+        )
 
     def ssl_context(self) -> ssl.SSLContext | None:
-        """The TLS context for https (None for plain http)."""
+        """The TLS context for https (None for plain http); `SettingsError` names a bad file."""
         if self.scheme != "https":
             return None
-        context = ssl.create_default_context(cafile=self.ca_cert, capath=self.ca_path)
+        context = self._tls_context()
         if not self.verify_tls:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
-        if self.client_cert and self.client_key:
-            context.load_cert_chain(self.client_cert, self.client_key)
         return context
 
 

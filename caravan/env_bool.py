@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from caravan.errors import SettingsError
+
 _TRUE = frozenset({"1", "t", "T", "TRUE", "true", "True"})
 _FALSE = frozenset({"0", "f", "F", "FALSE", "false", "False"})
 
@@ -12,4 +14,4 @@ def parse_env_bool(name: str, value: str) -> bool:
         return True
     if value in _FALSE:
         return False
-    raise ValueError(f"{name} must be a boolean (true/false/1/0), got {value!r}")
+    raise SettingsError(f"{name} must be a boolean (true/false/1/0), got {value!r}")

@@ -45,3 +45,14 @@ class HashiConflict(HashiError):
 
 class HashiBadRequest(HashiError):
     """The server rejected the request as malformed or invalid."""
+
+
+class SettingsError(ValueError):
+    """A client setting read from the environment is unusable (a missing CA file, a bad
+    client certificate, ...). The message names the variable and the file, never a secret.
+
+    Not retryable: a person must fix the setting. The `caravan` command prints it
+    as one line and exits 1.
+    """
+
+    retryable = False

@@ -47,7 +47,9 @@ from caravan.errors import (
     HashiNotFound,
     HashiPermissionDenied,
     HashiUnavailable,
+    SettingsError,
 )
+from caravan.tls_files import TlsFile, tls_context
 
 log = logging.getLogger(__name__)
 
@@ -92,18 +94,18 @@ class NomadSettings(BaseModel):
             address = f"http://{address}"
         parsed = urllib.parse.urlsplit(address)
         if parsed.scheme not in {"http", "https"} or not parsed.hostname:
-            raise ValueError(f"NOMAD_ADDR must be http(s)://host[:port], got {address!r}")
+            raise SettingsError(f"NOMAD_ADDR must be http(s)://host[:port], got {address!r}")
         try:
             _ = parsed.port
         except ValueError as exc:
-            raise ValueError(f"NOMAD_ADDR has an invalid port: {address!r}") from exc
+            raise SettingsError(f"NOMAD_ADDR has an invalid port: {address!r}") from exc
         client_cert = environ.get("NOMAD_CLIENT_CERT") or None
         client_key = environ.get("NOMAD_CLIENT_KEY") or None
         if bool(client_cert) != bool(client_key):
-            raise ValueError("NOMAD_CLIENT_CERT and NOMAD_CLIENT_KEY must be set together")
+            raise SettingsError("NOMAD_CLIENT_CERT and NOMAD_CLIENT_KEY must be set together")
         skip = environ.get("NOMAD_SKIP_VERIFY", "")
         token = environ.get("NOMAD_TOKEN", "").strip()
-        return cls(
+        settings = cls(
             address=address.rstrip("/"),
             token=SecretStr(token) if token else None,
             namespace=environ.get("NOMAD_NAMESPACE") or None,
@@ -115,17 +117,31 @@ class NomadSettings(BaseModel):
             skip_verify=parse_env_bool("NOMAD_SKIP_VERIFY", skip) if skip else False,
             tls_server_name=environ.get("NOMAD_TLS_SERVER_NAME") or None,
         )
+        if settings.ca_cert or settings.ca_path or settings.client_cert:
+            # Checked even for plain http: a TLS file that was named but cannot be
+            # used is a mistake to report now, by its variable, not at first connect.
+            settings._tls_context()
+        return settings
+
+    def _tls_context(self) -> ssl.SSLContext:
+        def file(variable: str, path: str | None) -> TlsFile | None:
+            return TlsFile(variable, path) if path else None
+
+        return tls_context(
+            ca_cert=file("NOMAD_CACERT", self.ca_cert),
+            ca_path=file("NOMAD_CAPATH", self.ca_path),
+            client_cert=file("NOMAD_CLIENT_CERT", self.client_cert),
+            client_key=file("NOMAD_CLIENT_KEY", self.client_key),
+        )
 
     def ssl_context(self) -> ssl.SSLContext | None:
-        """The TLS context for https (None for plain http)."""
+        """The TLS context for https (None for plain http); `SettingsError` names a bad file."""
         if not self.address.startswith("https://"):
             return None
-        context = ssl.create_default_context(cafile=self.ca_cert, capath=self.ca_path)
+        context = self._tls_context()
         if self.skip_verify:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
-        if self.client_cert and self.client_key:
-            context.load_cert_chain(self.client_cert, self.client_key)
         return context
 
 

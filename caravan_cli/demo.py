@@ -6,8 +6,11 @@ example profiles (a llama.cpp CPU model with 3 replicas, a vLLM model with
 2 replicas of 2 GPUs), shows the replicas becoming ready, streams a chat
 completion through the router with the official `openai` client, prints the
 `export` lines a second shell can `eval`, and keeps running until Ctrl-C (or
-exits with `--once`). With `--real`, it uses the Nomad and Consul that
-`NOMAD_ADDR` and `CONSUL_HTTP_ADDR` point at instead of devcluster.
+exits with `--once`). It is secure by default: it generates a router API key
+and a scheduler API token, which the export lines carry (`OPENAI_API_KEY`,
+`CARAVAN_API_TOKEN`, `CARAVAN_SCHEDULER_ADDR`); a request without them is
+refused. With `--real`, it uses the Nomad and Consul that `NOMAD_ADDR` and
+`CONSUL_HTTP_ADDR` point at instead of devcluster.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from caravan.contract import KVLayout
 from caravan.errors import HashiError
 from caravan_cli.example_profiles import example_profiles_dir
 from router.settings import RouterSettings
+from scheduler.api_auth import StaticTokens, TokenSet
 from scheduler.app import SchedulerOptions, SchedulerProcess, scheduler_clients
 from scheduler.cluster_config import ClusterConfig
 from scheduler.model_service import validate_submission
@@ -85,6 +89,8 @@ class Running:
     consul_addr: str
     dns_port: int | None
     router: RouterHandle
+    scheduler_url: str
+    scheduler_token: str | None
     store: ModelStore
     status: StatusReader
     config: ClusterConfig
@@ -131,22 +137,27 @@ async def _demo(args: argparse.Namespace) -> int:
         if not await _wait_ready(running, args.timeout, stop):
             return 1
         await _wait_routable(running, [p.served_name for p in running.profiles], stop)
+        await _show_refusal(running.router)
         for profile in running.profiles:
             await _stream_completion(running.router, profile.served_name)
         say(f"\nready in {time.monotonic() - started:.0f}s. In another shell:\n")
         say(f"export NOMAD_ADDR={running.nomad_addr}")
         say(f"export CONSUL_HTTP_ADDR={running.consul_addr}")
         say(f"export OPENAI_BASE_URL={running.router.base_url}/v1")
-        say("export OPENAI_API_KEY=unused")
+        say(f"export OPENAI_API_KEY={running.router.api_key or 'unused'}")
+        say(f"export CARAVAN_SCHEDULER_ADDR={running.scheduler_url}")
+        if running.scheduler_token is not None:
+            say(f"export CARAVAN_API_TOKEN={running.scheduler_token}")
         if running.dns_port is not None:
             say(f"export CARAVAN_DNS_PORT={running.dns_port}")
         caravan = _caravan_command()
         say("\nthen try:")
         say(f"  {caravan} list")
         say(f"  {caravan} status tiny-chat")
-        say('  curl -s "$OPENAI_BASE_URL/models"')
+        say('  curl -s "$OPENAI_BASE_URL/models" -H "Authorization: Bearer $OPENAI_API_KEY"')
         say(
-            '  curl -sN "$OPENAI_BASE_URL/chat/completions" -H "Content-Type: application/json" '
+            '  curl -sN "$OPENAI_BASE_URL/chat/completions" -H "Authorization: Bearer '
+            '$OPENAI_API_KEY" -H "Content-Type: application/json" '
             '-d \'{"model": "tiny-chat", "stream": true, '
             '"messages": [{"role": "user", "content": "hi"}]}\''
         )
@@ -195,7 +206,8 @@ async def _started(args: argparse.Namespace) -> AsyncIterator[Running]:
         assert stack.router is not None  # noqa: S101 - router settings were given
         say(f"llama.cpp replicas run {stack.engine.description}")
         say("vLLM replicas run the simulated vLLM engine (no GPU here)")
-        say(f"router on {stack.router.base_url}")
+        say(f"router on {stack.router.base_url} (API key required)")
+        say(f"scheduler API on {stack.scheduler_url} (API token required)")
         store = ModelStore(stack.scheduler.consul, KVLayout())
         profiles = tuple(
             local_profile(load_profile(example_profiles_dir() / name), stack.engine)
@@ -206,6 +218,8 @@ async def _started(args: argparse.Namespace) -> AsyncIterator[Running]:
             consul_addr=stack.consul_addr,
             dns_port=stack.cluster.consul.dns_port,
             router=stack.router,
+            scheduler_url=stack.scheduler_url,
+            scheduler_token=stack.scheduler_api_token,
             store=store,
             status=StatusReader(
                 store=store,
@@ -220,17 +234,26 @@ async def _started(args: argparse.Namespace) -> AsyncIterator[Running]:
 
 @contextlib.asynccontextmanager
 async def _real(router_settings: RouterSettings) -> AsyncIterator[Running]:
-    from caravan_cli.local_stack import running_router, running_scheduler  # noqa: PLC0415
+    from caravan_cli.local_stack import (  # noqa: PLC0415
+        new_secret,
+        running_router,
+        running_scheduler,
+        with_api_key,
+    )
 
     say(f"using the real cluster at NOMAD_ADDR={os.environ['NOMAD_ADDR']}")
     config = ClusterConfig()
+    token = new_secret()
     async with scheduler_clients(os.environ) as (consul, nomad):
         scheduler = SchedulerProcess(
-            options=SchedulerOptions(http_port=0), config=config, consul=consul, nomad=nomad
+            options=SchedulerOptions(http_port=0, api_tokens=StaticTokens(TokenSet.of([token]))),
+            config=config,
+            consul=consul,
+            nomad=nomad,
         )
         async with (
             running_scheduler(scheduler),
-            running_router(router_settings, consul) as router,
+            running_router(with_api_key(router_settings, new_secret()), consul) as router,
         ):
             store = ModelStore(consul, KVLayout())
             yield Running(
@@ -238,6 +261,8 @@ async def _real(router_settings: RouterSettings) -> AsyncIterator[Running]:
                 consul_addr=os.environ["CONSUL_HTTP_ADDR"],
                 dns_port=None,
                 router=router,
+                scheduler_url=f"http://127.0.0.1:{scheduler.bound_port}",
+                scheduler_token=token,
                 store=store,
                 status=StatusReader(store=store, nomad=nomad, health=consul, config=config),
                 config=config,
@@ -288,7 +313,7 @@ async def _wait_ready(running: Running, timeout_s: float, stop: asyncio.Event) -
 async def _wait_routable(running: Running, models: list[str], stop: asyncio.Event) -> None:
     """The router learns of passing replicas through Consul a moment after they pass."""
     url = f"{running.router.base_url}/v1/models"
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=running.router.headers) as session:
         while not stop.is_set():
             async with session.get(url) as response:
                 body = await response.json()
@@ -298,10 +323,23 @@ async def _wait_routable(running: Running, models: list[str], stop: asyncio.Even
             await asyncio.sleep(0.2)
 
 
+async def _show_refusal(router: RouterHandle) -> None:
+    """Show that the router turns away a request without its API key."""
+    if router.api_key is None:
+        return
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{router.base_url}/v1/models") as response,
+    ):
+        say(f"\na request without the API key: HTTP {response.status} (refused)")
+
+
 async def _stream_completion(router: RouterHandle, model: str) -> None:
     import openai  # noqa: PLC0415 - the demo extra, imported only when the demo runs
 
-    client = openai.AsyncOpenAI(base_url=f"{router.base_url}/v1", api_key="unused")
+    client = openai.AsyncOpenAI(
+        base_url=f"{router.base_url}/v1", api_key=router.api_key or "unused"
+    )
     say(f'\n{model} > "{PROMPT}"')
     print(f"{model} < ", end="", flush=True)
     try:

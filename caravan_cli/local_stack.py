@@ -9,6 +9,11 @@ nodes:
 - llama.cpp replicas (raw_exec) run the real `llama-server` with the tiny
   GGUF model when `scripts/build-llama-server.sh` has built them, else the
   simulated llama.cpp engine through a small wrapper script.
+
+Secure by default, as a user's stack must be: the stack generates a router
+API key and a scheduler API token (`LocalStack.router.api_key`,
+`LocalStack.scheduler_api_token`, with ready-made `headers`), and `env` carries
+`CARAVAN_API_TOKEN` so CLI subprocesses reach the scheduler's API.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import stat
 import sys
 import tempfile
@@ -26,6 +32,7 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
+from pydantic import SecretStr
 
 from caravan.consul_api import ConsulClient, ConsulSettings
 from caravan.errors import HashiError
@@ -37,6 +44,7 @@ from devcluster.llama_server_build import find_llama_server
 from devcluster.nomad.settings import NomadServerSettings, default_nodes
 from router.app import RUNTIME, app_runner, create_app
 from router.settings import RouterSettings
+from scheduler.api_auth import StaticTokens, TokenSet
 from scheduler.app import SchedulerOptions, SchedulerProcess
 from scheduler.autoscale.loop import AutoscalerSettings
 from scheduler.cluster_config import ClusterConfig, LlamaCppSettings
@@ -71,6 +79,25 @@ class StackOptions:
     # Receives the router's canonical line of each request (tests).
     request_log: Callable[[dict[str, Any]], None] | None = None
     work_dir: Path | None = None
+    # Generate a router API key (unless `router` sets its own) and a scheduler API token.
+    secure: bool = True
+
+
+def new_secret() -> str:
+    """A fresh API key or token: 256 random bits, URL-safe (a valid bearer token)."""
+    return secrets.token_urlsafe(32)
+
+
+def bearer(secret: str | None) -> dict[str, str]:
+    """The Authorization header presenting `secret` (none for None)."""
+    return {} if secret is None else {"Authorization": f"Bearer {secret}"}
+
+
+def with_api_key(settings: RouterSettings, key: str) -> RouterSettings:
+    """Router settings that require `key`, unless they already name keys of their own."""
+    if settings.api_keys:
+        return settings
+    return settings.model_copy(update={"api_keys": (SecretStr(key),)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,10 +159,17 @@ class RouterHandle:
 
     port: int
     registry: CollectorRegistry
+    # The first of the router's API keys; None when the router is open.
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a client sends to be let in."""
+        return bearer(self.api_key)
 
 
 @contextlib.asynccontextmanager
@@ -157,7 +191,8 @@ async def running_router(
         if settings.register_service:
             await runtime.register(port)
         try:
-            yield RouterHandle(port=port, registry=registry)
+            key = settings.api_keys[0].get_secret_value() if settings.api_keys else None
+            yield RouterHandle(port=port, registry=registry, api_key=key)
         finally:
             with contextlib.suppress(HashiError):
                 await runtime.deregister()
@@ -176,10 +211,21 @@ class LocalStack:
     work_dir: Path
     env: Mapping[str, str] = field(default_factory=dict)
     router: RouterHandle | None = None
+    # The scheduler API's bearer token; None when the stack is not secure.
+    scheduler_api_token: str | None = field(default=None, repr=False)
 
     @property
     def nomad_addr(self) -> str:
         return self.cluster.nomad.address
+
+    @property
+    def scheduler_url(self) -> str:
+        return f"http://127.0.0.1:{self.scheduler.bound_port}"
+
+    @property
+    def scheduler_headers(self) -> dict[str, str]:
+        """What a client of the scheduler's API sends to be let in."""
+        return bearer(self.scheduler_api_token)
 
     @property
     def consul_addr(self) -> str:
@@ -193,6 +239,9 @@ def _client_env(cluster: DevCluster) -> dict[str, str]:
         if not k.startswith(("NOMAD_", "CONSUL_")) or k.startswith("CONSUL_HTTP_SSL")
     }
     env.pop("CONSUL_HTTP_SSL", None)
+    # Clients of this stack reach this stack's scheduler, with this stack's token or none.
+    env.pop("CARAVAN_SCHEDULER_ADDR", None)
+    env.pop("CARAVAN_API_TOKEN", None)
     env["NOMAD_ADDR"] = cluster.nomad.address
     env["CONSUL_HTTP_ADDR"] = cluster.consul.http_addr
     return env
@@ -222,8 +271,11 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                 data_dir=work_dir / "nomad",
             ),
         )
+        token = new_secret() if options.secure else None
         async with DevCluster(dev_config) as cluster:
             env = _client_env(cluster)
+            if token is not None:
+                env["CARAVAN_API_TOKEN"] = token
             async with (
                 ConsulClient(ConsulSettings.from_env(env)) as consul,
                 NomadClient(NomadSettings.from_env(env)) as nomad,
@@ -243,6 +295,7 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                                 requeue_s=1.0,
                             ),
                         ),
+                        api_tokens=None if token is None else StaticTokens(TokenSet.of([token])),
                     ),
                     config=config,
                     consul=consul,
@@ -254,8 +307,11 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                     )
                     router = None
                     if options.router is not None:
+                        settings = options.router
+                        if options.secure:
+                            settings = with_api_key(settings, new_secret())
                         router = await parts.enter_async_context(
-                            running_router(options.router, consul, options.request_log)
+                            running_router(settings, consul, options.request_log)
                         )
                     yield LocalStack(
                         cluster=cluster,
@@ -265,6 +321,7 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                         work_dir=work_dir,
                         env=env,
                         router=router,
+                        scheduler_api_token=token,
                     )
 
 

@@ -5,6 +5,9 @@ commands themselves are thin wiring over the packages' pure functions.
 Only the module of the subcommand being run is imported (`caravan validate`
 never loads the router, the scheduler's process or the demo); `--help` and
 an unknown command load them all.
+A setting that cannot be used (a missing CA file, a bad client certificate,
+an invalid API token file: `caravan.errors.SettingsError`) ends any
+subcommand with one `error:` line naming the variable and the file, exit 1.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import argparse
 import importlib
 import sys
 from typing import TYPE_CHECKING, Protocol, cast
+
+from caravan.errors import SettingsError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -62,6 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = handler(args)
     except KeyboardInterrupt:
         return 130
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return code
 
 

@@ -2,8 +2,9 @@
 
 By default these talk to Consul KV and Nomad directly (found through
 `CONSUL_HTTP_ADDR`, `NOMAD_ADDR` and friends); with `--scheduler URL` (or
-`CARAVAN_SCHEDULER_ADDR`) they go through a scheduler's HTTP API instead.
-Both paths run the same `ModelService` code and print the same output.
+`CARAVAN_SCHEDULER_ADDR`) they go through a scheduler's HTTP API instead,
+sending `CARAVAN_API_TOKEN` as a bearer token when it is set. Both paths run
+the same `ModelService` code and print the same output.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -22,7 +24,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from caravan.contract import KVLayout
-from caravan.errors import HashiError
+from caravan.errors import HashiError, HashiPermissionDenied
 from scheduler.app import scheduler_clients
 from scheduler.cluster_config import ClusterConfigError, load_cluster_config
 from scheduler.model_service import ModelService, SubmissionRejectedError
@@ -46,6 +48,23 @@ class RemoteRejectedError(CommandError):
     def __init__(self, problems: list[str]) -> None:
         self.problems = problems
         super().__init__("\n".join(problems))
+
+
+API_TOKEN_ENV = "CARAVAN_API_TOKEN"  # noqa: S105 - a variable name, not a secret
+# What an HTTP header value may hold (RFC 9110 field-vchar); anything else is a paste error.
+_HEADER_SAFE = re.compile(r"[\x21-\x7e]+")
+
+
+def api_token_header(token: str | None) -> dict[str, str]:
+    """The Authorization header for CARAVAN_API_TOKEN (none when unset or empty)."""
+    if token is None or not token.strip():
+        return {}
+    token = token.strip()
+    if not _HEADER_SAFE.fullmatch(token):
+        raise CommandError(
+            f"{API_TOKEN_ENV} holds spaces or control characters; set it to the token alone"
+        )
+    return {"Authorization": f"Bearer {token}"}
 
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -124,16 +143,34 @@ class DirectModels:
 class RemoteModels:
     """Through a scheduler's HTTP API."""
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str) -> None:
+    def __init__(
+        self, session: aiohttp.ClientSession, base_url: str, *, token_set: bool = False
+    ) -> None:
         self.session = session
         self.base_url = base_url.rstrip("/")
+        self.token_set = token_set
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
             async with self.session.request(method, self.base_url + path, **kwargs) as response:
-                body = await response.json(content_type=None)
+                # A refusal may come from a proxy in front, with a body that is not JSON.
+                refused = response.status in {401, 403}
+                body = None if refused else await response.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise CommandError(f"scheduler at {self.base_url} unreachable: {exc}") from None
+        if response.status == 401:
+            if not self.token_set:
+                raise CommandError(
+                    f"the scheduler at {self.base_url} needs a token: set {API_TOKEN_ENV}"
+                )
+            raise CommandError(
+                f"the scheduler at {self.base_url} refused {API_TOKEN_ENV} as malformed"
+            )
+        if response.status == 403:
+            raise CommandError(
+                f"the scheduler at {self.base_url} refused {API_TOKEN_ENV}: "
+                "it is not one of the scheduler's API tokens"
+            )
         if response.status >= 400:
             error = body.get("error", {}) if isinstance(body, dict) else {}
             problems = [str(p) for p in error.get("problems") or []]
@@ -168,8 +205,12 @@ class RemoteModels:
 async def _models(args: argparse.Namespace) -> AsyncIterator[Models]:
     config = load_cluster_config(args.config)
     if args.scheduler:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-            yield RemoteModels(session, args.scheduler)
+        headers = api_token_header(os.environ.get(API_TOKEN_ENV))
+        base_url = args.scheduler if "://" in args.scheduler else f"http://{args.scheduler}"
+        async with aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=30), headers=headers
+        ) as session:
+            yield RemoteModels(session, base_url, token_set=bool(headers))
         return
     async with scheduler_clients(os.environ) as (consul, nomad):
         store = ModelStore(consul, KVLayout(args.kv_prefix))
@@ -206,6 +247,8 @@ def _runner(command: Command) -> Callable[[argparse.Namespace], int]:
             ProfileError,
         ) as exc:
             print(f"error: {exc}", file=sys.stderr)
+        except HashiPermissionDenied as exc:
+            print(f"error: {exc} (check CONSUL_HTTP_TOKEN and NOMAD_TOKEN)", file=sys.stderr)
         except HashiError as exc:
             print(f"error: {exc}", file=sys.stderr)
             if exc.retryable:

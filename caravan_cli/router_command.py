@@ -8,6 +8,7 @@ import sys
 
 from pydantic import ValidationError
 
+from caravan.consul_api import ConsulSettings
 from router.balancer import Policy
 from router.server import run
 from router.settings import RouterSettings
@@ -49,4 +50,6 @@ def run_router(args: argparse.Namespace) -> int:
             field = ".".join(str(part) for part in error["loc"]) or "settings"
             print(f"error: {field}: {error['msg']}", file=sys.stderr)
         return 2
+    # A bad CONSUL_* TLS file raises SettingsError here: one line and exit 1 from main.
+    ConsulSettings.from_env(os.environ)
     return run(settings, os.environ)

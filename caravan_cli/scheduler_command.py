@@ -9,8 +9,11 @@ import os
 import signal
 import sys
 
+from caravan.consul_api import ConsulSettings
 from caravan.contract import KVLayout
 from caravan.log_format import configure_logging
+from caravan.nomad_api import NomadSettings
+from scheduler.api_auth import TOKENS_ENV, TOKENS_FILE_ENV, load_token_source
 from scheduler.app import SchedulerOptions, SchedulerProcess, scheduler_clients
 from scheduler.cluster_config import ClusterConfig, ClusterConfigError, load_cluster_config
 
@@ -22,15 +25,28 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         description=(
             "Keep one Nomad job per replica of every model in Consul KV. Several schedulers may "
             "run; one leads (Consul session lock on <prefix>leader). Nomad and Consul are found "
-            "through NOMAD_ADDR, NOMAD_TOKEN, CONSUL_HTTP_ADDR, CONSUL_HTTP_TOKEN and friends."
+            "through NOMAD_ADDR, NOMAD_TOKEN, CONSUL_HTTP_ADDR, CONSUL_HTTP_TOKEN and friends. "
+            f"The HTTP API needs a bearer token from {TOKENS_ENV} (comma-separated) or "
+            f"{TOKENS_FILE_ENV} (one per line, re-read when it changes); without one it "
+            "listens on 127.0.0.1 only, whatever --http-host says."
         ),
     )
-    parser.add_argument("--http-host", default="127.0.0.1", help="API address (default 127.0.0.1)")
+    parser.add_argument(
+        "--http-host",
+        default="127.0.0.1",
+        help="API address (default 127.0.0.1; loopback only unless API tokens are set)",
+    )
     parser.add_argument("--http-port", type=int, default=8090, help="API port (default 8090)")
     parser.add_argument(
         "--kv-prefix",
         default=os.environ.get("CARAVAN_KV_PREFIX", "caravan/"),
         help="Consul KV prefix (default caravan/)",
+    )
+    parser.add_argument(
+        "--api-tokens-file",
+        default=os.environ.get(TOKENS_FILE_ENV) or None,
+        metavar="FILE",
+        help=f"API bearer tokens, one per line, re-read on change (default ${TOKENS_FILE_ENV})",
     )
     parser.add_argument("--cluster-config", help="cluster config YAML (GPU classes, images)")
     parser.add_argument(
@@ -63,6 +79,12 @@ def run_scheduler(args: argparse.Namespace) -> int:
     except (ClusterConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # Tokens only through the environment or a file, never a flag, which `ps` shows.
+    # A bad one raises SettingsError: one line and exit 1 from caravan_cli.main.
+    api_tokens = load_token_source(os.environ.get(TOKENS_ENV), args.api_tokens_file)
+    # Read the Consul and Nomad variables now, so a bad TLS file is reported before anything starts.
+    ConsulSettings.from_env(os.environ)
+    NomadSettings.from_env(os.environ)
     options = SchedulerOptions(
         http_host=args.http_host,
         http_port=args.http_port,
@@ -70,6 +92,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
         autoscale=not args.no_autoscale,
         leader_ttl_s=args.leader_ttl_s,
         leader_lock_delay_s=args.leader_lock_delay_s,
+        api_tokens=api_tokens,
     )
     return asyncio.run(_serve(options, config))
 
@@ -84,7 +107,7 @@ async def _serve(options: SchedulerOptions, config: ClusterConfig) -> int:
         task = asyncio.create_task(process.run())
         await process.ready.wait()
         print(
-            f"caravan scheduler listening on http://{options.http_host}:{process.bound_port}",
+            f"caravan scheduler listening on http://{process.bound_host}:{process.bound_port}",
             flush=True,
         )
         waiter = asyncio.create_task(stop.wait())

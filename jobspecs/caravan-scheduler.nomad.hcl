@@ -176,7 +176,9 @@ job "caravan-scheduler" {
 
       # Tokens (and CA certificates, for TLS) from the Nomad Variable
       # `nomad/jobs/caravan-scheduler`. Keys: nomad_token, consul_token,
-      # nomad_cacert, consul_cacert; each one is optional.
+      # nomad_cacert, consul_cacert, api_tokens; each one is optional, but
+      # without api_tokens the scheduler's API listens on 127.0.0.1 only (and
+      # the health check on the node address fails): see docs/security.md.
       template {
         destination = "secrets/caravan.env"
         env         = true
@@ -188,6 +190,7 @@ job "caravan-scheduler" {
         {{ with .consul_token.Value }}CONSUL_HTTP_TOKEN={{ . }}{{ end }}
         {{ with .nomad_cacert.Value }}NOMAD_CACERT={{ env "NOMAD_SECRETS_DIR" }}/nomad-ca.pem{{ end }}
         {{ with .consul_cacert.Value }}CONSUL_CACERT={{ env "NOMAD_SECRETS_DIR" }}/consul-ca.pem{{ end }}
+        {{ with .api_tokens.Value }}CARAVAN_SCHEDULER_API_TOKENS_FILE={{ env "NOMAD_SECRETS_DIR" }}/api-tokens{{ end }}
         {{- end }}
         {{- end }}
         EOT
@@ -198,6 +201,17 @@ job "caravan-scheduler" {
         change_mode = "restart"
         data        = <<-EOT
         {{ if nomadVarExists "nomad/jobs/caravan-scheduler" }}{{ with nomadVar "nomad/jobs/caravan-scheduler" }}{{ .nomad_cacert.Value }}{{ end }}{{ end }}
+        EOT
+      }
+
+      # The API's bearer tokens, one per line. The scheduler re-reads the file
+      # when it changes, so rotating them needs no restart (docs/security.md).
+      template {
+        destination = "secrets/api-tokens"
+        change_mode = "noop"
+        perms       = "0400"
+        data        = <<-EOT
+        {{ if nomadVarExists "nomad/jobs/caravan-scheduler" }}{{ with nomadVar "nomad/jobs/caravan-scheduler" }}{{ .api_tokens.Value }}{{ end }}{{ end }}
         EOT
       }
 

@@ -11,18 +11,26 @@
     GET    /metrics                   Prometheus exposition
 
 Errors are JSON `{"error": {"message": ..., "type": ..., "problems": [...]}}`.
+
+Every route but `/health` needs `Authorization: Bearer <token>` when tokens
+are configured (`scheduler/api_auth.py`): none or a malformed header gets 401
+with `WWW-Authenticate: Bearer`, a token that is not accepted 403; each
+refusal is counted in `caravan_scheduler_api_auth_failures_total{reason}`.
+Without tokens the API is open, and `scheduler/app.py` binds it to loopback.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from caravan.errors import HashiError
+from scheduler.api_auth import AuthOutcome, TokenSource, check_authorization
 from scheduler.model_service import ModelService, SubmissionRejectedError
 from scheduler.model_store import ScaleOutOfBoundsError, UnknownModelError, WriteConflictError
 from scheduler.profiles import ProfileError
@@ -36,6 +44,43 @@ MAX_PROFILE_BYTES = 1 << 20
 
 def _error(status: int, message: str, kind: str, **extra: Any) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, **extra}}, status=status)
+
+
+@dataclass(frozen=True, slots=True)
+class ApiAuth:
+    """Who may call the API: the accepted tokens and the counter of refusals."""
+
+    tokens: TokenSource
+    failures: Counter  # labelled by `reason`: missing, malformed, invalid
+
+
+AUTH_KEY = web.AppKey("auth", ApiAuth)
+_UNAUTHORIZED = {
+    AuthOutcome.MISSING: "this API needs an Authorization: Bearer <token> header",
+    AuthOutcome.MALFORMED: "the Authorization header must be `Bearer <token>`",
+}
+
+
+@web.middleware
+async def _require_token(
+    request: web.Request, handler: Callable[[web.Request], Any]
+) -> web.StreamResponse:
+    auth = request.app[AUTH_KEY]
+    # Routing has run: compare the handler, so no spelling of a path slips past.
+    if request.match_info.handler is health:
+        outcome = AuthOutcome.OK
+    else:
+        header = request.headers.get("Authorization")
+        outcome = check_authorization(header, auth.tokens.current())
+    if outcome is AuthOutcome.OK:
+        response: web.StreamResponse = await handler(request)
+        return response
+    auth.failures.labels(reason=outcome.value).inc()
+    if outcome is AuthOutcome.INVALID:
+        return _error(403, "the bearer token is not valid for this scheduler", "forbidden")
+    refused = _error(401, _UNAUTHORIZED[outcome], "unauthorized")
+    refused.headers["WWW-Authenticate"] = 'Bearer realm="caravan-scheduler"'
+    return refused
 
 
 @web.middleware
@@ -153,9 +198,17 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def create_api(
-    service: ModelService, registry: CollectorRegistry, is_leader: Callable[[], bool]
+    service: ModelService,
+    registry: CollectorRegistry,
+    is_leader: Callable[[], bool],
+    *,
+    auth: ApiAuth | None = None,
 ) -> web.Application:
-    app = web.Application(middlewares=[_errors_as_json], client_max_size=MAX_PROFILE_BYTES)
+    """The API app; `auth=None` serves it open (the caller binds it to loopback then)."""
+    middlewares = [_errors_as_json] if auth is None else [_require_token, _errors_as_json]
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_PROFILE_BYTES)
+    if auth is not None:
+        app[AUTH_KEY] = auth
     app[SERVICE_KEY] = service
     app[REGISTRY_KEY] = registry
     app[LEADER_KEY] = is_leader

@@ -7,13 +7,16 @@ Everything long-lived runs in one TaskGroup on one event loop:
   allocations and nodes (blocking queries); each sets the `wake` event;
 - the reconcile loop, which acts only while this process leads;
 - the autoscaler loop (when enabled), which only writes desired counts;
-- the HTTP API (served by every instance, leader or not).
+- the HTTP API (served by every instance, leader or not). With API tokens
+  it binds where asked and requires one on every route but /health; without
+  any token it binds loopback only, whatever host was asked for.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import socket
@@ -30,7 +33,8 @@ from caravan.errors import HashiError
 from caravan.leader import ElectionSettings, LeaderElection
 from caravan.nomad_api import NomadClient, NomadSettings
 from caravan.watch import BlockingWatch
-from scheduler.api import create_api
+from scheduler.api import ApiAuth, create_api
+from scheduler.api_auth import TokenSource
 from scheduler.autoscale.loop import Autoscaler, AutoscalerSettings
 from scheduler.cluster_config import ClusterConfig
 from scheduler.controller import Controller, ControllerSettings
@@ -53,6 +57,27 @@ class SchedulerOptions:
     autoscale: bool = True
     autoscaler: AutoscalerSettings = field(default_factory=AutoscalerSettings)
     instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    # Bearer tokens of the HTTP API (scheduler/api_auth.py); None: no token, loopback only.
+    api_tokens: TokenSource | None = field(default=None, repr=False)
+
+
+LOOPBACK_HOST = "127.0.0.1"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def api_bind_host(requested: str, *, tokens_configured: bool) -> str:
+    """Where the API may listen: anywhere with tokens, else loopback only."""
+    if tokens_configured or _is_loopback(requested):
+        return requested
+    return LOOPBACK_HOST
 
 
 async def _signal_on_change(
@@ -76,6 +101,7 @@ class SchedulerProcess:
     nomad: NomadClient
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     bound_port: int | None = None
+    bound_host: str | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     controller: Controller | None = None
     election: LeaderElection | None = None
@@ -125,7 +151,7 @@ class SchedulerProcess:
         )
         wake = asyncio.Event()
         async with (
-            self._serve_api(service, lambda: election.is_leader),
+            self._serve_api(service, lambda: election.is_leader, metrics),
             asyncio.TaskGroup() as tasks,
         ):
             tasks.create_task(election.run())
@@ -188,18 +214,32 @@ class SchedulerProcess:
 
     @contextlib.asynccontextmanager
     async def _serve_api(
-        self, service: ModelService, is_leader: Callable[[], bool]
+        self, service: ModelService, is_leader: Callable[[], bool], metrics: SchedulerMetrics
     ) -> AsyncIterator[None]:
-        app = create_api(service, self.registry, is_leader)
+        tokens = self.options.api_tokens
+        auth = None if tokens is None else ApiAuth(tokens, metrics.api_auth_failures)
+        app = create_api(service, self.registry, is_leader, auth=auth)
+        host = api_bind_host(self.options.http_host, tokens_configured=tokens is not None)
+        if tokens is None:
+            log.warning(
+                "scheduler_api_loopback_only",
+                extra={
+                    "requested_host": self.options.http_host,
+                    "host": host,
+                    "reason": "no API token configured (CARAVAN_SCHEDULER_API_TOKENS or "
+                    "CARAVAN_SCHEDULER_API_TOKENS_FILE); the API is open to this machine only",
+                },
+            )
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, self.options.http_host, self.options.http_port)
+        site = web.TCPSite(runner, host, self.options.http_port)
         await site.start()
         sockets = getattr(site._server, "sockets", None) or []  # noqa: SLF001 - aiohttp has no public accessor
         self.bound_port = sockets[0].getsockname()[1] if sockets else self.options.http_port
+        self.bound_host = sockets[0].getsockname()[0] if sockets else host
         log.info(
             "scheduler_api_listening",
-            extra={"host": self.options.http_host, "port": self.bound_port},
+            extra={"host": host, "port": self.bound_port, "auth": tokens is not None},
         )
         try:
             yield

@@ -24,6 +24,7 @@ class SchedulerMetrics:
     autoscale_current: Gauge
     signal_age: Gauge
     cold_start: Histogram
+    api_auth_failures: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> SchedulerMetrics:
@@ -115,6 +116,13 @@ class SchedulerMetrics:
                 "Time from a router's demand signal to the model's first ready replica.",
                 ["model"],
                 buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200),
+                registry=registry,
+            ),
+            api_auth_failures=Counter(
+                "caravan_scheduler_api_auth_failures_total",
+                "API requests refused for their credentials, by reason "
+                "(missing, malformed: 401; invalid: 403).",
+                ["reason"],
                 registry=registry,
             ),
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from tls_material import TlsMaterial, make_tls_material
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -17,3 +18,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture
 def update_golden(request: pytest.FixtureRequest) -> bool:
     return bool(request.config.getoption("--update-golden"))
+
+
+@pytest.fixture(scope="session")
+def tls_material(tmp_path_factory: pytest.TempPathFactory) -> TlsMaterial:
+    """PEM files for TLS settings tests (a certificate and its key, and bad ones)."""
+    return make_tls_material(tmp_path_factory.mktemp("tls"))

@@ -99,7 +99,9 @@ async def run_scenario(stack: LocalStack, lines: list[tuple[float, dict[str, Any
     async with aiohttp.ClientSession() as session:
 
         async def routable() -> bool:
-            async with session.get(f"{stack.router.base_url}/v1/models") as response:
+            async with session.get(
+                f"{stack.router.base_url}/v1/models", headers=stack.router.headers
+            ) as response:
                 return profile.served_name in {m["id"] for m in (await response.json())["data"]}
 
         await wait_for(routable, 10, "the router to see the model")
@@ -116,7 +118,7 @@ async def run_scenario(stack: LocalStack, lines: list[tuple[float, dict[str, Any
                     "messages": [{"role": "user", "content": f"client {number} turn {turn}"}],
                 }
                 turn += 1
-                async with session.post(url, json=body) as response:
+                async with session.post(url, json=body, headers=stack.router.headers) as response:
                     raw = await response.read()
                 text, done, errors = read_stream(raw)
                 outcomes.append((response.status, done, errors, text))

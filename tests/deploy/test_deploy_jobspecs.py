@@ -297,3 +297,17 @@ def test_every_jobspec_variable_is_documented():
     for path in ALL_JOBSPECS:
         for name in load_jobspec(path).variables:
             assert f"`{name}`" in readme, f"{path.name}: {name}"
+
+
+def test_scheduler_api_tokens_come_from_its_variable_and_rotate_without_restart(
+    scheduler: Jobspec,
+):
+    """`api_tokens` becomes a 0400 file the scheduler re-reads (noop), named by the env file."""
+    templates = plain_blocks(scheduler.task(), "template")
+    [tokens] = [t for t in templates if t["destination"] == "secrets/api-tokens"]
+    assert ("noop", "0400") == (tokens["change_mode"], tokens.get("perms"))
+    assert ["nomad/jobs/caravan-scheduler"] == sorted(set(_NOMAD_VAR_PATH.findall(tokens["data"])))
+    assert ".api_tokens.Value" in tokens["data"]
+    [env] = secret_env_templates(scheduler.task())
+    assert "CARAVAN_SCHEDULER_API_TOKENS_FILE=" in env["data"]
+    assert "/api-tokens" in env["data"]

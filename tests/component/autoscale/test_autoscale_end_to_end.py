@@ -106,7 +106,7 @@ async def load(
                 "messages": [{"role": "user", "content": f"client {client} turn {turn}"}],
             }
             turn += 1
-            async with session.post(url, json=body) as response:
+            async with session.post(url, json=body, headers=stack.router.headers) as response:
                 statuses.append(response.status)
                 async for _ in response.content.iter_any():
                     pass
@@ -205,7 +205,7 @@ async def test_scale_to_zero_then_a_request_is_held_and_served(stack: LocalStack
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as session:
         started = time.monotonic()
         async with session.post(
-            f"{stack.router.base_url}/v1/chat/completions", json=body
+            f"{stack.router.base_url}/v1/chat/completions", json=body, headers=stack.router.headers
         ) as response:
             answer = await response.json()
             waited = time.monotonic() - started

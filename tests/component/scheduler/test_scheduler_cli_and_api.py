@@ -76,7 +76,7 @@ async def test_http_api_and_the_cli_through_it(stack: LocalStack):
     """The scheduler API accepts profiles, lists, scales and deletes; the CLI can use it."""
     base = f"http://127.0.0.1:{stack.scheduler.bound_port}"
     text = (EXAMPLES / "tiny-llamacpp-cpu.yaml").read_text(encoding="utf-8")
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=stack.scheduler_headers) as session:
         async with session.put(f"{base}/v1/models/tiny-chat", data=text) as response:
             assert response.status == 200
         async with session.put(f"{base}/v1/models/other", data=text) as response:

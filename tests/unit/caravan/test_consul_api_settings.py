@@ -7,6 +7,7 @@ import ssl
 import pydantic
 import pytest
 from consul import exceptions as consul_errors
+from tls_material import TlsMaterial
 
 from caravan.consul_api import (
     ConsulSettings,
@@ -95,19 +96,21 @@ def test_token_file_wins_over_token_variable(tmp_path):
     assert SECRET == settings.token.get_secret_value()
 
 
-def test_tls_variables():
+def test_tls_variables(tls_material: TlsMaterial):
     """CA, client certificate and verification settings come from their variables."""
+    ca, cas = str(tls_material.cert), str(tls_material.cert.parent)
+    cert, key = str(tls_material.cert), str(tls_material.key)
     settings = ConsulSettings.from_env(
         {
             "CONSUL_HTTP_ADDR": "https://h:8501",
-            "CONSUL_CACERT": "/ca.pem",
-            "CONSUL_CAPATH": "/cas",
-            "CONSUL_CLIENT_CERT": "/c.pem",
-            "CONSUL_CLIENT_KEY": "/k.pem",
+            "CONSUL_CACERT": ca,
+            "CONSUL_CAPATH": cas,
+            "CONSUL_CLIENT_CERT": cert,
+            "CONSUL_CLIENT_KEY": key,
             "CONSUL_HTTP_SSL_VERIFY": "false",
         }
     )
-    assert ("/ca.pem", "/cas", "/c.pem", "/k.pem", False) == (
+    assert (ca, cas, cert, key, False) == (
         settings.ca_cert,
         settings.ca_path,
         settings.client_cert,

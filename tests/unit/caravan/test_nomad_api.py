@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from tls_material import TlsMaterial
 
 from caravan.errors import (
     HashiBadRequest,
@@ -37,17 +38,18 @@ def test_settings_default_to_the_local_agent() -> None:
     )
 
 
-def test_settings_read_the_nomad_cli_variables() -> None:
+def test_settings_read_the_nomad_cli_variables(tls_material: TlsMaterial) -> None:
     """NOMAD_ADDR, _TOKEN, _NAMESPACE, _REGION and the TLS variables."""
+    ca = str(tls_material.cert)
     settings = NomadSettings.from_env(
         {
             "NOMAD_ADDR": "nomad.service.consul:4646",
             "NOMAD_TOKEN": TOKEN,
             "NOMAD_NAMESPACE": "llm",
             "NOMAD_REGION": "eu",
-            "NOMAD_CACERT": "/ca.pem",
-            "NOMAD_CLIENT_CERT": "/c.pem",
-            "NOMAD_CLIENT_KEY": "/k.pem",
+            "NOMAD_CACERT": ca,
+            "NOMAD_CLIENT_CERT": str(tls_material.cert),
+            "NOMAD_CLIENT_KEY": str(tls_material.key),
             "NOMAD_SKIP_VERIFY": "true",
         }
     )
@@ -57,7 +59,7 @@ def test_settings_read_the_nomad_cli_variables() -> None:
         TOKEN,
         "llm",
         "eu",
-        "/ca.pem",
+        ca,
         True,
     ) == (
         settings.address,
