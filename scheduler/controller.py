@@ -487,7 +487,8 @@ class Controller:
                 )
         except HashiError as exc:
             self._published = None
-            self.metrics.errors.labels(kind="placements").inc()
+            # Counted by class like every failed Nomad or Consul call (the alerts read these).
+            self.metrics.errors.labels(kind=type(exc).__name__).inc()
             log.warning("placements_publish_failed", extra={"error": str(exc)})
 
     async def apply(self, actions: tuple[Action, ...]) -> tuple[int, int]:
