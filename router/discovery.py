@@ -15,8 +15,8 @@ drain) and swaps both in with one assignment (`RoutingState.swap`).
 When Consul cannot be reached the watches back off and the router keeps
 serving from the last view; `staleness_s` says for how long it has been
 blind, for `/health` and the metrics. The view counts as synced once the
-catalog, both KV prefixes and the health of every model service have each
-been read once.
+catalog, the three KV prefixes and the health of every model service have
+each been read once.
 
 Endpoint verification: a health entry becomes an endpoint only if it is the
 service Nomad registered for an allocation in the model's placements document
@@ -179,8 +179,11 @@ def profiles_from_kv(
 def placements_from_kv(
     entries: Iterable[KVEntry], prefix: str
 ) -> tuple[dict[str, Placements], list[str]]:
-    """The placements document of each model (the key under `<prefix>`), and one problem line
-    per document left out (its models' entries then verify against nothing: fail closed)."""
+    """The placements document of each model, and one problem line per document left out.
+
+    The model is the key under `prefix`. A model whose document is left out
+    has no placed allocation, so its entries verify against nothing (fail closed).
+    """
     placements: dict[str, Placements] = {}
     problems: list[str] = []
     for entry in sorted(entries, key=lambda item: item.key):
@@ -197,8 +200,11 @@ def placements_from_kv(
 def trusted_services(
     profiles: Mapping[str, KnownModel], placements: Mapping[str, Placements]
 ) -> dict[str, TrustedService]:
-    """What caravan vouches for, by model service name: each declared model's served name and
-    Nomad's service ID of each allocation the scheduler placed for it."""
+    """What caravan vouches for, by model service name.
+
+    For each declared model: its profile's served name, and Nomad's service ID
+    of each allocation the scheduler placed for it, with where Nomad put it.
+    """
     trusted: dict[str, TrustedService] = {}
     for known in profiles.values():
         placed = placements.get(known.name)

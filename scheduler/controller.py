@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -32,8 +33,10 @@ from typing import Any, Protocol
 
 from caravan.consul_api import HealthEntry, KVEntry
 from caravan.contract import (
+    ALLOC_ID_PATTERN,
     HTTP_PORT_LABEL,
     JOB_PREFIX,
+    MODEL_NAME_PATTERN,
     PlacedAllocation,
     Placements,
     PlacementsError,
@@ -147,15 +150,18 @@ def placements_of(
 
     An allocation whose `http` port Nomad has not reported is left out (the
     next pass publishes it): routers must never be told an address that is not
-    Nomad's.
+    Nomad's. So is a job whose Meta names no valid model, or an allocation id
+    that is not Nomad's UUID form (neither can be a replica caravan rendered).
     """
     placed: dict[str, list[PlacedAllocation]] = {}
     for job_id in sorted(replicas):
         replica = replicas[job_id]
+        if not MODEL_NAME_PATTERN.match(replica.model):
+            continue
         allocations = placed.setdefault(replica.model, [])
         for alloc in replica.live_allocs():
             port = http_ports.get(alloc.id)
-            if port is None:
+            if port is None or not re.match(ALLOC_ID_PATTERN, alloc.id):
                 continue
             allocations.append(
                 PlacedAllocation(
@@ -166,29 +172,6 @@ def placements_of(
         model: Placements(model=model, allocations=tuple(allocations))
         for model, allocations in placed.items()
     }
-
-
-class PlacementsKV(Protocol):
-    """The KV calls that publish placements (implemented by caravan.consul_api.ConsulClient)."""
-
-    async def kv_get_recurse(
-        self, prefix: str, *, index: int = 0, wait_s: float | None = None
-    ) -> tuple[int, tuple[KVEntry, ...]]: ...
-
-    async def kv_put(
-        self,
-        key: str,
-        value: bytes | str,
-        *,
-        cas: int | None = None,
-        flags: int | None = None,
-        acquire: str | None = None,
-        release: str | None = None,
-    ) -> bool: ...
-
-    async def kv_delete(
-        self, key: str, *, recurse: bool = False, cas: int | None = None
-    ) -> bool: ...
 
 
 class NomadJobs(NomadReads, Protocol):

@@ -48,7 +48,7 @@ def port(value: int) -> AllocatedPort:
 
 
 def test_live_allocations_with_a_port_are_placed_and_nothing_else() -> None:
-    """Running and pending allocations count; stopped ones and ones without a port do not."""
+    """Running and pending allocations count; stopped, portless or malformed ones do not."""
     replicas = {
         "caravan-a-0": replica(
             "caravan-a-0",
@@ -58,8 +58,15 @@ def test_live_allocations_with_a_port_are_placed_and_nothing_else() -> None:
         ),
         "caravan-a-1": replica("caravan-a-1", "a", alloc(PENDING, client="pending")),
         "caravan-b-0": replica("caravan-b-0", "b", alloc(NO_PORT)),
+        "caravan-x-0": replica("caravan-x-0", "Not A Model!", alloc("not-a-uuid")),
+        "caravan-c-0": replica("caravan-c-0", "c", alloc("not-a-uuid")),
     }
-    ports = {RUNNING: port(2001), PENDING: port(2002), STOPPED: port(2003)}
+    ports = {
+        RUNNING: port(2001),
+        PENDING: port(2002),
+        STOPPED: port(2003),
+        "not-a-uuid": port(2004),
+    }
 
     assert {
         "a": Placements(
@@ -74,6 +81,7 @@ def test_live_allocations_with_a_port_are_placed_and_nothing_else() -> None:
             ),
         ),
         "b": Placements(model="b", allocations=()),
+        "c": Placements(model="c", allocations=()),
     } == placements_of(replicas, ports)
 
 
