@@ -80,8 +80,8 @@ async def test_placements_list_the_live_allocations_and_match_nomads_services(
         assert document is not None
         live = {
             alloc.id: alloc
-            for alloc in (await nomad.list_allocations(JOB_PREFIX, resources=True)).value
-            if not alloc.terminal
+            for alloc in (await nomad.list_allocations(resources=True)).value
+            if alloc.job_id.startswith(JOB_PREFIX) and not alloc.terminal
         }
         _, entries = await consul.health_service(service, passing=True)
 
