@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from types import MappingProxyType
 
+import pytest
 from router_builders import health_entry, service_meta
 
 from caravan.consul_api import KVEntry
@@ -24,6 +25,7 @@ from router.endpoints import (
     verify_entries,
 )
 from router.routing_state import KnownModel
+from router.settings import RouterSettings
 
 NAME = "qwen2-5-7b"
 SERVICE = "caravan-qwen2-5-7b"
@@ -154,3 +156,14 @@ def test_placements_from_kv_reads_each_model_and_names_bad_documents() -> None:
     assert 2 == len(problems)
     assert problems[0].startswith("caravan/placements/b: model 'a'")
     assert problems[1].startswith("caravan/placements/c: ")
+
+
+def test_verification_is_on_unless_the_environment_turns_it_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Off by default; `CARAVAN_ROUTER_ALLOW_UNVERIFIED_ENDPOINTS=true` allows unverified ones."""
+    monkeypatch.delenv("CARAVAN_ROUTER_ALLOW_UNVERIFIED_ENDPOINTS", raising=False)
+    default = RouterSettings().allow_unverified_endpoints
+    monkeypatch.setenv("CARAVAN_ROUTER_ALLOW_UNVERIFIED_ENDPOINTS", "true")
+
+    assert (False, True) == (default, RouterSettings().allow_unverified_endpoints)
