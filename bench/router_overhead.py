@@ -463,7 +463,17 @@ def orchestrate(args: argparse.Namespace) -> int:
         )
         _, consul = stack.enter_context(
             _started(
-                [python, "-m", "devcluster", "--consul-port", "0", "--dns-port", "0"],
+                [
+                    python,
+                    "-m",
+                    "devcluster",
+                    "--consul-port",
+                    "0",
+                    "--dns-port",
+                    "0",
+                    "--nomad-port",
+                    "0",
+                ],
                 r"CONSUL_HTTP_ADDR=([\d.:]+)",
             )
         )
