@@ -201,6 +201,10 @@ class PlacedAllocation(BaseModel):
     # Nomad registers the service with).
     address: Annotated[str, StringConstraints(min_length=1)]
     port: int = Field(ge=1, le=65535)
+    # The Nomad node the allocation runs on ("" when Nomad did not say). When
+    # several Consul instances carry the allocation's service ID, routers
+    # prefer the one registered on the Consul node of this name.
+    node: str = ""
 
 
 class Placements(BaseModel):

@@ -22,8 +22,9 @@ Endpoint verification: a health entry becomes an endpoint only if it is the
 service Nomad registered for an allocation in the model's placements document
 (written by the scheduler, the one writer of the prefix), at the address Nomad
 allocated for it; it answers to the served name of the model's stored profile.
-Every other entry is ignored (`verify_entries`, pure), logged once when first
-seen and counted, unless `allow_unverified` is set (setups without Nomad).
+Every other entry is ignored (`verify_entries`, pure) unless `allow_unverified`
+is set (setups without Nomad); one still unverified after
+`UNVERIFIED_LOG_AFTER_S` is logged once and counted.
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ log = logging.getLogger(__name__)
 # Consul aggregates an instance's checks into one status; the snapshot builder
 # takes checks, so the aggregate travels as one check under this id.
 AGGREGATE_CHECK_ID = "caravan:aggregate"
+# An instance is logged and counted as unverified once it has been so for this
+# long: the scheduler publishes a new replica's allocation on the reconcile
+# pass that Nomad's allocation change wakes, which may end a moment after the
+# replica registered in Consul.
+UNVERIFIED_LOG_AFTER_S = 10.0
 
 
 class DiscoveryConsul(Protocol):
@@ -213,7 +219,7 @@ def trusted_services(
             served_models=(known.served_model_name,),
             placed={
                 nomad_service_id(alloc.alloc_id, known.name): PlacedAddress(
-                    alloc.address, alloc.port
+                    alloc.address, alloc.port, alloc.node
                 )
                 for alloc in allocations
             },
@@ -237,6 +243,7 @@ class Discovery:
         wait_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         allow_unverified: bool = False,
+        unverified_log_after_s: float = UNVERIFIED_LOG_AFTER_S,
     ) -> None:
         self._consul = consul
         self._allow_unverified = allow_unverified
@@ -256,7 +263,11 @@ class Discovery:
         self._draining_jobs: frozenset[str] | None = None
         self._placements: dict[str, Placements] | None = None
         self._last_placement_problems: tuple[str, ...] = ()
-        self._unverified_seen: frozenset[tuple[str | None, UnverifiedReason]] = frozenset()
+        self._unverified_log_after_s = unverified_log_after_s
+        self._last_unverified: tuple[UnverifiedEntry, ...] = ()
+        self._unverified_since: dict[tuple[str | None, UnverifiedReason], float] = {}
+        self._unverified_reported: set[tuple[str | None, UnverifiedReason]] = set()
+        self._recheck_at: float | None = None
         self._last_skipped: frozenset[tuple[str | None, str]] = frozenset()
         self._last_problems: tuple[str, ...] = ()
 
@@ -385,7 +396,16 @@ class Discovery:
 
     async def _rebuild_loop(self) -> None:
         while True:
-            await self._changed.wait()
+            wait_s = (
+                None if self._recheck_at is None else max(0.0, self._recheck_at - self._clock())
+            )
+            try:
+                async with asyncio.timeout(wait_s):
+                    await self._changed.wait()
+            except TimeoutError:
+                # Nothing changed, but an unverified instance's grace period ran out.
+                self._report_unverified(self._last_unverified)
+                continue
             self._changed.clear()
             self.rebuild()
 
@@ -426,12 +446,28 @@ class Discovery:
         )
 
     def _report_unverified(self, unverified: tuple[UnverifiedEntry, ...]) -> None:
-        """Log and count each unverified instance once, when first seen; set the current gauge."""
+        """Set the current gauge; log and count each instance unverified for the grace period once.
+
+        The grace period keeps a replica that registered a moment before the
+        scheduler published its allocation out of the warnings. When some are
+        still within it, `_recheck_at` makes the rebuild loop look again then.
+        """
+        self._last_unverified = unverified
+        now = self._clock()
         action = "accepted" if self._allow_unverified else "ignored"
-        current = frozenset((item.service_id, item.reason) for item in unverified)
-        for item in unverified:
-            if (item.service_id, item.reason) in self._unverified_seen:
+        current = {(item.service_id, item.reason): item for item in unverified}
+        # Only what is still registered is remembered, so both stay bounded.
+        self._unverified_since = {key: self._unverified_since.get(key, now) for key in current}
+        self._unverified_reported &= current.keys()
+        due: float | None = None
+        for key, item in current.items():
+            if key in self._unverified_reported:
                 continue
+            at = self._unverified_since[key] + self._unverified_log_after_s
+            if at > now:
+                due = at if due is None else min(due, at)
+                continue
+            self._unverified_reported.add(key)
             self._metrics.unverified_endpoints.labels(item.reason.value, action).inc()
             log.warning(
                 "endpoint_unverified",
@@ -442,8 +478,7 @@ class Discovery:
                     "action": action,
                 },
             )
-        # Only what is still registered is remembered, so the set stays bounded.
-        self._unverified_seen = current
+        self._recheck_at = due
         for reason in UnverifiedReason:
             count = sum(1 for item in unverified if item.reason is reason)
             self._metrics.unverified_endpoints_current.labels(reason.value).set(count)

@@ -239,6 +239,9 @@ class UnverifiedReason(StrEnum):
     NOT_PLACED = "not_placed"
     # The ID matches, but not the address and port Nomad allocated for it.
     ADDRESS_MISMATCH = "address_mismatch"
+    # Another instance with the same ID, address and port was kept: the one on
+    # the allocation's node when there is one, else the first.
+    DUPLICATE = "duplicate"
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +250,7 @@ class PlacedAddress:
 
     address: str
     port: int
+    node: str = ""  # the Nomad node's name; "" = unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,8 +291,11 @@ def verify_entries(
     unverified: list[UnverifiedEntry] = []
     for service_name in sorted(entries_by_service):
         trust = trusted.get(service_name)
-        for entry in entries_by_service[service_name]:
-            reason = _unverified_reason(entry, trust)
+        entries = entries_by_service[service_name]
+        reasons = [_unverified_reason(entry, trust) for entry in entries]
+        if trust is not None:
+            _mark_duplicates(entries, reasons, trust)
+        for entry, reason in zip(entries, reasons, strict=True):
             if reason is None and trust is not None:
                 kept.setdefault(service_name, []).append(_with_served(entry, trust.served_models))
                 continue
@@ -297,6 +304,40 @@ def verify_entries(
             if allow_unverified:
                 kept.setdefault(service_name, []).append(entry)
     return kept, tuple(unverified)
+
+
+def _mark_duplicates(
+    entries: Sequence[Mapping[str, Any]],
+    reasons: list[UnverifiedReason | None],
+    trust: TrustedService,
+) -> None:
+    """Of verified entries sharing one service ID, keep one: on the allocation's node, else first.
+
+    Consul service IDs are unique per node only, so a copy of a replica's
+    registration (ID, address and port) can sit on another node; it points at
+    the real engine, but its checks and Meta are the copier's.
+    """
+    by_id: dict[str, list[int]] = {}
+    for position, (entry, reason) in enumerate(zip(entries, reasons, strict=True)):
+        service_id = _service_id_of(entry)
+        if reason is None and service_id is not None:
+            by_id.setdefault(service_id, []).append(position)
+    for service_id, positions in by_id.items():
+        if len(positions) < 2:
+            continue
+        node = trust.placed[service_id].node
+        on_node = [p for p in positions if node and _node_of(entries[p]) == node]
+        keep = on_node[0] if on_node else positions[0]
+        for position in positions:
+            if position != keep:
+                reasons[position] = UnverifiedReason.DUPLICATE
+
+
+def _node_of(entry: Mapping[str, Any]) -> str | None:
+    node = entry.get("Node")
+    if isinstance(node, Mapping) and isinstance(node.get("Node"), str):
+        return str(node["Node"])
+    return None
 
 
 def _unverified_reason(

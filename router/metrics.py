@@ -211,7 +211,7 @@ class RouterMetrics:
         self.unverified_endpoints = Counter(
             "caravan_router_unverified_endpoints_total",
             "Consul service instances tagged caravan that caravan did not place, each counted "
-            "once when first seen, by reason and action (ignored, or accepted because "
+            "once after 10 s unverified, by reason and action (ignored, or accepted because "
             "ALLOW_UNVERIFIED_ENDPOINTS is set).",
             ["reason", "action"],
             registry=registry,

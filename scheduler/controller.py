@@ -118,14 +118,22 @@ class NomadReads(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class AllocEngine:
+    """The port Nomad allocated for an allocation's `http` label, and the node it runs on."""
+
+    port: AllocatedPort
+    node_name: str
+
+
+@dataclass(frozen=True, slots=True)
 class NomadReadout:
     """caravan's jobs (stubs with Meta), their allocations grouped by job, and the nodes."""
 
     job_stubs: list[dict[str, Any]]
     allocs_by_job: dict[str, list[Mapping[str, Any]]]
     node_stubs: list[Mapping[str, Any]]
-    # The port Nomad allocated for the engine's `http` label, by allocation id.
-    http_ports: dict[str, AllocatedPort] = field(default_factory=dict)
+    # Where each allocation's engine listens (its `http` port) and on which node.
+    engines: dict[str, AllocEngine] = field(default_factory=dict)
 
 
 async def read_nomad(nomad: NomadReads) -> NomadReadout:
@@ -134,17 +142,17 @@ async def read_nomad(nomad: NomadReads) -> NomadReadout:
     allocations = (await nomad.list_allocations(resources=True)).value
     nodes = (await nomad.list_nodes(resources=False)).value
     allocs_by_job: dict[str, list[Mapping[str, Any]]] = {}
-    http_ports: dict[str, AllocatedPort] = {}
+    engines: dict[str, AllocEngine] = {}
     for allocation in allocations:
         allocs_by_job.setdefault(allocation.job_id, []).append(allocation.raw)
         for port in allocation.ports or ():
             if port.label == HTTP_PORT_LABEL and port.host_ip and port.value > 0:
-                http_ports[allocation.id] = port
-    return NomadReadout(job_stubs, allocs_by_job, [node.raw for node in nodes], http_ports)
+                engines[allocation.id] = AllocEngine(port, allocation.node_name)
+    return NomadReadout(job_stubs, allocs_by_job, [node.raw for node in nodes], engines)
 
 
 def placements_of(
-    replicas: Mapping[str, ObservedReplica], http_ports: Mapping[str, AllocatedPort]
+    replicas: Mapping[str, ObservedReplica], engines: Mapping[str, AllocEngine]
 ) -> dict[str, Placements]:
     """Per model, the live allocations of its replica jobs and where their engine listens (pure).
 
@@ -160,12 +168,16 @@ def placements_of(
             continue
         allocations = placed.setdefault(replica.model, [])
         for alloc in replica.live_allocs():
-            port = http_ports.get(alloc.id)
-            if port is None or not re.match(ALLOC_ID_PATTERN, alloc.id):
+            engine = engines.get(alloc.id)
+            if engine is None or not re.match(ALLOC_ID_PATTERN, alloc.id):
                 continue
             allocations.append(
                 PlacedAllocation(
-                    alloc_id=alloc.id, job_id=job_id, address=port.host_ip, port=port.value
+                    alloc_id=alloc.id,
+                    job_id=job_id,
+                    address=engine.port.host_ip,
+                    port=engine.port.value,
+                    node=engine.node_name,
                 )
             )
     return {
@@ -296,7 +308,7 @@ class Controller:
         # What this process last wrote (or found) under placements/, by model;
         # None until read from KV, which a new leader does once.
         self._published: dict[str, str] | None = None
-        self._http_ports: dict[str, AllocatedPort] = {}
+        self._engines: dict[str, AllocEngine] = {}
 
     async def observe(self, desired: DesiredState) -> Observation:
         """Read Nomad (jobs, allocations, nodes) and Consul health into one snapshot."""
@@ -306,7 +318,7 @@ class Controller:
             self.metrics.backend_up.labels(backend="nomad").set(0)
             raise
         self.metrics.backend_up.labels(backend="nomad").set(1)
-        self._http_ports = readout.http_ports
+        self._engines = readout.engines
         replicas: dict[str, ObservedReplica] = {}
         for job_stub in readout.job_stubs:
             replica = replica_from_job_stub(job_stub)
@@ -396,7 +408,7 @@ class Controller:
             # Leadership can be lost while we read: never write after that.
             self._published = None
             return ReconcileResult(requeue_after_s=None, plan=result, skipped="lost leadership")
-        await self.publish_placements(placements_of(observed.replicas, self._http_ports))
+        await self.publish_placements(placements_of(observed.replicas, self._engines))
         applied, failed = await self.apply(result.actions)
         self.metrics.reconcile_passes.labels(outcome="ok" if not failed else "error").inc()
         requeue = result.requeue_after_s

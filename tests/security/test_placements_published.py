@@ -4,7 +4,7 @@ On the local stack (devcluster's Nomad and Consul, a scheduler): once a
 model's replicas run, `caravan/placements/<model>` lists exactly the live
 allocations of its replica jobs, at the address and port Nomad allocated, and
 every service Nomad registered for them matches (Nomad's service ID, address,
-port), so the router's verification accepts the real replicas. When the model
+port, node), so the router's verification accepts the real replicas. When the model
 is deleted and its replicas are gone, the document goes too.
 """
 
@@ -87,13 +87,23 @@ async def test_placements_list_the_live_allocations_and_match_nomads_services(
 
         assert set(live) == {placed.alloc_id for placed in document.allocations}
         for placed in document.allocations:
-            assert live[placed.alloc_id].job_id == placed.job_id
+            assert (live[placed.alloc_id].job_id, live[placed.alloc_id].node_name) == (
+                placed.job_id,
+                placed.node,
+            )
             (port,) = [p for p in live[placed.alloc_id].ports or () if p.label == "http"]
             assert (port.host_ip, port.value) == (placed.address, placed.port)
         assert {
-            (nomad_service_id(placed.alloc_id, profile.name), placed.address, placed.port)
+            (
+                nomad_service_id(placed.alloc_id, profile.name),
+                placed.address,
+                placed.port,
+                placed.node,
+            )
             for placed in document.allocations
-        } == {(entry.service_id, entry.service_address, entry.port) for entry in entries}
+        } == {
+            (entry.service_id, entry.service_address, entry.port, entry.node) for entry in entries
+        }
 
         await store.delete(profile.name)
 

@@ -79,6 +79,31 @@ def test_the_node_address_counts_when_the_service_has_none() -> None:
     assert 1 == len(kept[SERVICE])
 
 
+def test_of_two_copies_of_a_placed_registration_the_one_on_the_allocations_node_wins() -> None:
+    """A copy (same ID, address and port) on another node is dropped, whatever the order."""
+    where = PlacedAddress("10.0.0.11", 23456, node="client-1")
+    real = health_entry(PLACED_ID, node="client-1")
+    copy = health_entry(PLACED_ID, node="attacker", status="passing")
+    results = [
+        verify_entries({SERVICE: entries}, trust(**{PLACED_ID: where}))
+        for entries in ([copy, real], [real, copy])
+    ]
+
+    for kept, unverified in results:
+        assert ["client-1"] == [entry["Node"]["Node"] for entry in kept[SERVICE]]
+        assert (UnverifiedEntry(SERVICE, PLACED_ID, UnverifiedReason.DUPLICATE),) == unverified
+
+
+def test_without_a_node_match_the_first_copy_is_kept_and_the_rest_reported() -> None:
+    """Consul and Nomad node names may differ: never fail closed on the node, keep one."""
+    where = PlacedAddress("10.0.0.11", 23456, node="nomad-name")
+    first, second = health_entry(PLACED_ID, node="a"), health_entry(PLACED_ID, node="b")
+    kept, unverified = verify_entries({SERVICE: [first, second]}, trust(**{PLACED_ID: where}))
+
+    assert ["a"] == [entry["Node"]["Node"] for entry in kept[SERVICE]]
+    assert [UnverifiedReason.DUPLICATE] == [item.reason for item in unverified]
+
+
 def test_a_service_of_a_model_without_profile_is_ignored() -> None:
     """A new service (no stored profile) claiming another model's served name gets nothing."""
     claim = health_entry("evil-1", service="caravan-evil", meta=service_meta(served_models=SERVED))
@@ -128,7 +153,11 @@ def test_trusted_services_pair_profiles_with_placements() -> None:
             model=NAME,
             allocations=(
                 PlacedAllocation(
-                    alloc_id=ALLOC, job_id="caravan-qwen2-5-7b-0", address="10.0.0.11", port=23456
+                    alloc_id=ALLOC,
+                    job_id="caravan-qwen2-5-7b-0",
+                    address="10.0.0.11",
+                    port=23456,
+                    node="client-1",
                 ),
             ),
         )
@@ -137,7 +166,9 @@ def test_trusted_services_pair_profiles_with_placements() -> None:
     unplaced = {"x": KnownModel(name="idle", served_model_name="x")}
 
     assert {
-        SERVICE: TrustedService((SERVED,), {PLACED_ID: PlacedAddress("10.0.0.11", 23456)}),
+        SERVICE: TrustedService(
+            (SERVED,), {PLACED_ID: PlacedAddress("10.0.0.11", 23456, "client-1")}
+        ),
         "caravan-idle": TrustedService(("x",), {}),
     } == trusted_services({**profiles, **unplaced}, placements)
 

@@ -15,7 +15,7 @@ from caravan.contract import (
 from caravan.errors import HashiUnavailable
 from caravan.nomad_api import AllocatedPort
 from scheduler.cluster_config import ClusterConfig
-from scheduler.controller import Controller, placements_of
+from scheduler.controller import AllocEngine, Controller, placements_of
 from scheduler.metrics import SchedulerMetrics
 from scheduler.model_store import ModelStore
 from scheduler.world import ObservedAlloc, ObservedReplica
@@ -43,8 +43,8 @@ def replica(job_id: str, model: str, *allocs: ObservedAlloc) -> ObservedReplica:
     )
 
 
-def port(value: int) -> AllocatedPort:
-    return AllocatedPort(label="http", value=value, to=0, host_ip="10.0.0.7")
+def port(value: int) -> AllocEngine:
+    return AllocEngine(AllocatedPort(label="http", value=value, to=0, host_ip="10.0.0.7"), "n1")
 
 
 def test_live_allocations_with_a_port_are_placed_and_nothing_else() -> None:
@@ -73,10 +73,10 @@ def test_live_allocations_with_a_port_are_placed_and_nothing_else() -> None:
             model="a",
             allocations=(
                 PlacedAllocation(
-                    alloc_id=RUNNING, job_id="caravan-a-0", address="10.0.0.7", port=2001
+                    alloc_id=RUNNING, job_id="caravan-a-0", address="10.0.0.7", port=2001, node="n1"
                 ),
                 PlacedAllocation(
-                    alloc_id=PENDING, job_id="caravan-a-1", address="10.0.0.7", port=2002
+                    alloc_id=PENDING, job_id="caravan-a-1", address="10.0.0.7", port=2002, node="n1"
                 ),
             ),
         ),
