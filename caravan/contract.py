@@ -173,7 +173,8 @@ class KVLayout:
 
 # Nomad builds a service ID from the allocation ID, the task name (`group-<group>`
 # for a group-level service), the service name and its port label
-# (`MakeAllocServiceID`, command/agent/consul in Nomad's source).
+# (`MakeAllocServiceID` in client/serviceregistration/id.go and
+# `WorkloadServices.Name` in workload.go of Nomad's source).
 NOMAD_SERVICE_ID_PREFIX = "_nomad-task-"
 # Nomad allocation IDs are UUIDs.
 ALLOC_ID_PATTERN = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
