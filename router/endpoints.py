@@ -281,9 +281,12 @@ def verify_entries(
     """Keep the entries caravan placed; report every other one with its reason.
 
     A kept entry comes back as a copy whose `Meta.served_models` is the
-    profile's served names, so what a registration claims in its own Meta is
-    never what it gets traffic for. `trusted` is keyed by service name; a
-    service missing from it has no profile. With `allow_unverified` (setups
+    profile's served names that its Meta also names, so a registration never
+    gets traffic for a name its model's profile does not declare, and a
+    replica still running an older profile under another name gets none for
+    the new name (it is being replaced); a placed entry left with no name is
+    dropped. `trusted` is keyed by service name; a service missing from it
+    has no profile. With `allow_unverified` (setups
     without Nomad) unverified entries are kept unchanged, Meta and all, and
     still reported.
     """
@@ -297,7 +300,9 @@ def verify_entries(
             _mark_duplicates(entries, reasons, trust)
         for entry, reason in zip(entries, reasons, strict=True):
             if reason is None and trust is not None:
-                kept.setdefault(service_name, []).append(_with_served(entry, trust.served_models))
+                served = _served_by_both(entry, trust.served_models)
+                if served:
+                    kept.setdefault(service_name, []).append(_with_served(entry, served))
                 continue
             if reason is not None:
                 unverified.append(UnverifiedEntry(service_name, _service_id_of(entry), reason))
@@ -358,6 +363,15 @@ def _unverified_reason(
     if address != placed.address or port != placed.port:
         return UnverifiedReason.ADDRESS_MISMATCH
     return None
+
+
+def _served_by_both(entry: Mapping[str, Any], declared: tuple[str, ...]) -> tuple[str, ...]:
+    """The profile's served names that the entry's own Meta names too."""
+    service = entry.get("Service")
+    meta = service.get("Meta") if isinstance(service, Mapping) else None
+    raw = meta.get(ServiceMetaKey.SERVED_MODELS) if isinstance(meta, Mapping) else None
+    claimed = {name.strip() for name in raw.split(",")} if isinstance(raw, str) else set()
+    return tuple(name for name in declared if name in claimed)
 
 
 def _with_served(entry: Mapping[str, Any], served_models: tuple[str, ...]) -> Mapping[str, Any]:

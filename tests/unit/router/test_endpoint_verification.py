@@ -123,6 +123,14 @@ def test_served_names_come_from_the_profile_not_from_meta() -> None:
     assert [SERVED] == sorted(snapshot.models)
 
 
+def test_a_replica_of_an_older_profile_gets_no_requests_for_the_new_name() -> None:
+    """Meta naming only an old served name: placed, but routable for no name (being replaced)."""
+    old = health_entry(PLACED_ID, meta=service_meta(served_models="old-name"))
+    kept, unverified = verify_entries({SERVICE: [old]}, trust())
+
+    assert ({}, ()) == (kept, unverified)
+
+
 def test_allow_unverified_keeps_them_as_they_are_and_still_reports_them() -> None:
     """The unsafe setting routes to unverified entries by their own Meta, and says so."""
     rogue = health_entry("rogue-1", service="caravan-evil", meta=service_meta(served_models="m"))
