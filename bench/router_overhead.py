@@ -463,7 +463,17 @@ def orchestrate(args: argparse.Namespace) -> int:
         )
         _, consul = stack.enter_context(
             _started(
-                [python, "-m", "devcluster", "--consul-port", "0", "--dns-port", "0"],
+                [
+                    python,
+                    "-m",
+                    "devcluster",
+                    "--consul-port",
+                    "0",
+                    "--dns-port",
+                    "0",
+                    "--nomad-port",
+                    "0",
+                ],
                 r"CONSUL_HTTP_ADDR=([\d.:]+)",
             )
         )
@@ -477,6 +487,9 @@ def orchestrate(args: argparse.Namespace) -> int:
             "CONSUL_HTTP_ADDR": consul_addr,
             "CARAVAN_ROUTER_PORT": "0",
             "CARAVAN_ROUTER_REGISTER_SERVICE": "false",
+            # The upstream is registered by hand, with no Nomad and no scheduler
+            # to place it: only the unsafe setting lets the router use it.
+            "CARAVAN_ROUTER_ALLOW_UNVERIFIED_ENDPOINTS": "true",
         }
         _, router = stack.enter_context(
             _started([python, "-m", "router"], r"listening on http://[\d.]+:(\d+)", env=env)

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 # Every model service carries this tag; the router discovers models by it.
 SERVICE_TAG = "caravan"
@@ -157,3 +160,92 @@ class KVLayout:
     def desired_key(self, name: str) -> str:
         """The desired replica count of a model (`caravan scale`, the autoscaler)."""
         return f"{self.desired}{name}"
+
+    @property
+    def placements(self) -> str:
+        return f"{self.prefix}placements/"
+
+    def placements_key(self, name: str) -> str:
+        """The live allocations the scheduler placed for a model (JSON `Placements`).
+
+        Written only by the leading scheduler, from what Nomad reports; routers
+        accept a Consul service instance only if it is Nomad's registration of
+        one of these allocations (endpoint verification, docs/security.md).
+        """
+        return f"{self.placements}{name}"
+
+
+# -- placements (contract 5): what the scheduler placed, so routers can verify endpoints ----
+
+# Nomad builds a service ID from the allocation ID, the task name (`group-<group>`
+# for a group-level service), the service name and its port label
+# (`MakeAllocServiceID` in client/serviceregistration/id.go and
+# `WorkloadServices.Name` in workload.go of Nomad's source).
+NOMAD_SERVICE_ID_PREFIX = "_nomad-task-"
+# Nomad allocation IDs are UUIDs.
+ALLOC_ID_PATTERN = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
+
+
+def nomad_service_id(alloc_id: str, model_name: str) -> str:
+    """The Consul service ID Nomad registers for a replica allocation's engine service."""
+    return (
+        f"{NOMAD_SERVICE_ID_PREFIX}{alloc_id}-group-{GROUP_NAME}-"
+        f"{model_service_name(model_name)}-{HTTP_PORT_LABEL}"
+    )
+
+
+_Frozen = ConfigDict(frozen=True, extra="forbid")
+
+
+class PlacedAllocation(BaseModel):
+    """One live allocation of a replica job, where Nomad put its engine's HTTP port."""
+
+    model_config = _Frozen
+
+    alloc_id: Annotated[str, StringConstraints(pattern=ALLOC_ID_PATTERN)]
+    job_id: Annotated[str, StringConstraints(min_length=1)]
+    # The host IP and port Nomad allocated for the `http` label (the address
+    # Nomad registers the service with).
+    address: Annotated[str, StringConstraints(min_length=1)]
+    port: int = Field(ge=1, le=65535)
+    # The Nomad node the allocation runs on ("" when Nomad did not say). When
+    # several Consul instances carry the allocation's service ID, routers
+    # prefer the one registered on the Consul node of this name.
+    node: str = ""
+
+
+class Placements(BaseModel):
+    """The document at `<prefix>placements/<model>`: one model's live, placed allocations."""
+
+    model_config = _Frozen
+
+    model: Annotated[str, StringConstraints(pattern=MODEL_NAME_PATTERN.pattern)]
+    allocations: tuple[PlacedAllocation, ...] = ()
+
+
+class PlacementsError(ValueError):
+    """A placements document that cannot be read; the message names the key and the field."""
+
+
+def encode_placements(placements: Placements) -> str:
+    """The JSON the scheduler writes; allocations sorted, so equal sets encode alike."""
+    ordered = placements.model_copy(
+        update={"allocations": tuple(sorted(placements.allocations, key=lambda a: a.alloc_id))}
+    )
+    return ordered.model_dump_json()
+
+
+def decode_placements(raw: bytes | str, *, key: str, model: str) -> Placements:
+    """The placements stored at `key`, which must be those of `model`.
+
+    Raises PlacementsError naming the key and the first field in error.
+    """
+    try:
+        placements = Placements.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "document"
+        raise PlacementsError(f"{key}: {where}: {first['msg']}") from None
+    if placements.model != model:
+        raise PlacementsError(f"{key}: model {placements.model!r} does not match its key")
+    return placements

@@ -121,6 +121,7 @@ class RouterRuntime:
             metrics=self.metrics,
             wait_s=settings.consul_wait_s,
             clock=clock,
+            allow_unverified=settings.allow_unverified_endpoints,
         )
         self._session: aiohttp.ClientSession | None = None
         self.proxy = Proxy(

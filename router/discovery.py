@@ -4,6 +4,7 @@
       -> health/<service>     one blocking watch per model service, every status
     KV <prefix>models/        declared profiles (models that exist at zero replicas)
     KV <prefix>draining/      replicas the scheduler is draining (no new requests)
+    KV <prefix>placements/    the live allocations the scheduler placed, per model
 
 Watchers only store what they read and signal (`asyncio.Event.set`, which
 coalesces); one rebuild task re-reads everything stored, builds the snapshot
@@ -14,8 +15,16 @@ drain) and swaps both in with one assignment (`RoutingState.swap`).
 When Consul cannot be reached the watches back off and the router keeps
 serving from the last view; `staleness_s` says for how long it has been
 blind, for `/health` and the metrics. The view counts as synced once the
-catalog, both KV prefixes and the health of every model service have each
-been read once.
+catalog, the three KV prefixes and the health of every model service have
+each been read once.
+
+Endpoint verification: a health entry becomes an endpoint only if it is the
+service Nomad registered for an allocation in the model's placements document
+(written by the scheduler, the one writer of the prefix), at the address Nomad
+allocated for it; it answers to the served name of the model's stored profile.
+Every other entry is ignored (`verify_entries`, pure) unless `allow_unverified`
+is set (setups without Nomad); one still unverified after
+`UNVERIFIED_LOG_AFTER_S` is logged once and counted.
 """
 
 from __future__ import annotations
@@ -29,9 +38,27 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 from caravan.consul_api import HealthEntry, KVEntry
-from caravan.contract import SERVICE_TAG, KVLayout, ServiceMetaKey, replica_job_id
+from caravan.contract import (
+    SERVICE_TAG,
+    KVLayout,
+    Placements,
+    PlacementsError,
+    ServiceMetaKey,
+    decode_placements,
+    model_service_name,
+    nomad_service_id,
+    replica_job_id,
+)
 from caravan.watch import BlockingWatch, Fetch
-from router.endpoints import SkippedEntry, snapshot_from_health
+from router.endpoints import (
+    PlacedAddress,
+    SkippedEntry,
+    TrustedService,
+    UnverifiedEntry,
+    UnverifiedReason,
+    snapshot_from_health,
+    verify_entries,
+)
 from router.live_state import reconcile_live_state
 from router.metrics import RouterMetrics
 from router.routing_state import KnownModel, RoutingState, RoutingView
@@ -41,6 +68,11 @@ log = logging.getLogger(__name__)
 # Consul aggregates an instance's checks into one status; the snapshot builder
 # takes checks, so the aggregate travels as one check under this id.
 AGGREGATE_CHECK_ID = "caravan:aggregate"
+# An instance is logged and counted as unverified once it has been so for this
+# long: the scheduler publishes a new replica's allocation on the reconcile
+# pass that Nomad's allocation change wakes, which may end a moment after the
+# replica registered in Consul.
+UNVERIFIED_LOG_AFTER_S = 10.0
 
 
 class DiscoveryConsul(Protocol):
@@ -150,6 +182,51 @@ def profiles_from_kv(
     return models, problems
 
 
+def placements_from_kv(
+    entries: Iterable[KVEntry], prefix: str
+) -> tuple[dict[str, Placements], list[str]]:
+    """The placements document of each model, and one problem line per document left out.
+
+    The model is the key under `prefix`. A model whose document is left out
+    has no placed allocation, so its entries verify against nothing (fail closed).
+    """
+    placements: dict[str, Placements] = {}
+    problems: list[str] = []
+    for entry in sorted(entries, key=lambda item: item.key):
+        name = entry.key[len(prefix) :] if entry.key.startswith(prefix) else ""
+        if not name or "/" in name:
+            continue
+        try:
+            placements[name] = decode_placements(entry.value, key=entry.key, model=name)
+        except PlacementsError as exc:
+            problems.append(str(exc))
+    return placements, problems
+
+
+def trusted_services(
+    profiles: Mapping[str, KnownModel], placements: Mapping[str, Placements]
+) -> dict[str, TrustedService]:
+    """What caravan vouches for, by model service name.
+
+    For each declared model: its profile's served name, and Nomad's service ID
+    of each allocation the scheduler placed for it, with where Nomad put it.
+    """
+    trusted: dict[str, TrustedService] = {}
+    for known in profiles.values():
+        placed = placements.get(known.name)
+        allocations = placed.allocations if placed is not None else ()
+        trusted[model_service_name(known.name)] = TrustedService(
+            served_models=(known.served_model_name,),
+            placed={
+                nomad_service_id(alloc.alloc_id, known.name): PlacedAddress(
+                    alloc.address, alloc.port, alloc.node
+                )
+                for alloc in allocations
+            },
+        )
+    return trusted
+
+
 # -- the watch loops --------------------------------------------------------------------
 
 
@@ -165,8 +242,11 @@ class Discovery:
         metrics: RouterMetrics,
         wait_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        allow_unverified: bool = False,
+        unverified_log_after_s: float = UNVERIFIED_LOG_AFTER_S,
     ) -> None:
         self._consul = consul
+        self._allow_unverified = allow_unverified
         self._state = state
         self._layout = layout
         self._metrics = metrics
@@ -181,6 +261,13 @@ class Discovery:
         self._health_tasks: dict[str, asyncio.Task[None]] = {}
         self._profiles: dict[str, KnownModel] | None = None
         self._draining_jobs: frozenset[str] | None = None
+        self._placements: dict[str, Placements] | None = None
+        self._last_placement_problems: tuple[str, ...] = ()
+        self._unverified_log_after_s = unverified_log_after_s
+        self._last_unverified: tuple[UnverifiedEntry, ...] = ()
+        self._unverified_since: dict[tuple[str | None, UnverifiedReason], float] = {}
+        self._unverified_reported: set[tuple[str | None, UnverifiedReason]] = set()
+        self._recheck_at: float | None = None
         self._last_skipped: frozenset[tuple[str | None, str]] = frozenset()
         self._last_problems: tuple[str, ...] = ()
 
@@ -190,6 +277,9 @@ class Discovery:
         )
         self._draining_watch = BlockingWatch(
             f"kv {layout.draining}", self._kv_fetch(layout.draining), **self._w()
+        )
+        self._placements_watch = BlockingWatch(
+            f"kv {layout.placements}", self._kv_fetch(layout.placements), **self._w()
         )
         self._health_watches: dict[str, BlockingWatch[tuple[HealthEntry, ...]]] = {}
         self._task_group: asyncio.TaskGroup | None = None
@@ -204,6 +294,9 @@ class Discovery:
             group.create_task(self._models_watch.run(self._on_models), name="discovery-models")
             group.create_task(
                 self._draining_watch.run(self._on_draining), name="discovery-draining"
+            )
+            group.create_task(
+                self._placements_watch.run(self._on_placements), name="discovery-placements"
             )
             group.create_task(self._rebuild_loop(), name="discovery-rebuild")
 
@@ -224,6 +317,7 @@ class Discovery:
             self._catalog_watch,
             self._models_watch,
             self._draining_watch,
+            self._placements_watch,
             *self._health_watches.values(),
         ]
 
@@ -289,11 +383,29 @@ class Discovery:
         self._draining_jobs = keys_under(entries, self._layout.draining)
         self._changed.set()
 
+    async def _on_placements(self, entries: tuple[KVEntry, ...]) -> None:
+        placements, problems = placements_from_kv(entries, self._layout.placements)
+        if tuple(problems) != self._last_placement_problems:
+            for problem in problems:
+                log.warning("placements_ignored", extra={"problem": problem})
+            self._last_placement_problems = tuple(problems)
+        self._placements = placements
+        self._changed.set()
+
     # -- the rebuild -----------------------------------------------------------------
 
     async def _rebuild_loop(self) -> None:
         while True:
-            await self._changed.wait()
+            wait_s = (
+                None if self._recheck_at is None else max(0.0, self._recheck_at - self._clock())
+            )
+            try:
+                async with asyncio.timeout(wait_s):
+                    await self._changed.wait()
+            except TimeoutError:
+                # Nothing changed, but an unverified instance's grace period ran out.
+                self._report_unverified(self._last_unverified)
+                continue
             self._changed.clear()
             self.rebuild()
 
@@ -304,17 +416,21 @@ class Discovery:
             name: [health_json(entry) for entry in entries]
             for name, entries in self._health.items()
         }
-        index = max(self._health_index.values(), default=0)
-        snapshot, skipped = snapshot_from_health(
-            entries_by_service, index, previous=previous.snapshot
+        profiles = self._profiles if self._profiles is not None else {}
+        verified, unverified = verify_entries(
+            entries_by_service,
+            trusted_services(profiles, self._placements or {}),
+            allow_unverified=self._allow_unverified,
         )
+        self._report_unverified(unverified)
+        index = max(self._health_index.values(), default=0)
+        snapshot, skipped = snapshot_from_health(verified, index, previous=previous.snapshot)
         self._log_skipped(skipped)
         draining = draining_endpoint_ids(
             (entry for entries in self._health.values() for entry in entries),
             self._draining_jobs or frozenset(),
         )
         live = reconcile_live_state(self._state.live, snapshot, draining)
-        profiles = self._profiles if self._profiles is not None else {}
         view = RoutingView(snapshot=snapshot, profiles=MappingProxyType(dict(profiles)))
         synced = self._state.synced or self._is_synced()
         self._metrics.discovery_rebuilds.inc()
@@ -325,8 +441,47 @@ class Discovery:
             self._services is not None
             and self._profiles is not None
             and self._draining_jobs is not None
+            and self._placements is not None
             and all(name in self._health for name in self._services)
         )
+
+    def _report_unverified(self, unverified: tuple[UnverifiedEntry, ...]) -> None:
+        """Set the current gauge; log and count each instance unverified for the grace period once.
+
+        The grace period keeps a replica that registered a moment before the
+        scheduler published its allocation out of the warnings. When some are
+        still within it, `_recheck_at` makes the rebuild loop look again then.
+        """
+        self._last_unverified = unverified
+        now = self._clock()
+        action = "accepted" if self._allow_unverified else "ignored"
+        current = {(item.service_id, item.reason): item for item in unverified}
+        # Only what is still registered is remembered, so both stay bounded.
+        self._unverified_since = {key: self._unverified_since.get(key, now) for key in current}
+        self._unverified_reported &= current.keys()
+        due: float | None = None
+        for key, item in current.items():
+            if key in self._unverified_reported:
+                continue
+            at = self._unverified_since[key] + self._unverified_log_after_s
+            if at > now:
+                due = at if due is None else min(due, at)
+                continue
+            self._unverified_reported.add(key)
+            self._metrics.unverified_endpoints.labels(item.reason.value, action).inc()
+            log.warning(
+                "endpoint_unverified",
+                extra={
+                    "service": item.service,
+                    "service_id": item.service_id,
+                    "reason": item.reason.value,
+                    "action": action,
+                },
+            )
+        self._recheck_at = due
+        for reason in UnverifiedReason:
+            count = sum(1 for item in unverified if item.reason is reason)
+            self._metrics.unverified_endpoints_current.labels(reason.value).set(count)
 
     def _log_skipped(self, skipped: tuple[SkippedEntry, ...]) -> None:
         # Once per change, not on every rebuild: a bad registration stays bad.

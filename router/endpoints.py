@@ -10,6 +10,12 @@ model's hash ring.
 An entry that does not carry caravan's service Meta (contract 4) is skipped
 with a reason, never crashed on, so one hand-registered service cannot take
 routing down for every model.
+
+`verify_entries` runs first, also pure: an entry is an endpoint only if it is
+the service Nomad registered for an allocation the scheduler placed for that
+model (`caravan/placements/<model>`), at the address and port Nomad allocated
+for it, and the names it answers to come from the model's stored profile,
+never from the service's own Meta (docs/security.md, "Endpoint verification").
 """
 
 from __future__ import annotations
@@ -222,6 +228,160 @@ def snapshot_from_health(
         ring = old.ring if reusable and old is not None else HashRing.build(ids, virtual_nodes)
         models[model] = ModelEndpoints(model=model, endpoints=tuple(endpoints), ring=ring)
     return EndpointSnapshot(index=index, models=models, by_id=by_id), tuple(skipped)
+
+
+class UnverifiedReason(StrEnum):
+    """Why an entry is not an endpoint caravan placed (a bounded metric label)."""
+
+    # No stored profile declares the model of this service name.
+    NO_PROFILE = "no_profile"
+    # The service ID is not Nomad's for any live allocation the scheduler placed.
+    NOT_PLACED = "not_placed"
+    # The ID matches, but not the address and port Nomad allocated for it.
+    ADDRESS_MISMATCH = "address_mismatch"
+    # Another instance with the same ID, address and port was kept: the one on
+    # the allocation's node when there is one, else the first.
+    DUPLICATE = "duplicate"
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedAddress:
+    """Where Nomad put one allocation's engine: the host IP and port of its `http` label."""
+
+    address: str
+    port: int
+    node: str = ""  # the Nomad node's name; "" = unknown
+
+
+@dataclass(frozen=True, slots=True)
+class TrustedService:
+    """What caravan vouches for under one model service name (`caravan-<model>`)."""
+
+    # The OpenAI `model` values the model's stored profile declares.
+    served_models: tuple[str, ...]
+    # Nomad's service ID of each placed allocation -> where Nomad put it.
+    placed: Mapping[str, PlacedAddress]
+
+
+@dataclass(frozen=True, slots=True)
+class UnverifiedEntry:
+    """A health entry that is not an endpoint caravan placed (for one log line and a metric)."""
+
+    service: str
+    service_id: str | None
+    reason: UnverifiedReason
+
+
+def verify_entries(
+    entries_by_service: Mapping[str, Sequence[Mapping[str, Any]]],
+    trusted: Mapping[str, TrustedService],
+    *,
+    allow_unverified: bool = False,
+) -> tuple[dict[str, list[Mapping[str, Any]]], tuple[UnverifiedEntry, ...]]:
+    """Keep the entries caravan placed; report every other one with its reason.
+
+    A kept entry comes back as a copy whose `Meta.served_models` is the
+    profile's served names that its Meta also names, so a registration never
+    gets traffic for a name its model's profile does not declare, and a
+    replica still running an older profile under another name gets none for
+    the new name (it is being replaced); a placed entry left with no name is
+    dropped. `trusted` is keyed by service name; a service missing from it
+    has no profile. With `allow_unverified` (setups
+    without Nomad) unverified entries are kept unchanged, Meta and all, and
+    still reported.
+    """
+    kept: dict[str, list[Mapping[str, Any]]] = {}
+    unverified: list[UnverifiedEntry] = []
+    for service_name in sorted(entries_by_service):
+        trust = trusted.get(service_name)
+        entries = entries_by_service[service_name]
+        reasons = [_unverified_reason(entry, trust) for entry in entries]
+        if trust is not None:
+            _mark_duplicates(entries, reasons, trust)
+        for entry, reason in zip(entries, reasons, strict=True):
+            if reason is None and trust is not None:
+                served = _served_by_both(entry, trust.served_models)
+                if served:
+                    kept.setdefault(service_name, []).append(_with_served(entry, served))
+                continue
+            if reason is not None:
+                unverified.append(UnverifiedEntry(service_name, _service_id_of(entry), reason))
+            if allow_unverified:
+                kept.setdefault(service_name, []).append(entry)
+    return kept, tuple(unverified)
+
+
+def _mark_duplicates(
+    entries: Sequence[Mapping[str, Any]],
+    reasons: list[UnverifiedReason | None],
+    trust: TrustedService,
+) -> None:
+    """Of verified entries sharing one service ID, keep one: on the allocation's node, else first.
+
+    Consul service IDs are unique per node only, so a copy of a replica's
+    registration (ID, address and port) can sit on another node; it points at
+    the real engine, but its checks and Meta are the copier's.
+    """
+    by_id: dict[str, list[int]] = {}
+    for position, (entry, reason) in enumerate(zip(entries, reasons, strict=True)):
+        service_id = _service_id_of(entry)
+        if reason is None and service_id is not None:
+            by_id.setdefault(service_id, []).append(position)
+    for service_id, positions in by_id.items():
+        if len(positions) < 2:
+            continue
+        node = trust.placed[service_id].node
+        on_node = [p for p in positions if node and _node_of(entries[p]) == node]
+        keep = on_node[0] if on_node else positions[0]
+        for position in positions:
+            if position != keep:
+                reasons[position] = UnverifiedReason.DUPLICATE
+
+
+def _node_of(entry: Mapping[str, Any]) -> str | None:
+    node = entry.get("Node")
+    if isinstance(node, Mapping) and isinstance(node.get("Node"), str):
+        return str(node["Node"])
+    return None
+
+
+def _unverified_reason(
+    entry: Mapping[str, Any], trust: TrustedService | None
+) -> UnverifiedReason | None:
+    if trust is None:
+        return UnverifiedReason.NO_PROFILE
+    service_id = _service_id_of(entry)
+    placed = trust.placed.get(service_id) if service_id is not None else None
+    if placed is None:
+        return UnverifiedReason.NOT_PLACED
+    service = entry.get("Service")
+    node = entry.get("Node")
+    address = service.get("Address") if isinstance(service, Mapping) else None
+    if not address and isinstance(node, Mapping):
+        address = node.get("Address")
+    port = service.get("Port") if isinstance(service, Mapping) else None
+    if address != placed.address or port != placed.port:
+        return UnverifiedReason.ADDRESS_MISMATCH
+    return None
+
+
+def _served_by_both(entry: Mapping[str, Any], declared: tuple[str, ...]) -> tuple[str, ...]:
+    """The profile's served names that the entry's own Meta names too."""
+    service = entry.get("Service")
+    meta = service.get("Meta") if isinstance(service, Mapping) else None
+    raw = meta.get(ServiceMetaKey.SERVED_MODELS) if isinstance(meta, Mapping) else None
+    claimed = {name.strip() for name in raw.split(",")} if isinstance(raw, str) else set()
+    return tuple(name for name in declared if name in claimed)
+
+
+def _with_served(entry: Mapping[str, Any], served_models: tuple[str, ...]) -> Mapping[str, Any]:
+    service = entry.get("Service")
+    if not isinstance(service, Mapping):  # pragma: no cover - a placed ID implies a Service
+        return entry
+    meta = service.get("Meta")
+    meta_copy = dict(meta) if isinstance(meta, Mapping) else {}
+    meta_copy[ServiceMetaKey.SERVED_MODELS] = ",".join(served_models)
+    return {**entry, "Service": {**service, "Meta": meta_copy}}
 
 
 def _same_density(ring: HashRing, virtual_nodes: int) -> bool:

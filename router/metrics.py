@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -204,6 +204,22 @@ class RouterMetrics:
         self.discovery_rebuilds = Counter(
             "caravan_router_discovery_rebuilds_total",
             "Endpoint snapshots built from Consul.",
+            registry=registry,
+        )
+        # Endpoint verification (docs/security.md): labels are the reason
+        # (router.endpoints.UnverifiedReason) and what was done about it.
+        self.unverified_endpoints = Counter(
+            "caravan_router_unverified_endpoints_total",
+            "Consul service instances tagged caravan that caravan did not place, each counted "
+            "once after 10 s unverified, by reason and action (ignored, or accepted because "
+            "ALLOW_UNVERIFIED_ENDPOINTS is set).",
+            ["reason", "action"],
+            registry=registry,
+        )
+        self.unverified_endpoints_current = Gauge(
+            "caravan_router_endpoints_unverified",
+            "Consul service instances tagged caravan that caravan did not place, now, by reason.",
+            ["reason"],
             registry=registry,
         )
         self._children: dict[str, _ModelChildren] = {}

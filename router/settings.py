@@ -84,6 +84,10 @@ class RouterSettings(BaseSettings):
     scrape_timeout_s: float = Field(default=0.5, gt=0)
     # An engine scrape older than this is unknown, which the balancer reads as saturated.
     load_max_age_s: float = Field(default=5.0, gt=0)
+    # UNSAFE: route to Consul services tagged `caravan` that no scheduler placed
+    # (and by the served names their own Meta claims). Only for setups without
+    # Nomad: benchmarks, static endpoints. docs/security.md, "Endpoint verification".
+    allow_unverified_endpoints: bool = False
 
     # -- operations ---------------------------------------------------------------
     # Register this router in Consul as `caravan-router` with an HTTP check on /health.

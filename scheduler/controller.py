@@ -11,6 +11,12 @@ Safety rules that hold whatever the planner says:
 - a pass whose reads failed applies nothing (outage: retry with backoff);
 - a job list that suddenly comes back empty while profiles exist is suspect:
   the pass is skipped until the emptiness has been seen for a while.
+
+Each pass also publishes, per model, the live allocations of caravan's replica
+jobs and where Nomad put their engine (`<prefix>placements/<model>`, one codec
+in `caravan.contract`), written only when the set changes. Routers accept a
+Consul service as an endpoint only if it is Nomad's registration of one of
+these allocations (docs/security.md, "Endpoint verification").
 """
 
 from __future__ import annotations
@@ -19,15 +25,29 @@ import asyncio
 import contextlib
 import logging
 import random
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from caravan.consul_api import HealthEntry
-from caravan.contract import JOB_PREFIX, ServiceMetaKey, model_service_name
+from caravan.consul_api import HealthEntry, KVEntry
+from caravan.contract import (
+    ALLOC_ID_PATTERN,
+    HTTP_PORT_LABEL,
+    JOB_PREFIX,
+    MODEL_NAME_PATTERN,
+    PlacedAllocation,
+    Placements,
+    PlacementsError,
+    ServiceMetaKey,
+    decode_placements,
+    encode_placements,
+    model_service_name,
+)
 from caravan.errors import HashiError, HashiNotFound
 from caravan.nomad_api import (
+    AllocatedPort,
     Allocation,
     DeregisterResult,
     Evaluation,
@@ -98,23 +118,72 @@ class NomadReads(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class AllocEngine:
+    """The port Nomad allocated for an allocation's `http` label, and the node it runs on."""
+
+    port: AllocatedPort
+    node_name: str
+
+
+@dataclass(frozen=True, slots=True)
 class NomadReadout:
     """caravan's jobs (stubs with Meta), their allocations grouped by job, and the nodes."""
 
     job_stubs: list[dict[str, Any]]
     allocs_by_job: dict[str, list[Mapping[str, Any]]]
     node_stubs: list[Mapping[str, Any]]
+    # Where each allocation's engine listens (its `http` port) and on which node.
+    engines: dict[str, AllocEngine] = field(default_factory=dict)
 
 
 async def read_nomad(nomad: NomadReads) -> NomadReadout:
     """The three Nomad reads the controller and `caravan status` both start from."""
     job_stubs = (await nomad.list_jobs(JOB_PREFIX, meta=True)).value
-    allocations = (await nomad.list_allocations()).value
+    allocations = (await nomad.list_allocations(resources=True)).value
     nodes = (await nomad.list_nodes(resources=False)).value
     allocs_by_job: dict[str, list[Mapping[str, Any]]] = {}
+    engines: dict[str, AllocEngine] = {}
     for allocation in allocations:
         allocs_by_job.setdefault(allocation.job_id, []).append(allocation.raw)
-    return NomadReadout(job_stubs, allocs_by_job, [node.raw for node in nodes])
+        for port in allocation.ports or ():
+            if port.label == HTTP_PORT_LABEL and port.host_ip and port.value > 0:
+                engines[allocation.id] = AllocEngine(port, allocation.node_name)
+    return NomadReadout(job_stubs, allocs_by_job, [node.raw for node in nodes], engines)
+
+
+def placements_of(
+    replicas: Mapping[str, ObservedReplica], engines: Mapping[str, AllocEngine]
+) -> dict[str, Placements]:
+    """Per model, the live allocations of its replica jobs and where their engine listens (pure).
+
+    An allocation whose `http` port Nomad has not reported is left out (the
+    next pass publishes it): routers must never be told an address that is not
+    Nomad's. So is a job whose Meta names no valid model, or an allocation id
+    that is not Nomad's UUID form (neither can be a replica caravan rendered).
+    """
+    placed: dict[str, list[PlacedAllocation]] = {}
+    for job_id in sorted(replicas):
+        replica = replicas[job_id]
+        if not MODEL_NAME_PATTERN.match(replica.model):
+            continue
+        allocations = placed.setdefault(replica.model, [])
+        for alloc in replica.live_allocs():
+            engine = engines.get(alloc.id)
+            if engine is None or not re.match(ALLOC_ID_PATTERN, alloc.id):
+                continue
+            allocations.append(
+                PlacedAllocation(
+                    alloc_id=alloc.id,
+                    job_id=job_id,
+                    address=engine.port.host_ip,
+                    port=engine.port.value,
+                    node=engine.node_name,
+                )
+            )
+    return {
+        model: Placements(model=model, allocations=tuple(allocations))
+        for model, allocations in placed.items()
+    }
 
 
 class NomadJobs(NomadReads, Protocol):
@@ -188,6 +257,22 @@ def _with_health(replica: ObservedReplica, passing_by_alloc: Mapping[str, bool])
     return replace(replica, passing=passing)
 
 
+def _stored_placements(entries: tuple[KVEntry, ...], prefix: str) -> dict[str, str]:
+    """What is under placements/ now, by model, normalised; unreadable documents are rewritten."""
+    stored: dict[str, str] = {}
+    for entry in entries:
+        model = entry.key[len(prefix) :]
+        if not model or "/" in model:
+            continue
+        try:
+            stored[model] = encode_placements(
+                decode_placements(entry.value, key=entry.key, model=model)
+            )
+        except PlacementsError:
+            stored[model] = ""
+    return stored
+
+
 class Controller:
     """Keeps Nomad's caravan jobs equal to what the profiles in KV ask for."""
 
@@ -219,6 +304,11 @@ class Controller:
         self.last_plan: Plan | None = None
         self._reported_models: set[str] = set()
         self._unplaced: set[str] = set()
+        self.last_placements: dict[str, Placements] = {}
+        # What this process last wrote (or found) under placements/, by model;
+        # None until read from KV, which a new leader does once.
+        self._published: dict[str, str] | None = None
+        self._engines: dict[str, AllocEngine] = {}
 
     async def observe(self, desired: DesiredState) -> Observation:
         """Read Nomad (jobs, allocations, nodes) and Consul health into one snapshot."""
@@ -228,6 +318,7 @@ class Controller:
             self.metrics.backend_up.labels(backend="nomad").set(0)
             raise
         self.metrics.backend_up.labels(backend="nomad").set(1)
+        self._engines = readout.engines
         replicas: dict[str, ObservedReplica] = {}
         for job_stub in readout.job_stubs:
             replica = replica_from_job_stub(job_stub)
@@ -281,6 +372,8 @@ class Controller:
 
     async def _reconcile(self) -> ReconcileResult:
         if not self.is_leader():
+            # Another leader may write placements meanwhile: re-read them when leading again.
+            self._published = None
             self.metrics.reconcile_passes.labels(outcome="skipped").inc()
             return ReconcileResult(requeue_after_s=None, skipped="not the leader")
         try:
@@ -313,7 +406,9 @@ class Controller:
         self._record(result)
         if not self.is_leader():
             # Leadership can be lost while we read: never write after that.
+            self._published = None
             return ReconcileResult(requeue_after_s=None, plan=result, skipped="lost leadership")
+        await self.publish_placements(placements_of(observed.replicas, self._engines))
         applied, failed = await self.apply(result.actions)
         self.metrics.reconcile_passes.labels(outcome="ok" if not failed else "error").inc()
         requeue = result.requeue_after_s
@@ -356,6 +451,40 @@ class Controller:
         for name, problem in result.errors.items():
             self.metrics.errors.labels(kind="render").inc()
             log.error("profile_unrenderable", extra={"model": name, "problem": problem})
+
+    async def publish_placements(self, placements: Mapping[str, Placements]) -> None:
+        """Write each model's placements where they changed; delete those of models gone.
+
+        Failures are logged and retried on the next pass (they only delay a
+        new replica's first request, or keep a gone one listed a little longer).
+        """
+        self.last_placements = dict(placements)
+        kv = self.store.kv
+        prefix = self.store.layout.placements
+        try:
+            if self._published is None:
+                _, entries = await kv.kv_get_recurse(prefix)
+                self._published = _stored_placements(entries, prefix)
+            published = self._published
+            wanted = {model: encode_placements(doc) for model, doc in placements.items()}
+            for model in sorted(published.keys() - wanted.keys()):
+                await kv.kv_delete(self.store.layout.placements_key(model))
+                published.pop(model, None)
+                log.info("placements_cleared", extra={"model": model})
+            for model, document in sorted(wanted.items()):
+                if published.get(model) == document:
+                    continue
+                await kv.kv_put(self.store.layout.placements_key(model), document)
+                published[model] = document
+                log.info(
+                    "placements_published",
+                    extra={"model": model, "allocations": len(placements[model].allocations)},
+                )
+        except HashiError as exc:
+            self._published = None
+            # Counted by class like every failed Nomad or Consul call (the alerts read these).
+            self.metrics.errors.labels(kind=type(exc).__name__).inc()
+            log.warning("placements_publish_failed", extra={"error": str(exc)})
 
     async def apply(self, actions: tuple[Action, ...]) -> tuple[int, int]:
         """Apply actions with bounded concurrency; returns (applied, failed)."""

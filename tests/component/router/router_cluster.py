@@ -2,8 +2,12 @@
 
 Engines run as subprocesses (`python -m devcluster.engine`) on 127.0.0.1 and a
 free port, and are registered into the in-process devcluster Consul the way
-Nomad registers a replica: service `caravan-<model>`, tag `caravan`, the
-contract's Meta, an HTTP check on `/health` every second.
+Nomad registers a replica: service `caravan-<model>`, tag `caravan`, Nomad's
+service ID for an allocation, the contract's Meta, an HTTP check on `/health`
+every second. There is no scheduler here, so `register_replica` also writes
+what the scheduler would: the model's profile (when absent) and the
+allocation in `caravan/placements/<model>`, so these tests run with endpoint
+verification on.
 """
 
 from __future__ import annotations
@@ -36,7 +40,17 @@ from caravan.consul_api import (
     ServiceRegistration,
     TtlCheck,
 )
-from caravan.contract import KVLayout, ServiceMetaKey, model_service_name
+from caravan.contract import (
+    KVLayout,
+    PlacedAllocation,
+    Placements,
+    ServiceMetaKey,
+    decode_placements,
+    encode_placements,
+    model_service_name,
+    nomad_service_id,
+    replica_job_id,
+)
 from devcluster.consul.server import ConsulConfig, ConsulServer
 from router.app import RUNTIME, RouterRuntime, app_runner, create_app
 from router.settings import RouterSettings
@@ -182,12 +196,25 @@ async def register_replica(
     capacity: int = 64,
     check: str = "http",
 ) -> str:
-    """Register a replica as Nomad would; returns its service id.
+    """Register a replica as Nomad would, and place it as the scheduler would; returns its id.
 
     `check`: "http" (on /health every 1s), "ttl" (set by the test), or "none"
     (Consul then reads the instance as passing).
     """
-    service_id = f"_nomad-task-{uuid.uuid4()}-engine-{model_service_name(model)}-http"
+    alloc_id = str(uuid.uuid4())
+    service_id = nomad_service_id(alloc_id, model)
+    # cas=0 creates only: a profile the test declared itself is kept.
+    await consul.kv_put(LAYOUT.model_key(model), json.dumps(_profile(model)), cas=0)
+    await place_allocation(
+        consul,
+        model,
+        PlacedAllocation(
+            alloc_id=alloc_id,
+            job_id=replica_job_id(model, replica),
+            address="127.0.0.1",
+            port=port,
+        ),
+    )
     checks: tuple[HttpCheck | TtlCheck, ...] = ()
     if check == "http":
         checks = (HttpCheck(url=f"http://127.0.0.1:{port}/health", interval_s=1.0, timeout_s=1.0),)
@@ -207,10 +234,30 @@ async def register_replica(
     return service_id
 
 
+async def place_allocation(consul: ConsulClient, model: str, alloc: PlacedAllocation) -> None:
+    """Add an allocation to the model's placements document, as the scheduler publishes it."""
+    key = LAYOUT.placements_key(model)
+    for _ in range(100):
+        _, entry = await consul.kv_get(key)
+        current = (
+            decode_placements(entry.value, key=key, model=model)
+            if entry is not None
+            else Placements(model=model)
+        )
+        updated = Placements(model=model, allocations=(*current.allocations, alloc))
+        cas = entry.modify_index if entry is not None else 0
+        if await consul.kv_put(key, encode_placements(updated), cas=cas):
+            return
+    raise AssertionError(f"could not update {key}")
+
+
+def _profile(name: str, **fields: Any) -> dict[str, Any]:
+    return {"name": name, "engine": "vllm", "replicas": {"min": 0, "max": 2}, **fields}
+
+
 async def declare_model(consul: ConsulClient, name: str, **fields: Any) -> None:
     """Write a profile to KV as `caravan submit` would (only the fields the router reads)."""
-    profile = {"name": name, "engine": "vllm", "replicas": {"min": 0, "max": 2}, **fields}
-    await consul.kv_put(LAYOUT.model_key(name), json.dumps(profile))
+    await consul.kv_put(LAYOUT.model_key(name), json.dumps(_profile(name, **fields)))
 
 
 @dataclass
