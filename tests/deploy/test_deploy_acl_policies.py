@@ -68,7 +68,13 @@ def test_router_writes_only_demand_records():
     rules = consul_rules("router")
     layout = KVLayout()
     assert allows(rules, "key", layout.demand_key("m"), "write")
-    for key in [layout.model_key("m"), layout.desired_key("m"), layout.draining_key("j")]:
+    read_only = [
+        layout.model_key("m"),
+        layout.desired_key("m"),
+        layout.draining_key("j"),
+        layout.placements_key("m"),
+    ]
+    for key in read_only:
         assert allows(rules, "key", key, "read"), key
         assert not allows(rules, "key", key, "write"), key
     assert not allows(rules, "key", "other-app/secret", "read")
