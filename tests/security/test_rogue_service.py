@@ -276,7 +276,8 @@ async def run_scenario(
     allow = RouterSettings(
         port=0, register_service=False, allow_unverified_endpoints=True, policy=Policy.ROUND_ROBIN
     )
-    async with aiohttp.ClientSession() as session:
+    # The stack's router needs its API key; the unsafe one has none and ignores it.
+    async with aiohttp.ClientSession(headers=stack.router.headers) as session:
         verified = await send(session, f"{stack.router.base_url}/v1/chat/completions", served)
         counts_verified = {name: engine.requests for name, engine in engines.items()}
         async with running_router(allow, consul) as unsafe:
