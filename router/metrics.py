@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -204,6 +204,33 @@ class RouterMetrics:
         self.discovery_rebuilds = Counter(
             "caravan_router_discovery_rebuilds_total",
             "Endpoint snapshots built from Consul.",
+            registry=registry,
+        )
+        # -- hardening: connections and requests refused before the proxy ------------
+        self.connections_open = Gauge(
+            "caravan_router_connections_open",
+            "Client connections open, per listener (public, admin).",
+            ["listener"],
+            registry=registry,
+        )
+        self.connections_closed = Counter(
+            "caravan_router_connections_closed_total",
+            "Client connections the router closed itself, by reason (header_timeout, "
+            "body_timeout, evicted, refused, bad_request).",
+            ["listener", "reason"],
+            registry=registry,
+        )
+        self.requests_refused = Counter(
+            "caravan_router_requests_refused_total",
+            "Requests answered before the proxy, by reason (unauthorized, rate_limited, "
+            "invalid_request, too_large, body_timeout, not_found, method_not_allowed).",
+            ["reason"],
+            registry=registry,
+        )
+        self.key_requests = Counter(
+            "caravan_router_key_requests_total",
+            "Authenticated requests per API key name, admitted or rate_limited.",
+            ["key", "outcome"],
             registry=registry,
         )
         self._children: dict[str, _ModelChildren] = {}
