@@ -151,8 +151,16 @@ class RequestGuard:
         except web.HTTPException as exc:
             # aiohttp's own 404/405/413...; never a 2xx/3xx here (the router raises none).
             return self._refuse(_http_error(exc, request, self._max_body_bytes))
+        except RequestTimeout as exc:
+            # The body did not come: answer and close now. A plain forced close
+            # would first spend aiohttp's lingering time reading the rest of it.
+            response = self._refuse(exc, close=True)
+            await response.prepare(request)
+            await response.write_eof()
+            protocol.force_close()
+            return response
         except RouterError as exc:
-            return self._refuse(exc, close=isinstance(exc, RequestTimeout))
+            return self._refuse(exc)
         finally:
             if guarded is not None:
                 guarded.request_finished()
