@@ -39,6 +39,7 @@ from router_hardening_harness import (
 )
 
 from caravan.consul_api import ConsulClient
+from caravan.contract import ROUTER_SERVICE
 from devcluster.consul.server import ConsulServer
 
 OPENAI_ERROR_FIELDS = {"message", "type", "param", "code"}
@@ -650,3 +651,58 @@ def _sample(text: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[-1])
     return 0.0
+
+
+async def test_caravan_router_with_an_admin_port_checks_health_there(
+    consul_pair: tuple[ConsulServer, ConsulClient], http: aiohttp.ClientSession
+) -> None:
+    """`caravan router --admin-port 0` serves /metrics there, and Consul's check passes on it."""
+    server, consul = consul_pair
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "caravan_cli",
+        "router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--admin-port",
+        "0",
+        cwd=REPO,
+        env={
+            **os.environ,
+            "CONSUL_HTTP_ADDR": server.http_addr,
+            "CARAVAN_ROUTER_LOG_FORMAT": "text",
+            "CARAVAN_ROUTER_SHUTDOWN_TIMEOUT_S": "1",
+        },
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        assert process.stdout is not None
+        admin_line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
+        public_line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
+        admin_url = admin_line.strip().rsplit(" ", 1)[-1]
+        public_url = public_line.strip().rsplit(" ", 1)[-1]
+
+        async def router_passing() -> bool:
+            _, entries = await consul.health_service(ROUTER_SERVICE)
+            return bool(entries) and all(entry.status == "passing" for entry in entries)
+
+        # Consul's check of /health goes to the admin port (the public one answers 404).
+        await wait_until(router_passing, timeout_s=20, what="router check passing")
+        statuses = {}
+        for name, url in (
+            ("admin-metrics", admin_url + "/metrics"),
+            ("public-metrics", public_url + "/metrics"),
+            ("public-health", public_url + "/health"),
+        ):
+            async with http.get(url) as response:
+                statuses[name] = response.status
+    finally:
+        process.terminate()
+        await asyncio.wait_for(process.wait(), 15)
+
+    assert admin_line.startswith("caravan router admin on http://127.0.0.1:")
+    assert {"admin-metrics": 200, "public-metrics": 404, "public-health": 404} == statuses
