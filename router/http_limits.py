@@ -11,7 +11,7 @@ implements), overriding only the asyncio protocol callbacks and
 
     AWAITING_HEADERS --(middleware sees the request)--> IN_REQUEST
           ^                                                 |
-          +--(first byte of the next request)-- IDLE <------+ (handler done)
+          +--(first byte of the next request)-- IDLE <------+ (response written)
 
 1. A connection waits for its headers at most `header_read_timeout_s` from
    its opening, or from the first byte of a later request on a keep-alive
@@ -21,12 +21,14 @@ implements), overriding only the asyncio protocol callbacks and
    (`router.request_guard`), because only a handler knows a body is expected.
 2. An IDLE connection is closed by aiohttp's keep-alive timer
    (`keepalive_timeout_s`).
-3. At most `max_connections` are open. A connection over the cap first
-   evicts the connection idle longest, else the one that has waited longest
-   for its headers (a half-open connection: a real client sends its headers
-   in milliseconds, so the oldest waiter is the one not sending them); only
-   when every connection is inside a request is the newcomer refused with an
-   immediate 503 (OpenAI JSON, `Connection: close`). The cap sits below the
+3. At most `max_connections` are open. A connection over the cap evicts the
+   connection that has been idle, or waiting for its headers, the longest: a
+   real client sends its headers in milliseconds, so under a flood of
+   half-open connections the oldest waiter is an attacker's, and an active
+   keep-alive client has been idle for less time than they have waited. A
+   connection inside a request (until its response is written) is never
+   evicted; only when every connection is inside one is the newcomer refused
+   with an immediate 503 (OpenAI JSON, `Connection: close`). The cap sits below the
    process's descriptor limit, so `accept` never fails with EMFILE, which
    would stall every client. Engagement is logged at most every 10 s.
 4. Malformed HTTP (aiohttp's parser errors) gets OpenAI JSON: 431 for a line
@@ -113,11 +115,10 @@ def decide_connection(open_connections: Sequence[ConnectionView], limit: int) ->
     """Whether a new connection fits (module docstring, rule 3)."""
     if len(open_connections) < limit:
         return AcceptConnection()
-    for phase in (Phase.IDLE, Phase.AWAITING_HEADERS):
-        waiting = [view for view in open_connections if view.phase is phase]
-        if waiting:
-            return EvictConnection(min(waiting, key=lambda view: view.since).key)
-    return RefuseConnection()
+    evictable = [view for view in open_connections if view.phase is not Phase.IN_REQUEST]
+    if not evictable:
+        return RefuseConnection()
+    return EvictConnection(min(evictable, key=lambda view: view.since).key)
 
 
 def connection_limit_for(descriptor_limit: int) -> int:
@@ -191,12 +192,15 @@ class ConnectionGuard:
 
     def admit(self, connection: GuardedRequestHandler) -> bool:
         """Take a new connection in (evicting another if the cap says so); False = refuse it."""
+        if len(self._open) < self.limit:
+            # The common case, without looking at every open connection.
+            self._open[id(connection)] = connection
+            return True
         views = [
             ConnectionView(key, handler.phase, handler.phase_since)
             for key, handler in self._open.items()
         ]
-        decision = decide_connection(views, self.limit)
-        match decision:
+        match decide_connection(views, self.limit):
             case AcceptConnection():
                 pass
             case EvictConnection(key=key):
@@ -270,14 +274,20 @@ class GuardedRequestHandler(RequestHandler):
         self.guard.forget(self)
         super().connection_lost(exc)
 
-    # -- called by the request middleware ------------------------------------------------
+    # -- a request's start (told by the request middleware) and end ----------------------
 
     def request_started(self) -> None:
         self._disarm()
         self._enter(Phase.IN_REQUEST)
 
-    def request_finished(self) -> None:
-        self._enter(Phase.IDLE)
+    async def finish_response(
+        self, request: BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        """aiohttp's last step of every request: once the response is written, it is idle."""
+        try:
+            return await super().finish_response(request, resp, start_time)
+        finally:
+            self._enter(Phase.IDLE)
 
     # -- closing -----------------------------------------------------------------------
 

@@ -2,8 +2,8 @@
 
 For every request, before any handler:
 
-1. tell the connection (`router.http_limits`) its headers are in, and after
-   the handler that it is idle again;
+1. tell the connection (`router.http_limits`) its headers are in (it stops
+   the header deadline; the connection notes the end of the response itself);
 2. on `/v1/` routes: authenticate the key (`router.api_keys`, 401), apply its
    rate limit (429 + Retry-After), and rewrite `x-caravan-priority` to what
    the key is granted (`grant_priority`), so the proxy downstream only ever
@@ -143,9 +143,8 @@ class RequestGuard:
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         protocol = request.protocol
-        guarded = protocol if isinstance(protocol, GuardedRequestHandler) else None
-        if guarded is not None:
-            guarded.request_started()
+        if isinstance(protocol, GuardedRequestHandler):
+            protocol.request_started()
         try:
             return await self._guarded(request, handler)
         except web.HTTPException as exc:
@@ -161,9 +160,6 @@ class RequestGuard:
             return response
         except RouterError as exc:
             return self._refuse(exc)
-        finally:
-            if guarded is not None:
-                guarded.request_finished()
 
     async def on_response_prepare(
         self, _request: web.Request, response: web.StreamResponse

@@ -28,15 +28,25 @@ def test_below_the_cap_every_connection_is_accepted() -> None:
     assert AcceptConnection() == decide_connection([view(1, Phase.IN_REQUEST, 0.0)], 2)
 
 
-def test_at_the_cap_the_longest_idle_connection_makes_room_first() -> None:
-    """Idle keep-alive connections go before half-open ones, the oldest first."""
+def test_at_the_cap_the_connection_idle_longest_makes_room() -> None:
+    """An idle keep-alive connection older than every half-open one goes first."""
     views = [
-        view(1, Phase.AWAITING_HEADERS, 0.0),
+        view(1, Phase.AWAITING_HEADERS, 4.0),
         view(2, Phase.IDLE, 5.0),
         view(3, Phase.IDLE, 3.0),
-        view(4, Phase.IN_REQUEST, 1.0),
+        view(4, Phase.IN_REQUEST, 0.0),
     ]
     assert EvictConnection(3) == decide_connection(views, 4)
+
+
+def test_under_a_half_open_flood_active_keep_alive_clients_keep_their_connection() -> None:
+    """Half-open connections older than a recently served idle one go before it."""
+    views = [
+        view(1, Phase.IDLE, 9.0),
+        view(2, Phase.AWAITING_HEADERS, 1.0),
+        view(3, Phase.AWAITING_HEADERS, 2.0),
+    ]
+    assert EvictConnection(2) == decide_connection(views, 3)
 
 
 def test_at_the_cap_the_oldest_half_open_connection_makes_room() -> None:
