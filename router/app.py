@@ -215,16 +215,13 @@ class RouterRuntime:
         address = advertise_address(self.settings)
         service_id = self.service_id = router_service_id(address, port)
         self.demand.router_id = service_id
-        check_port = port
+        # /health lives on the admin listener when there is one.
+        check_address, check_port = address, port
         if self.admin_port is not None:
             check_port = self.admin_port
             if self.settings.admin_host not in _WILDCARD_HOSTS:
-                address_checked = self.settings.admin_host
-            else:
-                address_checked = address
-        else:
-            address_checked = address
-        host = f"[{address_checked}]" if ":" in address_checked else address_checked
+                check_address = self.settings.admin_host
+        host = f"[{check_address}]" if ":" in check_address else check_address
         registration = ServiceRegistration(
             name=ROUTER_SERVICE,
             service_id=service_id,
