@@ -613,7 +613,10 @@ async def test_300_half_open_connections_do_not_stop_legitimate_requests(
 
             await wait_until(serving, timeout_s=20, what="router serving")
             flood = await half_open_flood(url, 300)
-            results = await legitimate_requests(url, 10 if guarded else 2, timeout_s=3)
+            if guarded:
+                results = await legitimate_requests(url, 10, timeout_s=10)
+            else:
+                results = await legitimate_requests(url, 2, timeout_s=3)
             if guarded:
                 # Every half-open connection is closed (evicted, or at its header deadline).
                 async with asyncio.timeout(15):
@@ -643,7 +646,8 @@ async def test_300_half_open_connections_do_not_stop_legitimate_requests(
     assert evicted > 0
     assert timed_out > 0
     assert "Traceback" not in log_text
-    assert 1 == log_text.count("connection_limit_reached")
+    # Logged when the cap engages, at most once per 10 s: not once per connection.
+    assert 1 <= log_text.count("connection_limit_reached") <= 3
 
 
 def _sample(text: str, name: str) -> float:
