@@ -4,7 +4,8 @@
     ├── InvalidRequest            400  the body is not JSON, has no `model`, ...
     │   ├── InvalidField          400  a body field has the wrong type (`param` names it)
     │   ├── RequestTooLarge       413  the body is over the router's limit
-    │   └── HeadersTooLarge       431  a request line or header field over the limit
+    │   ├── HeadersTooLarge       431  a request line or header field over the limit
+    │   └── TooManyHeaders        431  more header fields than the limit
     ├── Unauthorized              401  no API key, or not one of the configured keys
     ├── RouteNotFound             404  no such path
     ├── MethodNotAllowed          405  the path exists, not with this method
@@ -85,6 +86,14 @@ class HeadersTooLarge(InvalidRequest):
             f"{limit_bytes} bytes."
         )
         self.limit_bytes = limit_bytes
+
+
+class TooManyHeaders(InvalidRequest):
+    status = 431
+    code = "request_header_fields_too_large"
+
+    def __init__(self) -> None:
+        super().__init__("The request has more header fields than the router accepts.")
 
 
 class Unauthorized(RouterError):

@@ -53,7 +53,7 @@ from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import LineTooLong
+from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
@@ -63,6 +63,7 @@ from router.errors import (
     RequestTimeout,
     RouterError,
     TooManyConnections,
+    TooManyHeaders,
     error_body,
     retry_after_s,
 )
@@ -335,6 +336,9 @@ class GuardedRequestHandler(RequestHandler):
         error: RouterError
         if isinstance(exc, LineTooLong):
             error = HeadersTooLarge(self.max_field_size)
+        elif isinstance(exc, BadHttpMessage) and exc.message.startswith("Too many headers"):
+            # aiohttp's parsers (C and Python) say only this about max_headers.
+            error = TooManyHeaders()
         elif status == HTTPStatus.BAD_REQUEST:
             error = InvalidRequest("The request is not valid HTTP/1.1.")
         else:

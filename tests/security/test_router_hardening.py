@@ -437,6 +437,7 @@ async def test_404_405_413_431_are_openai_json_and_server_names_no_version(
             ("405", "GET", "/v1/chat/completions", {}),
             ("413", "POST", "/v1/chat/completions", {"data": b"x" * 4096}),
             ("431", "GET", "/v1/models", {"headers": {"X-Big": "a" * 8192}}),
+            ("431-count", "GET", "/v1/models", {"headers": {f"X-{i}": "a" for i in range(200)}}),
             ("models", "GET", "/v1/models", {}),
         ):
             async with http.request(method, router.url + path, **kwargs) as response:
@@ -454,6 +455,7 @@ async def test_404_405_413_431_are_openai_json_and_server_names_no_version(
         "405": (405, "method_not_allowed", "caravan", "POST"),
         "413": (413, "request_too_large", "caravan", None),
         "431": (431, "request_header_fields_too_large", "caravan", None),
+        "431-count": (431, "request_header_fields_too_large", "caravan", None),
         "models": (200, None, "caravan", None),
     } == answers
 
