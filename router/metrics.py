@@ -40,7 +40,9 @@ class RequestOutcome(StrEnum):
 
     OK = "ok"  # the engine answered 2xx and the whole answer reached the client
     ENGINE_CLIENT_ERROR = "engine_4xx"  # the engine refused the request (4xx), passed through
-    INVALID = "invalid"  # the router refused it: bad JSON, no model, too large, bad key
+    # The proxy refused it (malformed, oversized and unauthenticated requests are
+    # refused before the proxy, in caravan_router_requests_refused_total).
+    INVALID = "invalid"
     UNKNOWN_MODEL = "unknown_model"
     REJECTED = "rejected"  # no capacity: 429/503 with Retry-After
     UPSTREAM_ERROR = "upstream_error"  # 5xx/502/504 after the attempts ran out
