@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from http import HTTPStatus
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
@@ -254,9 +254,10 @@ class GuardedRequestHandler(RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if not self.guard.admit(self):
             self._refused = True
-            if isinstance(transport, asyncio.WriteTransport):
-                transport.write(raw_error_response(TooManyConnections(self.guard.limit)))
-            transport.close()
+            # A stream transport (uvloop's are not asyncio.Transport subclasses).
+            stream = cast("asyncio.Transport", transport)
+            stream.write(raw_error_response(TooManyConnections(self.guard.limit)))
+            stream.close()
             return
         super().connection_made(transport)
         self._arm()

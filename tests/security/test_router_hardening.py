@@ -222,6 +222,38 @@ async def test_at_the_cap_with_every_connection_in_a_request_a_newcomer_gets_503
     assert (1.0, [200, 200]) == (refused, statuses)
 
 
+async def raw_answers_at_the_limits() -> tuple[bytes, bytes]:
+    """A router with a cap of 2: the raw 408 of a half request line, then the raw 503."""
+    async with running_consul() as (_, consul), aiohttp.ClientSession() as http:
+        async with OrderEngine(held=frozenset({"a", "b"})) as engine:
+            await register_engine(consul, engine.port)
+            async with running_router(
+                consul, max_connections=2, header_read_timeout_s=0.5
+            ) as router:
+                await wait_until(router.routable, timeout_s=5, what="endpoint")
+                timed_out = await raw_exchange(port_of(router), b"POST /v1/chat/compl")
+                url = router.url + "/v1/chat/completions"
+                busy = [asyncio.create_task(http.post(url, json=chat(n))) for n in ("a", "b")]
+                await wait_until(lambda: 2 == len(engine.order), timeout_s=5, what="both held")
+                refused = await raw_exchange(port_of(router), b"GET /v1/models HTTP/1.1\r\n\r\n")
+                engine.release.set()
+                for task in busy:
+                    async with await task as response:
+                        await response.read()
+    return timed_out, refused
+
+
+def test_the_raw_408_and_503_are_written_on_uvloop_too() -> None:
+    """uvloop, the router's production loop, has its own transports: both answers still go out."""
+    uvloop = pytest.importorskip("uvloop")
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        timed_out, refused = runner.run(raw_answers_at_the_limits())
+
+    assert timed_out.startswith(b"HTTP/1.1 408 ")
+    assert refused.startswith(b"HTTP/1.1 503 ")
+    assert b'"too_many_connections"' in refused
+
+
 # -- priority --------------------------------------------------------------------------------
 
 
