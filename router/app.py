@@ -1,8 +1,9 @@
 """Wiring: build the router's objects, its aiohttp app, and own its background tasks.
 
     app = create_app(settings, consul=consul, registry=CollectorRegistry())
-    runner = app_runner(app, settings)          # handler cancellation on, no access log
+    runner = app_runner(app, settings)          # guarded connections (router.http_limits)
     await runner.setup(); await web.TCPSite(runner, host, port).start()
+    # optional: app_runner(create_admin_app(app[RUNTIME]), settings, listener="admin")
     await app[RUNTIME].register(bound_port)      # Consul service `caravan-router`
     ...
     await app[RUNTIME].deregister()              # shutdown: leave Consul first,
@@ -13,6 +14,10 @@ writer) run in one `asyncio.TaskGroup` inside one supervisor task started
 from `cleanup_ctx` and cancelled when the app is cleaned up, after in-flight
 requests had their `shutdown_timeout_s`; the shared `aiohttp.ClientSession`
 closes last.
+
+Every request passes the request guard (`router.request_guard`: keys, rate
+limits, priority grants, body limits, OpenAI-shaped errors) before its
+handler; the proxy itself no longer checks keys.
 """
 
 from __future__ import annotations

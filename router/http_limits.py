@@ -181,10 +181,6 @@ class ConnectionGuard:
         self._evicted_since_log = 0
         self._refused_since_log = 0
 
-    @property
-    def open_count(self) -> int:
-        return len(self._open)
-
     def now(self) -> float:
         return self._clock()
 
