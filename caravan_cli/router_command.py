@@ -33,6 +33,16 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         choices=[policy.value for policy in Policy],
         help="balancing policy (default prefix_affinity)",
     )
+    parser.add_argument(
+        "--api-keys-file",
+        help="YAML/JSON list of named API keys {name, key, max_priority, rps, burst}",
+    )
+    parser.add_argument("--admin-host", help="address of the /health and /metrics listener")
+    parser.add_argument(
+        "--admin-port",
+        type=int,
+        help="serve /health and /metrics on this port instead of the public one (0 = any)",
+    )
     parser.set_defaults(handler=run_router)
 
 
@@ -42,6 +52,9 @@ def run_router(args: argparse.Namespace) -> int:
         "port": args.port,
         "kv_prefix": args.kv_prefix,
         "policy": args.policy,
+        "api_keys_file": args.api_keys_file,
+        "admin_host": args.admin_host,
+        "admin_port": args.admin_port,
     }
     try:
         settings = RouterSettings(**{k: v for k, v in overrides.items() if v is not None})

@@ -1,8 +1,9 @@
 """Wiring: build the router's objects, its aiohttp app, and own its background tasks.
 
     app = create_app(settings, consul=consul, registry=CollectorRegistry())
-    runner = app_runner(app, settings)          # handler cancellation on, no access log
+    runner = app_runner(app, settings)          # guarded connections (router.http_limits)
     await runner.setup(); await web.TCPSite(runner, host, port).start()
+    # optional: app_runner(create_admin_app(app[RUNTIME]), settings, listener="admin")
     await app[RUNTIME].register(bound_port)      # Consul service `caravan-router`
     ...
     await app[RUNTIME].deregister()              # shutdown: leave Consul first,
@@ -13,6 +14,10 @@ writer) run in one `asyncio.TaskGroup` inside one supervisor task started
 from `cleanup_ctx` and cancelled when the app is cleaned up, after in-flight
 requests had their `shutdown_timeout_s`; the shared `aiohttp.ClientSession`
 closes last.
+
+Every request passes the request guard (`router.request_guard`: keys, rate
+limits, priority grants, body limits, OpenAI-shaped errors) before its
+handler; the proxy itself no longer checks keys.
 """
 
 from __future__ import annotations
@@ -32,12 +37,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from caravan.consul_api import HttpCheck, ServiceRegistration
 from caravan.contract import ROUTER_SERVICE
 from router.admission_gate import AdmissionGate, DemandSignal, DemandStore
+from router.api_keys import KeyRing, build_key_ring, load_key_file
 from router.breaker import phase_at
 from router.discovery import Discovery, DiscoveryConsul
 from router.endpoints import CheckStatus
+from router.http_limits import ConnectionGuard, GuardedAppRunner, default_connection_limit
 from router.load_scraper import LoadScraper
 from router.metrics import EndpointGauge, RouterMetrics, RouterStateView
-from router.proxy import Proxy, RequestLog
+from router.proxy import Proxy, RequestLog, log_request
+from router.request_guard import RequestGuard, current_key_name
 from router.routing_state import RoutingState
 from router.settings import RouterSettings
 
@@ -50,6 +58,8 @@ _DEREGISTER_CRITICAL_AFTER_S = 60.0
 _HEALTH_CHECK_INTERVAL_S = 5.0
 _HEALTH_CHECK_TIMEOUT_S = 2.0
 _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})  # noqa: S104 - compared, never bound
+# The admin listener serves two routes to a monitoring system: a few connections suffice.
+_ADMIN_MAX_CONNECTIONS = 64
 
 
 class RouterConsul(DiscoveryConsul, DemandStore, Protocol):
@@ -88,6 +98,7 @@ class RouterRuntime:
         clock: Callable[[], float],
         wall_clock: Callable[[], float],
         request_log: RequestLog | None = None,
+        keys: KeyRing | None = None,
     ) -> None:
         self.settings = settings
         self.consul = consul
@@ -124,15 +135,29 @@ class RouterRuntime:
             allow_unverified=settings.allow_unverified_endpoints,
         )
         self._session: aiohttp.ClientSession | None = None
+        self.keys = keys if keys is not None else key_ring(settings)
+        self.request_guard = RequestGuard(
+            keys=self.keys,
+            metrics=self.metrics,
+            default_priority=settings.default_priority,
+            trust_priority_header=settings.trust_priority_header,
+            max_body_bytes=settings.max_body_bytes,
+            body_read_timeout_s=settings.body_read_timeout_s,
+            max_json_depth=settings.max_json_depth,
+            clock=clock,
+        )
+        # The port /health is checked on: the admin listener's when there is one.
+        self.admin_port: int | None = None
         self.proxy = Proxy(
-            settings,
+            # Keys are checked once, by the request guard, for every route.
+            settings.model_copy(update={"api_keys": ()}),
             state=self.state,
             gate=self.gate,
             session=self.session,
             metrics=self.metrics,
             clock=clock,
             wall_clock=wall_clock,
-            request_log=request_log,
+            request_log=_with_key_name(request_log or log_request),
         )
         self.metrics.add_state_collector(self.state_view)
         self.shutting_down = False
@@ -196,7 +221,13 @@ class RouterRuntime:
         address = advertise_address(self.settings)
         service_id = self.service_id = router_service_id(address, port)
         self.demand.router_id = service_id
-        host = f"[{address}]" if ":" in address else address
+        # /health lives on the admin listener when there is one.
+        check_address, check_port = address, port
+        if self.admin_port is not None:
+            check_port = self.admin_port
+            if self.settings.admin_host not in _WILDCARD_HOSTS:
+                check_address = self.settings.admin_host
+        host = f"[{check_address}]" if ":" in check_address else check_address
         registration = ServiceRegistration(
             name=ROUTER_SERVICE,
             service_id=service_id,
@@ -205,7 +236,7 @@ class RouterRuntime:
             tags=(ROUTER_TAG,),
             checks=(
                 HttpCheck(
-                    url=f"http://{host}:{port}/health",
+                    url=f"http://{host}:{check_port}/health",
                     interval_s=_HEALTH_CHECK_INTERVAL_S,
                     timeout_s=_HEALTH_CHECK_TIMEOUT_S,
                     deregister_critical_after_s=_DEREGISTER_CRITICAL_AFTER_S,
@@ -300,6 +331,24 @@ class RouterRuntime:
 RUNTIME = web.AppKey("caravan_router_runtime", RouterRuntime)
 
 
+def key_ring(settings: RouterSettings) -> KeyRing:
+    """The plain keys and the key file's entries; ApiKeyError naming the file if it is bad."""
+    entries = load_key_file(settings.api_keys_file) if settings.api_keys_file else ()
+    return build_key_ring(settings.api_keys, entries, default_priority=settings.default_priority)
+
+
+def _with_key_name(write: RequestLog) -> RequestLog:
+    """The canonical line, with the name of the request's API key when it has one."""
+
+    def write_with_key(fields: dict[str, object]) -> None:
+        key_name = current_key_name.get()
+        if key_name is not None:
+            fields["key"] = key_name
+        write(fields)
+
+    return write_with_key
+
+
 def create_app(
     settings: RouterSettings,
     *,
@@ -317,8 +366,7 @@ def create_app(
     runtime = RouterRuntime(
         settings, consul, registry, clock=clock, wall_clock=wall_clock, request_log=request_log
     )
-    app = web.Application(client_max_size=settings.max_body_bytes)
-    app[RUNTIME] = runtime
+    app = _guarded_app(runtime, client_max_size=settings.max_body_bytes)
     app.cleanup_ctx.append(runtime.lifecycle)
     proxy = runtime.proxy
     app.add_routes(
@@ -327,18 +375,56 @@ def create_app(
             web.post("/v1/completions", proxy.completions),
             web.post("/v1/embeddings", proxy.embeddings),
             web.get("/v1/models", proxy.models),
-            web.get("/health", runtime.health),
-            web.get("/metrics", runtime.prometheus),
         ]
     )
+    if settings.admin_port is None:
+        app.add_routes(_admin_routes(runtime))
     return app
 
 
-def app_runner(app: web.Application, settings: RouterSettings) -> web.AppRunner:
-    """The runner to serve the app with: client disconnects cancel handlers (logged as 499)."""
-    return web.AppRunner(
+def create_admin_app(runtime: RouterRuntime) -> web.Application:
+    """`/health` and `/metrics` alone, for the admin listener (no lifecycle of its own)."""
+    app = _guarded_app(runtime, client_max_size=1024)
+    app.add_routes(_admin_routes(runtime))
+    return app
+
+
+def _guarded_app(runtime: RouterRuntime, *, client_max_size: int) -> web.Application:
+    guard = runtime.request_guard
+    app = web.Application(client_max_size=client_max_size, middlewares=[guard.middleware])
+    app[RUNTIME] = runtime
+    app.on_response_prepare.append(guard.on_response_prepare)
+    return app
+
+
+def _admin_routes(runtime: RouterRuntime) -> list[web.RouteDef]:
+    return [web.get("/health", runtime.health), web.get("/metrics", runtime.prometheus)]
+
+
+def app_runner(
+    app: web.Application, settings: RouterSettings, *, listener: str = "public"
+) -> web.AppRunner:
+    """The runner to serve the app with (`router.http_limits`: header timeout, connection cap).
+
+    Client disconnects cancel handlers (logged as 499).
+    """
+    limit = settings.max_connections or default_connection_limit()
+    if listener == "admin":
+        limit = min(limit, _ADMIN_MAX_CONNECTIONS)
+    guard = ConnectionGuard(
+        listener=listener,
+        limit=limit,
+        header_timeout_s=settings.header_read_timeout_s,
+        metrics=app[RUNTIME].metrics,
+        clock=app[RUNTIME].clock,
+    )
+    return GuardedAppRunner(
         app,
+        guard=guard,
         handler_cancellation=True,
-        access_log=None,
         shutdown_timeout=settings.shutdown_timeout_s,
+        access_log=None,
+        keepalive_timeout=settings.keepalive_timeout_s,
+        max_line_size=settings.max_header_field_bytes,
+        max_field_size=settings.max_header_field_bytes,
     )

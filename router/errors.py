@@ -2,8 +2,16 @@
 
     RouterError                   base; `retryable` says if sending the request again may help
     ├── InvalidRequest            400  the body is not JSON, has no `model`, ...
-    │   └── RequestTooLarge       413  the body is over the router's limit
+    │   ├── InvalidField          400  a body field has the wrong type (`param` names it)
+    │   ├── RequestTooLarge       413  the body is over the router's limit
+    │   ├── HeadersTooLarge       431  a request line or header field over the limit
+    │   └── TooManyHeaders        431  more header fields than the limit
     ├── Unauthorized              401  no API key, or not one of the configured keys
+    ├── RouteNotFound             404  no such path
+    ├── MethodNotAllowed          405  the path exists, not with this method
+    ├── RequestTimeout            408  headers or body not received in time (connection closed)
+    ├── RateLimited               429  over the key's requests per second, Retry-After (retryable)
+    ├── TooManyConnections        503  the router is at its connection cap (retryable)
     ├── ModelNotFound             404  no endpoint serves the model and none is declared
     ├── NoHealthyEndpoint         503  endpoints exist, none can take the request   (retryable)
     ├── AdmissionRejected         429/503 with Retry-After                          (retryable)
@@ -35,6 +43,8 @@ class RouterError(Exception):
     status: int = 500
     error_type: str = "server_error"
     code: str = "internal_error"
+    # The request field the error is about (OpenAI's `param`), when there is one.
+    param: str | None = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -58,6 +68,34 @@ class RequestTooLarge(InvalidRequest):
         self.limit_bytes = limit_bytes
 
 
+class InvalidField(InvalidRequest):
+    """A field of the request body has the wrong type or value; `param` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class HeadersTooLarge(InvalidRequest):
+    status = 431
+    code = "request_header_fields_too_large"
+
+    def __init__(self, limit_bytes: int) -> None:
+        super().__init__(
+            f"A request line or header field is longer than the router's limit of "
+            f"{limit_bytes} bytes."
+        )
+        self.limit_bytes = limit_bytes
+
+
+class TooManyHeaders(InvalidRequest):
+    status = 431
+    code = "request_header_fields_too_large"
+
+    def __init__(self) -> None:
+        super().__init__("The request has more header fields than the router accepts.")
+
+
 class Unauthorized(RouterError):
     status = 401
     error_type = "invalid_request_error"
@@ -77,6 +115,60 @@ class ModelNotFound(RouterError):
     def __init__(self, model: str) -> None:
         super().__init__(f"The model '{model}' does not exist or has no replicas declared.")
         self.model = model
+
+
+class RouteNotFound(RouterError):
+    status = 404
+    error_type = "invalid_request_error"
+    code = "not_found"
+
+    def __init__(self, path: str) -> None:
+        # The path is the client's own input: cut it, so the answer stays small.
+        super().__init__(f"No route {path[:200]!r} on this router.")
+
+
+class MethodNotAllowed(RouterError):
+    status = 405
+    error_type = "invalid_request_error"
+    code = "method_not_allowed"
+
+    def __init__(self, method: str, allowed: str) -> None:
+        super().__init__(f"Method {method[:20]!r} is not allowed here; use {allowed}.")
+        self.allowed = allowed
+
+
+class RequestTimeout(RouterError):
+    status = 408
+    error_type = "invalid_request_error"
+    code = "request_timeout"
+
+    def __init__(self, what: str, timeout_s: float) -> None:
+        super().__init__(f"The request's {what} did not arrive within {timeout_s:g} s.")
+
+
+class RateLimited(RouterError):
+    retryable = True
+    status = 429
+    error_type = "rate_limit_error"
+    # What OpenAI's own API answers a rate-limited key with.
+    code = "rate_limit_exceeded"
+
+    def __init__(self, key_name: str, rps: float, retry_after_s: int) -> None:
+        super().__init__(
+            f"API key '{key_name}' is over its limit of {rps:g} requests per second; retry later."
+        )
+        self.retry_after_s = retry_after_s
+
+
+class TooManyConnections(RouterError):
+    retryable = True
+    status = 503
+    error_type = "unavailable_error"
+    code = "too_many_connections"
+
+    def __init__(self, limit: int, retry_after_s: int = 1) -> None:
+        super().__init__(f"The router is at its limit of {limit} connections; retry later.")
+        self.retry_after_s = retry_after_s
 
 
 class NoHealthyEndpoint(RouterError):
@@ -182,7 +274,7 @@ def error_body(error: RouterError) -> dict[str, Any]:
         "error": {
             "message": error.message,
             "type": error.error_type,
-            "param": None,
+            "param": error.param,
             "code": error.code,
         }
     }

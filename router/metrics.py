@@ -40,7 +40,9 @@ class RequestOutcome(StrEnum):
 
     OK = "ok"  # the engine answered 2xx and the whole answer reached the client
     ENGINE_CLIENT_ERROR = "engine_4xx"  # the engine refused the request (4xx), passed through
-    INVALID = "invalid"  # the router refused it: bad JSON, no model, too large, bad key
+    # The proxy refused it (malformed, oversized and unauthenticated requests are
+    # refused before the proxy, in caravan_router_requests_refused_total).
+    INVALID = "invalid"
     UNKNOWN_MODEL = "unknown_model"
     REJECTED = "rejected"  # no capacity: 429/503 with Retry-After
     UPSTREAM_ERROR = "upstream_error"  # 5xx/502/504 after the attempts ran out
@@ -220,6 +222,34 @@ class RouterMetrics:
             "caravan_router_endpoints_unverified",
             "Consul service instances tagged caravan that caravan did not place, now, by reason.",
             ["reason"],
+            registry=registry,
+        )
+
+        # -- hardening: connections and requests refused before the proxy ------------
+        self.connections_open = Gauge(
+            "caravan_router_connections_open",
+            "Client connections open, per listener (public, admin).",
+            ["listener"],
+            registry=registry,
+        )
+        self.connections_closed = Counter(
+            "caravan_router_connections_closed_total",
+            "Client connections the router closed itself, by reason (header_timeout, "
+            "body_timeout, evicted, refused, bad_request).",
+            ["listener", "reason"],
+            registry=registry,
+        )
+        self.requests_refused = Counter(
+            "caravan_router_requests_refused_total",
+            "Requests answered before the proxy, by reason (unauthorized, rate_limited, "
+            "invalid_request, too_large, body_timeout, not_found, method_not_allowed).",
+            ["reason"],
+            registry=registry,
+        )
+        self.key_requests = Counter(
+            "caravan_router_key_requests_total",
+            "Authenticated requests per API key name, admitted or rate_limited.",
+            ["key", "outcome"],
             registry=registry,
         )
         self._children: dict[str, _ModelChildren] = {}

@@ -27,7 +27,8 @@ from prometheus_client import CollectorRegistry
 from caravan.consul_api import ConsulClient, ConsulSettings
 from caravan.errors import HashiError
 from caravan.log_format import BufferedLineHandler, configure_logging
-from router.app import RUNTIME, RouterRuntime, app_runner, create_app
+from router.api_keys import ApiKeyError
+from router.app import RUNTIME, RouterRuntime, app_runner, create_admin_app, create_app, key_ring
 from router.proxy import RequestLog
 from router.settings import RouterSettings
 
@@ -88,8 +89,24 @@ async def _serve(
         )
         runtime = app[RUNTIME]
         runner = app_runner(app, settings)
+        admin_runner = (
+            app_runner(create_admin_app(runtime), settings, listener="admin")
+            if settings.admin_port is not None
+            else None
+        )
         await runner.setup()
         try:
+            if admin_runner is not None:
+                # /health and /metrics off the public port (before registering, which
+                # points Consul's check at it).
+                await admin_runner.setup()
+                admin_site = web.TCPSite(admin_runner, settings.admin_host, settings.admin_port)
+                await admin_site.start()
+                runtime.admin_port = int(admin_runner.addresses[0][1])
+                admin_host = _shown(settings.admin_host)
+                print(  # noqa: T201
+                    f"caravan router admin on http://{admin_host}:{runtime.admin_port}", flush=True
+                )
             site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)
             await site.start()
             port = int(runner.addresses[0][1])
@@ -97,7 +114,7 @@ async def _serve(
             # of the cyclic collector's generations, so collections stay short.
             gc.freeze()
             registering = asyncio.create_task(_register(runtime, port), name="router-register")
-            shown_host = f"[{settings.host}]" if ":" in settings.host else settings.host
+            shown_host = _shown(settings.host)
             print(f"caravan router listening on http://{shown_host}:{port}", flush=True)  # noqa: T201
             await stop.wait()
             log.info("router_stopping", extra={"shutdown_timeout_s": settings.shutdown_timeout_s})
@@ -110,7 +127,13 @@ async def _serve(
                 log.warning("router_deregister_failed", extra={"error": str(exc)})
         finally:
             await runner.cleanup()
+            if admin_runner is not None:
+                await admin_runner.cleanup()
     log.info("router_stopped")
+
+
+def _shown(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 async def _register(runtime: RouterRuntime, port: int) -> None:
@@ -149,6 +172,12 @@ def run(settings: RouterSettings, environ: Mapping[str, str]) -> int:
         consul_settings = ConsulSettings.from_env(environ)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)  # noqa: T201
+        return 2
+    try:
+        # Read once here too, so a bad key file is one line at startup, not a traceback.
+        key_ring(settings)
+    except ApiKeyError as exc:
+        print(f"error: CARAVAN_ROUTER_API_KEYS_FILE: {exc}", file=sys.stderr)  # noqa: T201
         return 2
     try:
         loop_factory = event_loop_factory(settings.event_loop)

@@ -9,6 +9,7 @@ them exactly as the Consul CLI does.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -102,6 +103,32 @@ class RouterSettings(BaseSettings):
     event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "text"] = "json"
+
+    # -- hardening (router/README.md, docs/security.md "Router hardening") --------
+    # Named keys with a priority ceiling and a rate limit: a YAML/JSON list of
+    # {name, key, max_priority, rps, burst} (router/api_keys.py); adds to api_keys.
+    api_keys_file: Path | None = None
+    # Honour x-caravan-priority from clients when no API key is configured (with
+    # keys, each key's max_priority bounds it instead).
+    trust_priority_header: bool = False
+    # From a connection's opening (or the first byte of its next request) to the
+    # end of the request headers; slower clients get 408 and are closed.
+    header_read_timeout_s: float = Field(default=10.0, gt=0)
+    # From the end of the headers to the end of the body.
+    body_read_timeout_s: float = Field(default=30.0, gt=0)
+    # How long an idle keep-alive connection stays open.
+    keepalive_timeout_s: float = Field(default=30.0, gt=0)
+    # Client connections open at once; None = from the process's descriptor
+    # limit (half of it less 64, for the upstream connections and the rest).
+    max_connections: int | None = Field(default=None, ge=1)
+    # Longest request line and header field (aiohttp's max_line_size /
+    # max_field_size); longer ones get 431.
+    max_header_field_bytes: int = Field(default=8190, ge=1024, le=1024 * 1024)
+    # JSON nesting a request body may have; deeper ones get 400.
+    max_json_depth: int = Field(default=64, ge=2, le=512)
+    # A separate listener for /health and /metrics (None = on the public port).
+    admin_host: str = "127.0.0.1"
+    admin_port: int | None = Field(default=None, ge=0, le=65535)
 
     @field_validator("api_keys", mode="before")
     @classmethod

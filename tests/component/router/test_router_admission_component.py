@@ -86,10 +86,13 @@ async def test_queued_request_times_out_with_503(
 async def test_queue_serves_lower_priority_numbers_first(
     consul: ConsulClient, http: aiohttp.ClientSession
 ) -> None:
-    """Waiting requests go in priority order (x-caravan-priority, lower first), not arrival."""
+    """Waiting requests go in priority order (x-caravan-priority, lower first), not arrival.
+
+    Without API keys the router honours the header only when the operator trusts it.
+    """
     async with FakeEngine(MODEL, mode="held", events=2) as engine:
         await register_replica(consul, MODEL, 0, engine.port, check="none", capacity=1)
-        async with running_router(consul) as router:
+        async with running_router(consul, trust_priority_header=True) as router:
             await wait_until(lambda: routable_count(router, MODEL) == 1, timeout_s=5, what="ep")
             url = router.url + "/v1/chat/completions"
             running = asyncio.create_task(http.post(url, json=chat_body(MODEL, "0", stream=True)))

@@ -7,12 +7,20 @@ import json
 import pytest
 
 from router.errors import (
+    HeadersTooLarge,
+    InvalidField,
     InvalidRequest,
+    MethodNotAllowed,
     ModelNotFound,
     NoHealthyEndpoint,
     QueueFull,
     QueueTimeout,
+    RateLimited,
+    RequestTimeout,
+    RouteNotFound,
     RouterError,
+    TooManyConnections,
+    TooManyHeaders,
     UpstreamConnectError,
     UpstreamError,
     UpstreamProtocolError,
@@ -52,6 +60,14 @@ def test_model_not_found_renders_openai_body() -> None:
         (UpstreamStatusError("ep-1", 503), 503, True, None),
         (UpstreamStatusError("ep-1", 500), 502, True, None),
         (UpstreamStatusError("ep-1", 404), 502, False, None),
+        (InvalidField("stream", "`stream` must be a boolean"), 400, False, None),
+        (RouteNotFound("/nope"), 404, False, None),
+        (MethodNotAllowed("GET", "POST"), 405, False, None),
+        (RequestTimeout("body", 30.0), 408, False, None),
+        (RateLimited("batch", 2.0, 3), 429, True, 3),
+        (HeadersTooLarge(8190), 431, False, None),
+        (TooManyHeaders(), 431, False, None),
+        (TooManyConnections(480), 503, True, 1),
     ],
 )
 def test_each_error_knows_status_retryability_and_retry_after(
@@ -68,3 +84,14 @@ def test_upstream_errors_share_a_base_and_name_the_endpoint() -> None:
     assert isinstance(error, UpstreamError)
     assert "ep-7" in error_body(error)["error"]["message"]
     assert error_body(error)["error"]["code"] == "upstream_status_error"
+
+
+def test_a_field_error_names_the_field_in_param() -> None:
+    """InvalidField renders OpenAI's `param` with the field's name."""
+    body = error_body(InvalidField("messages[1]", "`messages[1]` must be an object"))
+    assert ("messages[1]", "invalid_request") == (body["error"]["param"], body["error"]["code"])
+
+
+def test_a_client_path_is_cut_in_the_404_message() -> None:
+    """A 10 KB path does not come back whole in the error."""
+    assert len(RouteNotFound("/" + "a" * 10_000).message) < 300

@@ -1,0 +1,223 @@
+"""The request middleware: every answer in OpenAI's shape, keys, priority grants, body limits.
+
+For every request, before any handler:
+
+1. tell the connection (`router.http_limits`) its headers are in (it stops
+   the header deadline; the connection notes the end of the response itself);
+2. on `/v1/` routes: authenticate the key (`router.api_keys`, 401), apply its
+   rate limit (429 + Retry-After), and rewrite `x-caravan-priority` to what
+   the key is granted (`grant_priority`), so the proxy downstream only ever
+   sees granted priorities;
+3. on POST: read the body within `body_read_timeout_s` (408 and close on
+   expiry: a trickling body cannot hold a connection), within
+   `max_body_bytes` (413), and check it (`router.request_body.validate_body`:
+   nesting depth, strict JSON, an object, the types of `model`, `stream`,
+   `messages`; 400 naming the problem). The handler then reads the same
+   bytes from aiohttp's cache;
+4. turn aiohttp's own HTTP errors (404, 405, 413...) into OpenAI JSON.
+
+The key's name is put in a context variable for the canonical log line
+(`current_key_name`). Refusals are counted by reason, never logged one by one
+(a client could fill the log), and never with a key, header or body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from router.api_keys import ApiKey, KeyRing, RateLimits, grant_priority
+from router.errors import (
+    InvalidRequest,
+    MethodNotAllowed,
+    RateLimited,
+    RequestTimeout,
+    RequestTooLarge,
+    RouteNotFound,
+    RouterError,
+    Unauthorized,
+    error_body,
+    retry_after_s,
+)
+from router.http_limits import SERVER_HEADER, GuardedRequestHandler
+from router.metrics import RouterMetrics
+from router.request_body import validate_body
+
+log = logging.getLogger(__name__)
+
+PRIORITY_HEADER = "x-caravan-priority"
+_MAX_PRIORITY_CHARS = 20
+# The name of the API key of the request being handled (None: open router).
+current_key_name: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "caravan_router_key_name", default=None
+)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(error: RouterError, *, close: bool = False) -> web.Response:
+    """The OpenAI JSON answer for an error (with Retry-After when it has one)."""
+    headers: dict[str, str] = {}
+    retry_after = retry_after_s(error)
+    if retry_after is not None:
+        headers["Retry-After"] = str(retry_after)
+    if isinstance(error, MethodNotAllowed):
+        headers["Allow"] = error.allowed
+    response = web.json_response(error_body(error), status=error.status, headers=headers)
+    if close:
+        response.force_close()
+    return response
+
+
+def parse_priority(raw: str | None) -> int | None:
+    """The header's integer, None when absent; InvalidRequest when it is not an integer."""
+    if raw is None:
+        return None
+    text = raw.strip()
+    # Bounded before int(): more digits than any 64-bit integer is not a priority.
+    if len(text) > _MAX_PRIORITY_CHARS:
+        raise InvalidRequest(f"Header {PRIORITY_HEADER} must be an integer, got {raw[:40]!r}.")
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidRequest(
+            f"Header {PRIORITY_HEADER} must be an integer, got {raw[:40]!r}."
+        ) from None
+
+
+def _http_error(exc: web.HTTPException, request: web.Request, max_body_bytes: int) -> RouterError:
+    """The RouterError for one of aiohttp's own HTTP exceptions."""
+    if isinstance(exc, web.HTTPNotFound):
+        return RouteNotFound(request.path)
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        return MethodNotAllowed(request.method, ", ".join(sorted(exc.allowed_methods)))
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return RequestTooLarge(max_body_bytes)
+    error = InvalidRequest(exc.reason or HTTPStatus(exc.status).phrase)
+    error.status = exc.status
+    return error
+
+
+_REFUSAL_REASON: dict[type[RouterError], str] = {
+    Unauthorized: "unauthorized",
+    RateLimited: "rate_limited",
+    RequestTooLarge: "too_large",
+    RequestTimeout: "body_timeout",
+    RouteNotFound: "not_found",
+    MethodNotAllowed: "method_not_allowed",
+}
+
+
+class RequestGuard:
+    """The middleware (`middleware`) and `on_response_prepare` hook of the router's apps."""
+
+    def __init__(
+        self,
+        *,
+        keys: KeyRing,
+        metrics: RouterMetrics,
+        default_priority: int,
+        trust_priority_header: bool,
+        max_body_bytes: int,
+        body_read_timeout_s: float,
+        max_json_depth: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._keys = keys
+        self._metrics = metrics
+        self._default_priority = default_priority
+        self._trust_priority_header = trust_priority_header
+        self._max_body_bytes = max_body_bytes
+        self._body_read_timeout_s = body_read_timeout_s
+        self._max_json_depth = max_json_depth
+        self._clock = clock
+        self._rate_limits = RateLimits()
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        protocol = request.protocol
+        if isinstance(protocol, GuardedRequestHandler):
+            protocol.request_started()
+        try:
+            return await self._guarded(request, handler)
+        except web.HTTPException as exc:
+            # aiohttp's own 404/405/413...; never a 2xx/3xx here (the router raises none).
+            return self._refuse(_http_error(exc, request, self._max_body_bytes))
+        except RequestTimeout as exc:
+            # The body did not come: answer and close now. A plain forced close
+            # would first spend aiohttp's lingering time reading the rest of it.
+            response = self._refuse(exc, close=True)
+            await response.prepare(request)
+            await response.write_eof()
+            protocol.force_close()
+            return response
+        except RouterError as exc:
+            return self._refuse(exc)
+
+    async def on_response_prepare(
+        self, _request: web.Request, response: web.StreamResponse
+    ) -> None:
+        # aiohttp would send `Python/3.x aiohttp/3.x`: no versions to fingerprint.
+        response.headers["Server"] = SERVER_HEADER
+
+    def _refuse(self, error: RouterError, *, close: bool = False) -> web.Response:
+        reason = _REFUSAL_REASON.get(type(error), "invalid_request")
+        self._metrics.requests_refused.labels(reason).inc()
+        return error_response(error, close=close)
+
+    async def _guarded(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not request.path.startswith("/v1/") or request.match_info.http_exception is not None:
+            return await handler(request)
+        key = self._authenticate(request)
+        requested = parse_priority(request.headers.get(PRIORITY_HEADER))
+        granted = grant_priority(
+            requested,
+            key,
+            default=self._default_priority,
+            trust_header=self._trust_priority_header,
+        )
+        if requested is not None and granted != requested:
+            headers = CIMultiDict(request.headers)
+            headers[PRIORITY_HEADER] = str(granted)
+            request = request.clone(headers=headers)
+        if request.method == "POST":
+            body = await self._read_body(request)
+            validate_body(body, max_depth=self._max_json_depth)
+        token = current_key_name.set(key.name if key is not None else None)
+        try:
+            return await handler(request)
+        finally:
+            current_key_name.reset(token)
+
+    def _authenticate(self, request: web.Request) -> ApiKey | None:
+        if not self._keys.enabled:
+            return None
+        key = self._keys.authenticate(request.headers.get("Authorization"))
+        if key is None:
+            raise Unauthorized
+        wait_s = self._rate_limits.check(key, self._clock())
+        if wait_s is not None and key.rps is not None:
+            self._metrics.key_requests.labels(key.name, "rate_limited").inc()
+            raise RateLimited(key.name, key.rps, max(1, int(-(-wait_s // 1))))
+        self._metrics.key_requests.labels(key.name, "admitted").inc()
+        return key
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        length = request.content_length
+        if length is not None and length > self._max_body_bytes:
+            raise RequestTooLarge(self._max_body_bytes)
+        try:
+            async with asyncio.timeout(self._body_read_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            protocol = request.protocol
+            if isinstance(protocol, GuardedRequestHandler):
+                protocol.guard.count_closed("body_timeout")
+            raise RequestTimeout("body", self._body_read_timeout_s) from None
