@@ -33,6 +33,7 @@ from devcluster.nomad.events import TopicQueryError, event_matches, parse_topics
 from devcluster.nomad.gotext import NS_PER_S, parse_go_duration
 from devcluster.nomad.model import Allocation, Evaluation
 from devcluster.nomad.settings import NodeSpec
+from devcluster.nomad.variables import variable_routes
 
 if TYPE_CHECKING:
     from devcluster.nomad.server import NomadServer
@@ -695,4 +696,5 @@ def build_app(server: NomadServer) -> web.Application:
     route.add_post("/v1/devcluster/alloc/{alloc_id}/crash", devcluster_crash_alloc)
     route.add_put("/v1/devcluster/outage", devcluster_outage)
     route.add_post("/v1/devcluster/outage", devcluster_outage)
+    route.add_routes(variable_routes(server.variables))
     return app

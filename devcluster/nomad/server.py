@@ -37,6 +37,7 @@ from devcluster.nomad.leader import Leader
 from devcluster.nomad.model import Node
 from devcluster.nomad.settings import NodeSpec, NomadServerSettings, default_nodes
 from devcluster.nomad.state import ClusterState
+from devcluster.nomad.variables import VariableStore
 from devcluster.nomad.worker import Scheduler
 
 SHUTDOWN_TIMEOUT_S = 0.5
@@ -86,6 +87,7 @@ class NomadServer:
         self._owns_data_dir = self.settings.data_dir is None
         self.data_dir = self.settings.data_dir or Path(tempfile.mkdtemp(prefix="devcluster-nomad-"))
         self.state = ClusterState(time.time_ns)
+        self.variables = VariableStore(self.state)
         self.scheduler = Scheduler(self.state, rng=self._rng, new_id=self.new_id)
         self.endpoints = Endpoints(
             self.state, self.scheduler, new_id=self.new_id, monotonic=time.monotonic
