@@ -57,6 +57,8 @@ from devcluster.nomad.taskenv import (
     node_variables,
     task_environment,
 )
+from devcluster.nomad.templates import MissingVariable, TemplateError, render_task_templates
+from devcluster.nomad.variables import VariableStore, workload_may_read
 
 Json = dict[str, Any]
 
@@ -161,9 +163,15 @@ class TaskRunner:
             if self.kill_requested.is_set():
                 self.emit(TaskEvent("Killed", self.now()), state="dead", finished_at_ns=self.now())
                 return
+            template_env = await self._render_templates(task_dir)
+            if template_env is None:
+                if self.state.state == "dead":
+                    return  # the template failed; events already emitted
+                continue  # killed while waiting: the top of the loop reports it
             env = task_environment(
                 runner.alloc, runner.job, self.task, client.node, runner.alloc_dir
             )
+            env.update(template_env)  # template env overrides the task's env, as in Nomad
             exit_result: ExitResult | None = None
             start_error: DriverError | None = None
             try:
@@ -226,6 +234,56 @@ class TaskRunner:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay / 1e9):
                     await self.kill_requested.wait()
+
+    def _variable_items(self, path: str) -> Mapping[str, str] | None:
+        """What this task's workload identity reads at `path` (None: missing or denied)."""
+        runner = self.alloc_runner
+        store = runner.client.variables
+        if store is None:
+            return None
+        if runner.client.acl_enabled and not workload_may_read(
+            path, job_id=runner.alloc.job_id, group=runner.alloc.task_group, task=self.name
+        ):
+            return None
+        found = store.get(runner.alloc.namespace, path)
+        return None if found is None else found.items
+
+    async def _render_templates(self, task_dir: Path) -> dict[str, str] | None:
+        """Render the task's templates, waiting while a variable is missing (Nomad's
+        template runner blocks the start). None when killed meanwhile or failed."""
+        templates = self.task.get("Templates") or []
+        if not templates:
+            return {}
+        reported: str | None = None
+        state = self.alloc_runner.client.endpoints.state
+        region = str(self.alloc_runner.job.get("Region", "global"))
+        while not self.kill_requested.is_set():
+            changed = state.changed_event()
+            try:
+                return render_task_templates(templates, task_dir, self._variable_items)
+            except MissingVariable as missing:
+                namespace = self.alloc_runner.alloc.namespace
+                dependency = f"nomad.var.block({missing.path}@{namespace}.{region})"
+                if dependency != reported:
+                    reported = dependency
+                    self.emit(TaskEvent("Template", self.now(), message=f"Missing: {dependency}"))
+            except (TemplateError, OSError) as exc:
+                self.emit(TaskEvent("Killing", self.now(), kill_reason=f"Template failed: {exc}"))
+                self.emit(
+                    TaskEvent("Killed", self.now()),
+                    state="dead",
+                    failed=True,
+                    finished_at_ns=self.now(),
+                )
+                return None
+            kill = asyncio.ensure_future(self.kill_requested.wait())
+            write = asyncio.ensure_future(changed.wait())
+            try:
+                await asyncio.wait({kill, write}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                kill.cancel()
+                write.cancel()
+        return None
 
     def _interpolated_config(self, env: Mapping[str, str]) -> Json:
         node_vars = node_variables(
@@ -611,7 +669,11 @@ class ClientNode:
         heartbeat_interval_s: float,
         clock_ns: Callable[[], int],
         rng: random.Random,
+        variables: VariableStore | None = None,
+        acl_enabled: bool = False,
     ) -> None:
+        self.variables = variables
+        self.acl_enabled = acl_enabled
         self.node = node
         self.endpoints = endpoints
         self.consul = consul

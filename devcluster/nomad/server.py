@@ -202,6 +202,8 @@ class NomadServer:
             heartbeat_interval_s=min(self.settings.heartbeat_grace_s / 4, 1.0),
             clock_ns=self.state.clock_ns,
             rng=self._rng,
+            variables=self.variables,
+            acl_enabled=bool(self.settings.token),
         )
         self.clients[node_id] = client
         await client.start()
