@@ -151,3 +151,22 @@ class KVLayout:
     def desired_key(self, name: str) -> str:
         """The desired replica count of a model (`caravan scale`, the autoscaler)."""
         return f"{self.desired}{name}"
+
+
+# -- engine API keys in Nomad Variables (docs/security.md "Engine API keys") --
+
+# The item that holds the key in each of the variables below.
+ENGINE_KEY_ITEM = "api_key"
+# The scheduler's one copy per model, read by routers (policy: read caravan/engine-keys/*).
+ENGINE_KEY_PREFIX = "caravan/engine-keys/"
+
+
+def engine_key_path(model_name: str) -> str:
+    """The Nomad Variables path of a model's engine key (scheduler writes, routers read)."""
+    return f"{ENGINE_KEY_PREFIX}{model_name}"
+
+
+def replica_key_path(job_id: str) -> str:
+    """The copy in a replica job's own path, which its task reads with no ACL policy
+    (Nomad's implicit workload access to `nomad/jobs/<job_id>`)."""
+    return f"nomad/jobs/{job_id}"

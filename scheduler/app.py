@@ -34,6 +34,7 @@ from scheduler.api import create_api
 from scheduler.autoscale.loop import Autoscaler, AutoscalerSettings
 from scheduler.cluster_config import ClusterConfig
 from scheduler.controller import Controller, ControllerSettings
+from scheduler.engine_keys import EngineKeys
 from scheduler.metrics import SchedulerMetrics
 from scheduler.model_service import ModelService
 from scheduler.model_store import ModelStore
@@ -114,6 +115,7 @@ class SchedulerProcess:
             settings=self.options.controller,
             is_leader=lambda: election.is_leader,
             inflight=autoscaler.inflight_of,
+            engine_keys=EngineKeys(self.nomad) if self.config.engine_api_keys else None,
         )
         self.controller = controller
         service = ModelService(

@@ -62,6 +62,9 @@ class ClusterConfig(BaseModel):
     reschedule_delay_s: int = Field(default=30, ge=5)
     check_interval_s: int = Field(default=5, ge=1)
     check_timeout_s: int = Field(default=2, ge=1)
+    # Each replica's engine requires a per-model API key that reaches it through
+    # Nomad Variables and a template (docs/security.md "Engine API keys").
+    engine_api_keys: bool = True
 
     @property
     def gpu_catalog(self) -> Mapping[str, GpuClass]:
