@@ -139,10 +139,14 @@ async def running_router(
     settings: RouterSettings,
     consul: ConsulClient,
     request_log: Callable[[dict[str, Any]], None] | None = None,
+    nomad: NomadClient | None = None,
 ) -> AsyncIterator[RouterHandle]:
-    """Serve a router on the running loop, registered in Consul as `caravan-router`."""
+    """Serve a router on the running loop, registered in Consul as `caravan-router`;
+    with `nomad` it reads the engines' API keys from Nomad Variables."""
     registry = CollectorRegistry()
-    app = create_app(settings, consul=consul, registry=registry, request_log=request_log)
+    app = create_app(
+        settings, consul=consul, registry=registry, request_log=request_log, nomad=nomad
+    )
     runtime = app[RUNTIME]
     runner = app_runner(app, settings)
     await runner.setup()
@@ -250,7 +254,7 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                     router = None
                     if options.router is not None:
                         router = await parts.enter_async_context(
-                            running_router(options.router, consul, options.request_log)
+                            running_router(options.router, consul, options.request_log, nomad=nomad)
                         )
                     yield LocalStack(
                         cluster=cluster,

@@ -65,7 +65,8 @@ from router.continuation import (
     error_event,
     split_complete_events,
 )
-from router.endpoints import CheckStatus
+from router.endpoints import CheckStatus, Endpoint
+from router.engine_keys import EngineKeySource
 from router.errors import (
     AdmissionRejected,
     InvalidRequest,
@@ -119,6 +120,9 @@ _HOP_BY_HOP = frozenset(
 # Not sent on to the engine: the host is the engine's, the length is recomputed,
 # compression would hide the events the router reads, and the rest are the router's.
 _NOT_FORWARDED = _HOP_BY_HOP | {
+    # The client's credentials are the router's business; the engine gets its own key.
+    "authorization",
+    "x-api-key",
     "host",
     "content-length",
     "accept-encoding",
@@ -221,7 +225,9 @@ class Proxy:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         request_log: RequestLog | None = None,
+        engine_keys: EngineKeySource | None = None,
     ) -> None:
+        self._engine_keys = engine_keys
         self._settings = settings
         self._request_log = request_log or log_request
         self._state = state
@@ -246,9 +252,7 @@ class Proxy:
         self._stream_timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=settings.connect_timeout_s
         )
-        self._not_forwarded = (
-            _NOT_FORWARDED if settings.forward_authorization else _NOT_FORWARDED | {"authorization"}
-        )
+        self._not_forwarded = _NOT_FORWARDED
 
     def _new_request_id(self) -> str:
         return f"{self._id_prefix}-{next(self._id_counter):x}"
@@ -363,7 +367,7 @@ class Proxy:
                 async with self._session().post(
                     endpoint.base_url + exchange.path,
                     data=exchange.body,
-                    headers=exchange.headers,
+                    headers=self._engine_headers(exchange.headers, endpoint),
                     timeout=self._unary_timeout,
                 ) as upstream:
                     data = await upstream.read()
@@ -508,7 +512,7 @@ class Proxy:
                     upstream = await self._session().post(
                         endpoint.base_url + exchange.path,
                         data=body,
-                        headers=exchange.headers,
+                        headers=self._engine_headers(exchange.headers, endpoint),
                         timeout=self._stream_timeout,
                     )
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
@@ -754,6 +758,13 @@ class Proxy:
             raise InvalidRequest(
                 f"Header {PRIORITY_HEADER} must be an integer, got {raw[:40]!r}."
             ) from None
+
+    def _engine_headers(self, headers: Headers, endpoint: Endpoint) -> Headers:
+        """The request's headers plus the engine key of the endpoint's model, if known."""
+        key = None if self._engine_keys is None else self._engine_keys.key_for(endpoint.service)
+        if key is None:
+            return headers
+        return [*headers, ("Authorization", f"Bearer {key}")]
 
     def _upstream_headers(self, request: web.Request, request_id: str) -> Headers:
         dropped = self._not_forwarded

@@ -98,12 +98,14 @@ class SchedulerProcess:
             ),
         )
         self.election = election
+        engine_keys = EngineKeys(self.nomad) if self.config.engine_api_keys else None
         autoscaler = Autoscaler(
             store=store,
             health=self.consul,
             metrics=metrics,
             is_leader=lambda: election.is_leader,
             settings=self.options.autoscaler,
+            engine_key=engine_keys.model_key if engine_keys is not None else None,
         )
         self.autoscaler = autoscaler
         controller = Controller(
@@ -115,7 +117,7 @@ class SchedulerProcess:
             settings=self.options.controller,
             is_leader=lambda: election.is_leader,
             inflight=autoscaler.inflight_of,
-            engine_keys=EngineKeys(self.nomad) if self.config.engine_api_keys else None,
+            engine_keys=engine_keys,
         )
         self.controller = controller
         service = ModelService(

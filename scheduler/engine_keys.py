@@ -49,14 +49,20 @@ class EngineKeys:
     def __init__(self, store: VariableStore, *, generate: Callable[[], str] = new_key) -> None:
         self.store = store
         self.generate = generate
+        # Keys never change once created (no rotation yet), so they are read once.
+        self._known: dict[str, str] = {}
 
     async def model_key(self, model: str) -> str:
         """The model's key, created (create-only CAS) when it has none."""
+        known = self._known.get(model)
+        if known is not None:
+            return known
         path = engine_key_path(model)
         for _ in range(CAS_ATTEMPTS):
             found = await self.store.get_variable(path)
             key = None if found is None else found.items.get(ENGINE_KEY_ITEM)
             if key:
+                self._known[model] = key
                 return key
             try:
                 cas = 0 if found is None else found.meta.modify_index
