@@ -1,7 +1,8 @@
 """The engines' API keys, read from Nomad Variables with the router's own Nomad token.
 
-The scheduler keeps one key per model at `caravan/engine-keys/<model>`
-(item `api_key`; docs/security.md "Engine API keys"). This module follows
+The scheduler keeps one key per model at
+`nomad/jobs/caravan-engine-keys/models/<model>/key` (item `api_key`;
+docs/security.md "Engine API keys"). This module follows
 that prefix with a blocking list (`GET /v1/vars?prefix=`), reads a variable
 again only when its `ModifyIndex` moved, and swaps an immutable snapshot
 that the proxy and the load scraper read without locks. A key is looked up
@@ -24,7 +25,12 @@ from typing import Protocol
 
 from pydantic import SecretStr
 
-from caravan.contract import ENGINE_KEY_ITEM, ENGINE_KEY_PREFIX, model_service_name
+from caravan.contract import (
+    ENGINE_KEY_ITEM,
+    ENGINE_KEY_PREFIX,
+    engine_key_model,
+    model_service_name,
+)
 from caravan.errors import HashiError
 from caravan.nomad_api import QueryResult, Variable, VariableMetadata
 
@@ -82,8 +88,8 @@ class EngineKeys:
         current = self._entries
         entries: dict[str, _Entry] = {}
         for meta in listed.value:
-            model = meta.path.removeprefix(ENGINE_KEY_PREFIX)
-            if not model or "/" in model:
+            model = engine_key_model(meta.path)
+            if model is None:
                 continue
             service = model_service_name(model)
             known = current.get(service)

@@ -42,7 +42,7 @@ class RouterSettings(BaseSettings):
     # Retired: the client's Authorization never reaches an engine; the router sends
     # each engine its model's key (`engine_api_keys`). Setting it true is an error.
     forward_authorization: bool = False
-    # Read the engines' API keys from Nomad Variables (caravan/engine-keys/*) with the
+    # Read the engines' API keys from Nomad Variables (nomad/jobs/caravan-engine-keys/...) with the
     # router's own Nomad token (NOMAD_ADDR, NOMAD_TOKEN, NOMAD_NAMESPACE, NOMAD_REGION,
     # NOMAD_CACERT, ...) and send them upstream as `Authorization: Bearer <key>`.
     engine_api_keys: bool = True

@@ -1,11 +1,11 @@
 """Per-model engine API keys, kept in Nomad Variables (docs/security.md "Engine API keys").
 
-Each model has one random key at `caravan/engine-keys/<model>` (item
-`api_key`), created once with check-and-set so two schedulers never mint two
-keys. Before a replica job is registered its key is copied to the job's own
+Each model has one random key at `nomad/jobs/caravan-engine-keys/models/<model>/key`
+(item `api_key`), created once with check-and-set so two schedulers never
+mint two keys. Before a replica job is registered its key is copied to the job's own
 path `nomad/jobs/<job_id>`, the one path a task may read with no ACL policy
 (Nomad's implicit workload access), where the job's `template` block reads
-it into the engine's environment. Routers read `caravan/engine-keys/*`.
+it into the engine's environment. Routers read the per-model copies.
 
 Keys never appear in a job, a log line, a metric or an error message.
 """

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from caravan.contract import (
     ENGINE_KEY_ITEM,
+    ENGINE_KEY_PREFIX,
     KVLayout,
     engine_key_path,
     model_service_name,
@@ -35,6 +36,7 @@ from caravan.errors import HashiConflict
 from caravan.nomad_api import QueryResult, Variable, VariableMetadata
 from caravan_cli.local_stack import LocalStack, StackOptions, local_profile, local_stack
 from devcluster.llama_server_build import find_llama_server
+from devcluster.nomad.variables import workload_may_read
 from router.engine_keys import EngineKeys as RouterEngineKeys
 from router.settings import RouterSettings
 from scheduler.cluster_config import ClusterConfig
@@ -326,8 +328,8 @@ async def test_scheduler_creates_a_key_once_per_model_and_copies_it_per_replica(
     await keys.ensure_replica_key("alpha", "caravan-alpha-0")
     await keys.ensure_replica_key("alpha", "caravan-alpha-1")
     await keys.ensure_replica_key("beta", "caravan-beta-0")
-    alpha = store.vars["caravan/engine-keys/alpha"].items["api_key"]
-    beta = store.vars["caravan/engine-keys/beta"].items["api_key"]
+    alpha = store.vars[engine_key_path("alpha")].items["api_key"]
+    beta = store.vars[engine_key_path("beta")].items["api_key"]
     assert alpha != beta
     assert alpha == store.vars["nomad/jobs/caravan-alpha-1"].items["api_key"]
     assert beta == store.vars["nomad/jobs/caravan-beta-0"].items["api_key"]
@@ -339,18 +341,31 @@ async def test_scheduler_creates_a_key_once_per_model_and_copies_it_per_replica(
 
 
 async def test_router_follows_the_keys_by_service_name() -> None:
-    """The router maps caravan/engine-keys/<model> to `caravan-<model>`; changes show up."""
+    """The router maps each model's key variable to `caravan-<model>`; changes show up."""
     store = FakeVariables()
-    await store.put_variable("caravan/engine-keys/alpha", {"api_key": "ka"})
-    await store.put_variable("caravan/engine-keys/nested/x", {"api_key": "kx"})
+    await store.put_variable(engine_key_path("alpha"), {"api_key": "ka"})
+    await store.put_variable(f"{ENGINE_KEY_PREFIX}alpha/other", {"api_key": "kx"})
+    await store.put_variable(f"{ENGINE_KEY_PREFIX}Bad_Name/key", {"api_key": "kx"})
     keys = RouterEngineKeys(store)
     await keys.refresh()
     assert ("ka", None) == (keys.key_for("caravan-alpha"), keys.key_for("caravan-beta"))
     assert frozenset({"caravan-alpha"}) == keys.models
-    await store.put_variable("caravan/engine-keys/alpha", {"api_key": "ka2"})
-    await store.put_variable("caravan/engine-keys/beta", {"api_key": "kb"})
+    await store.put_variable(engine_key_path("alpha"), {"api_key": "ka2"})
+    await store.put_variable(engine_key_path("beta"), {"api_key": "kb"})
     await keys.refresh()
     assert ("ka2", "kb") == (keys.key_for("caravan-alpha"), keys.key_for("caravan-beta"))
-    await store.delete_variable("caravan/engine-keys/beta")
+    await store.delete_variable(engine_key_path("beta"))
     await keys.refresh()
     assert keys.key_for("caravan-beta") is None
+
+
+def test_model_keys_are_below_every_implicit_workload_path() -> None:
+    """No job can read a model's key by choosing its own name: the path is deeper than
+    `nomad/jobs/<job>/<group>/<task>`; a replica reads only its own copy."""
+    path = engine_key_path("alpha")
+    parts = path.split("/")
+    assert len(parts) > 5
+    assert not workload_may_read(path, job_id=parts[2], group=parts[3], task=parts[4])
+    copy = replica_key_path("caravan-alpha-0")
+    assert workload_may_read(copy, job_id="caravan-alpha-0", group="engine", task="engine")
+    assert not workload_may_read(copy, job_id="caravan-alpha-1", group="engine", task="engine")
