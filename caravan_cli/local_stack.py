@@ -44,6 +44,13 @@ from scheduler.controller import ControllerSettings
 from scheduler.plan import PlanSettings
 from scheduler.profiles import ModelProfile
 
+# The Nomad Variables the example profiles' `secrets` name, with placeholder
+# values, written as an operator would (`nomad var put`) so the examples start
+# on devcluster. Nothing reads them but the replicas' templates.
+EXAMPLE_VARIABLES: Mapping[str, Mapping[str, str]] = {
+    "caravan/secrets/hf": {"HF_TOKEN": "hf_devcluster_placeholder_not_a_token"},
+}
+
 
 @dataclass(frozen=True, slots=True)
 class StackOptions:
@@ -67,6 +74,8 @@ class StackOptions:
     # Receives the router's canonical line of each request (tests).
     request_log: Callable[[dict[str, Any]], None] | None = None
     work_dir: Path | None = None
+    # Nomad Variables written before the scheduler starts (path -> items).
+    variables: Mapping[str, Mapping[str, str]] = field(default_factory=lambda: EXAMPLE_VARIABLES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +236,8 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                 ConsulClient(ConsulSettings.from_env(env)) as consul,
                 NomadClient(NomadSettings.from_env(env)) as nomad,
             ):
+                for path, items in options.variables.items():
+                    await nomad.put_variable(path, items)
                 scheduler = SchedulerProcess(
                     options=SchedulerOptions(
                         http_port=0,
