@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +33,17 @@ from caravan.contract import (
     replica_job_id,
     replica_key_path,
 )
+from caravan.engine_metrics import LLAMACPP_METRIC_NAMES
 from caravan.errors import HashiConflict
 from caravan.nomad_api import QueryResult, Variable, VariableMetadata
 from caravan_cli.local_stack import LocalStack, StackOptions, local_profile, local_stack
+from devcluster.engine.flags import parse_engine_args
+from devcluster.engine.server import run_engine
 from devcluster.llama_server_build import find_llama_server
 from devcluster.nomad.variables import workload_may_read
 from router.engine_keys import EngineKeys as RouterEngineKeys
 from router.settings import RouterSettings
+from scheduler.autoscale.scrape import ReplicaTarget, ScrapeFailure, scrape_replicas
 from scheduler.cluster_config import ClusterConfig
 from scheduler.engine_keys import EngineKeys as SchedulerEngineKeys
 from scheduler.model_store import ModelStore
@@ -369,3 +374,24 @@ def test_model_keys_are_below_every_implicit_workload_path() -> None:
     copy = replica_key_path("caravan-alpha-0")
     assert workload_may_read(copy, job_id="caravan-alpha-0", group="engine", task="engine")
     assert not workload_may_read(copy, job_id="caravan-alpha-1", group="engine", task="engine")
+
+
+async def test_autoscaler_scrape_sends_the_engine_key() -> None:
+    """llama-server guards /metrics: the autoscaler's scrape reads it with the key only."""
+    argv = ["--flavor", "llamacpp", "-m", "m.gguf", "--metrics", "--host", "127.0.0.1"]
+    argv += ["--port", "0", "--sim-load-seconds", "0", "--api-key", "scrape-key"]
+    settings = parse_engine_args(argv, env={})
+    async with run_engine(settings) as running, aiohttp.ClientSession() as session:
+        await asyncio.wait_for(running.engine.ready.wait(), timeout=10)
+        target = ReplicaTarget(
+            replica_id="r0",
+            base_url=running.base_url,
+            metrics_path="/metrics",
+            metric_names=LLAMACPP_METRIC_NAMES,
+        )
+        keyed = replace(target, api_key="scrape-key")
+        assert "scrape-key" not in repr(keyed)
+        without, with_key = await scrape_replicas(session, [target, keyed])
+    assert (ScrapeFailure.HTTP_STATUS, "HTTP 401") == (without.failure, without.detail)
+    assert with_key.failure is None
+    assert 0 == with_key.load.running
