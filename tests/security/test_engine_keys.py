@@ -49,6 +49,7 @@ from scheduler.engine_keys import EngineKeys as SchedulerEngineKeys
 from scheduler.model_store import ModelStore
 from scheduler.profiles import ModelProfile, load_profile
 from scheduler.render import render
+from scheduler.status import StatusReader
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples/profiles/tiny-llamacpp-cpu.yaml"
@@ -395,3 +396,37 @@ async def test_autoscaler_scrape_sends_the_engine_key() -> None:
     assert (ScrapeFailure.HTTP_STATUS, "HTTP 401") == (without.failure, without.detail)
     assert with_key.failure is None
     assert 0 == with_key.load.running
+
+
+@pytest.mark.slow
+async def test_missing_secret_holds_the_replica_and_status_names_the_path(tmp_path: Path) -> None:
+    """Before its variable exists a replica waits, and `caravan status` says which path
+    it waits for (the reference, never a value); once written, the replica comes up."""
+    options = replace(stack_options(tmp_path, real=False), variables={}, router=None)
+    async with local_stack(options) as stack:
+        profile = updated(
+            load_profile(QWEN),
+            replicas={"min": 1, "max": 1, "initial": 1},
+            env={"CARAVAN_SIM_LOAD_SECONDS": "0.5"},
+            startup_timeout_s=60,
+        ).model_copy(update={"autoscaling": None})
+        store = ModelStore(stack.scheduler.consul, KVLayout())
+        await store.submit([profile])
+        reader = StatusReader(
+            store=store,
+            nomad=stack.scheduler.nomad,
+            health=stack.scheduler.consul,
+            config=stack.config,
+        )
+
+        async def waiting_reason() -> str | None:
+            status = await reader.model(profile.name)
+            events = [r.last_event or "" for r in status.replicas]
+            return next((e for e in events if "Missing: nomad.var.block(" in e), None)
+
+        reason = await eventually(waiting_reason, 60, "status to name the missing variable")
+        assert "caravan/secrets/hf" in reason
+        await stack.scheduler.nomad.put_variable("caravan/secrets/hf", {"HF_TOKEN": HF_SECRET})
+        await passing_entry(stack, profile.name)
+        status = json.dumps((await reader.model(profile.name)).to_json())
+        assert HF_SECRET not in status
