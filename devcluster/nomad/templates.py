@@ -31,7 +31,8 @@ Json = dict[str, Any]
 # (path) -> items, or None when the variable does not exist (or may not be read).
 VariableLookup = Callable[[str], Mapping[str, str] | None]
 
-NO_VALUE = "<no value>"
+# An absent item is the zero `NomadVarItem` (consul-template's map of structs), which prints "".
+NO_VALUE = ""
 _ACTION = re.compile(r"\{\{(-\s)?(.*?)(\s-)?\}\}", re.DOTALL)
 _WITH_VAR = re.compile(r'^with\s+nomadVar\s+"([^"]*)"$')
 _RANGE_TUPLES = re.compile(r"^range\s+\.Tuples$")

@@ -218,7 +218,8 @@ class VariableStore:
 
 def _json(body: Any, *, index: int, status: int = 200) -> web.Response:
     headers = {
-        "X-Nomad-Index": str(max(index, 1)),
+        # A conflict answers the stored variable's ModifyIndex: 0 when there is none.
+        "X-Nomad-Index": str(index),
         "X-Nomad-KnownLeader": "true",
         "X-Nomad-LastContact": "0",
     }
@@ -258,7 +259,7 @@ async def _block(request: web.Request, store: VariableStore) -> int:
         if int(raw_index) > 0 and wait_s > 0:
             wait_s += random.uniform(0, wait_s / JITTER_FRACTION)
             await store.state.wait_for_change((TABLE,), int(raw_index), wait_s)
-    return store.index()
+    return max(store.index(), 1)
 
 
 def variable_routes(store: VariableStore) -> list[web.RouteDef]:
@@ -289,7 +290,8 @@ def variable_routes(store: VariableStore) -> list[web.RouteDef]:
             try:
                 index = store.delete(namespace, path, _cas(request))
             except VariableConflict as conflict:
-                return _json(conflict.current.to_api(), index=store.index(), status=409)
+                current = conflict.current
+                return _json(current.to_api(), index=current.modify_index, status=409)
             return web.Response(status=204, headers={"X-Nomad-Index": str(index)})
         raise ApiError(400, "Invalid method")
 

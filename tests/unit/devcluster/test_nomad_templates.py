@@ -33,12 +33,13 @@ def test_range_tuples_is_sorted_by_key() -> None:
 
 
 def test_missing_variable_blocks_and_missing_key_is_no_value() -> None:
-    """An absent variable raises MissingVariable; an absent item is `<no value>` unless strict."""
+    """An absent variable raises MissingVariable; an absent item is empty unless strict
+    (consul-template's items are a map of structs: a missing key is the zero item)."""
     with pytest.raises(MissingVariable) as missing:
         render('{{ with nomadVar "nomad/jobs/other" }}x{{ end }}', VARS.get)
     assert "nomad/jobs/other" == missing.value.path
     source = '{{ with nomadVar "nomad/jobs/j" }}{{ .nope }}{{ end }}'
-    assert "<no value>" == render(source, VARS.get)
+    assert "" == render(source, VARS.get)
     with pytest.raises(TemplateError, match='no entry for key "nope"'):
         render(source, VARS.get, err_missing_key=True)
 
