@@ -98,6 +98,9 @@ HOLD_COMMENT = b": waiting for a replica\n\n"
 # An SSE event larger than this without a blank line is not SSE.
 _MAX_EVENT_BYTES = 8 * 1024 * 1024
 _JSON = "application/json"
+# An engine's 401 refuses the router's engine key (clients' credentials never reach
+# engines): a router-side failure (502), never passed on as the client's 401.
+ENGINE_KEY_REFUSED = 401
 # Header pairs as aiohttp takes them (it copies them into its own multidict).
 Headers = list[tuple[str, str]]
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -377,7 +380,7 @@ class Proxy:
                 # Nothing reached the client yet (the body is read whole), so even
                 # a connection lost halfway through the body can go elsewhere.
                 return _Failed(_upstream_failure(endpoint.id, exc))
-            if status in UpstreamStatusError.RETRYABLE_STATUSES:
+            if status in UpstreamStatusError.RETRYABLE_STATUSES or status == ENGINE_KEY_REFUSED:
                 return _Failed(UpstreamStatusError(endpoint.id, status))
             outcome = _verdict(status)
             exchange.status = status
@@ -556,7 +559,7 @@ class Proxy:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             return self._failed_or_broken(exchange, _upstream_failure(endpoint_id, exc))
         status = upstream.status
-        if status in UpstreamStatusError.RETRYABLE_STATUSES:
+        if status in UpstreamStatusError.RETRYABLE_STATUSES or status == ENGINE_KEY_REFUSED:
             return self._failed_or_broken(exchange, UpstreamStatusError(endpoint_id, status))
         if exchange.response is None and not continuing:
             # Nothing sent yet: the engine's answer goes through as it is.

@@ -94,3 +94,21 @@ async def test_without_a_key_source_nothing_is_forwarded(
         seen = {name.lower() for name in fake.headers[0]}
     assert 200 == response.status
     assert "authorization" not in seen
+
+
+async def test_an_engine_refusing_the_key_is_a_502_not_the_clients_401(
+    consul: ConsulClient, http: aiohttp.ClientSession
+) -> None:
+    """An engine's 401 is about the router's key: the client gets an OpenAI-shaped 502."""
+    async with FakeEngine(MODEL, mode="status", status=401) as fake:
+        await register_replica(consul, MODEL, 0, fake.port, check="none")
+        async with running_router(consul, nomad=KeyVariables({MODEL: "stale"})) as router:
+            await wait_until(lambda: routable_count(router, MODEL) == 1, timeout_s=5, what="fake")
+            for stream in (False, True):
+                async with http.post(
+                    router.url + "/v1/chat/completions", json=chat_body(MODEL, stream=stream)
+                ) as response:
+                    body = await response.json()
+                assert 502 == response.status
+                assert "answered HTTP 401" in body["error"]["message"]
+                assert "stale" not in json.dumps(body)
