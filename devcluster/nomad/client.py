@@ -57,7 +57,12 @@ from devcluster.nomad.taskenv import (
     node_variables,
     task_environment,
 )
-from devcluster.nomad.templates import MissingVariable, TemplateError, render_task_templates
+from devcluster.nomad.templates import (
+    MissingVariable,
+    TemplateError,
+    render_texts,
+    write_task_templates,
+)
 from devcluster.nomad.variables import VariableStore, workload_may_read
 
 Json = dict[str, Any]
@@ -134,6 +139,9 @@ class TaskRunner:
     kill_requested: asyncio.Event = field(default_factory=asyncio.Event)
     restart_requested: asyncio.Event = field(default_factory=asyncio.Event)
     killed_by_stop: bool = False
+    # The templates' last rendered texts, and whether a re-render asked for this restart.
+    template_texts: list[str] = field(default_factory=list)
+    template_restart: bool = False
 
     @property
     def name(self) -> str:
@@ -204,9 +212,23 @@ class TaskRunner:
                     started_at_ns=self.now(),
                     finished_at_ns=None,
                 )
-                exit_result = await self._wait_or_kill(self.process)
+                watcher = asyncio.ensure_future(self._watch_templates(task_dir))
+                try:
+                    exit_result = await self._wait_or_kill(self.process)
+                finally:
+                    watcher.cancel()
                 if exit_result is None:
                     return  # killed on request; events already emitted
+                if self.template_restart:
+                    # Nomad restarts at once and does not count it against the policy.
+                    self.template_restart = False
+                    self.emit(
+                        TaskEvent("Restarting", self.now(), start_delay_ns=0),
+                        state="pending",
+                        restarts=self.state.restarts + 1,
+                        last_restart_ns=self.now(),
+                    )
+                    continue
             decision, delay, reason = tracker.decide(
                 self.now(), exit_result=exit_result, start_error=start_error
             )
@@ -260,7 +282,8 @@ class TaskRunner:
         while not self.kill_requested.is_set():
             changed = state.changed_event()
             try:
-                return render_task_templates(templates, task_dir, self._variable_items)
+                texts = render_texts(templates, self._variable_items)
+                env = write_task_templates(templates, task_dir, texts)
             except MissingVariable as missing:
                 namespace = self.alloc_runner.alloc.namespace
                 dependency = f"nomad.var.block({missing.path}@{namespace}.{region})"
@@ -276,6 +299,9 @@ class TaskRunner:
                     finished_at_ns=self.now(),
                 )
                 return None
+            else:
+                self.template_texts = texts
+                return env
             kill = asyncio.ensure_future(self.kill_requested.wait())
             write = asyncio.ensure_future(changed.wait())
             try:
@@ -284,6 +310,45 @@ class TaskRunner:
                 kill.cancel()
                 write.cancel()
         return None
+
+    async def _watch_templates(self, task_dir: Path) -> None:
+        """While the task runs, re-render after every write and act on a change by the
+        template's `ChangeMode`, as Nomad's template runner does: `restart` restarts the
+        task, `signal` sends `ChangeSignal`, `noop` only rewrites the file. A render that
+        fails meanwhile (variable gone) keeps the last one."""
+        templates = self.task.get("Templates") or []
+        if not templates:
+            return
+        state = self.alloc_runner.client.endpoints.state
+        changed_event = state.changed_event()
+        while True:
+            await changed_event.wait()
+            changed_event = state.changed_event()  # taken before reading: no write is missed
+            try:
+                texts = render_texts(templates, self._variable_items)
+            except (MissingVariable, TemplateError):
+                continue
+            if texts == self.template_texts:
+                continue
+            changed = [
+                template
+                for template, old, new in zip(templates, self.template_texts, texts, strict=True)
+                if old != new
+            ]
+            try:
+                write_task_templates(templates, task_dir, texts)
+            except (TemplateError, OSError):
+                continue
+            self.template_texts = texts
+            modes = {str(t.get("ChangeMode") or "restart") for t in changed}
+            if "restart" in modes:
+                self.template_restart = True
+                self.request_restart("Template with change_mode restart re-rendered")
+                return
+            for template in changed:
+                if str(template.get("ChangeMode")) == "signal" and self.process is not None:
+                    self.process.signal_group(parse_signal(str(template.get("ChangeSignal", ""))))
+                    self.emit(TaskEvent("Signaling", self.now(), message="Template re-rendered"))
 
     def _interpolated_config(self, env: Mapping[str, str]) -> Json:
         node_vars = node_variables(

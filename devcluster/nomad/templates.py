@@ -204,34 +204,48 @@ def parse_env_file(text: str) -> dict[str, str]:
     return env
 
 
-def render_task_templates(
-    templates: Sequence[Mapping[str, Any]], task_dir: Path, lookup: VariableLookup
-) -> dict[str, str]:
-    """Write every template under `task_dir`; return the env of `Envvars` templates.
-
-    Raises `MissingVariable` (nothing is written) or `TemplateError`.
-    """
-    rendered: list[tuple[Path, str, int, bool]] = []
-    for number, template in enumerate(templates):
-        dest = str(template.get("DestPath") or "")
-        target = (task_dir / dest).resolve()
-        if not dest or not target.is_relative_to(task_dir.resolve()):
-            raise TemplateError(f"template {number}: destination {dest!r} escapes the task dir")
-        text = render(
+def render_texts(templates: Sequence[Mapping[str, Any]], lookup: VariableLookup) -> list[str]:
+    """Every template's text, in order; raises `MissingVariable` or `TemplateError`."""
+    return [
+        render(
             str(template.get("EmbeddedTmpl") or ""),
             lookup,
             name=f"tmpl{number}",
             err_missing_key=bool(template.get("ErrMissingKey", False)),
         )
-        perms = int(str(template.get("Perms") or "0644"), 8)
-        rendered.append((target, text, perms, bool(template.get("Envvars", False))))
+        for number, template in enumerate(templates)
+    ]
+
+
+def write_task_templates(
+    templates: Sequence[Mapping[str, Any]], task_dir: Path, texts: Sequence[str]
+) -> dict[str, str]:
+    """Write rendered `texts` under `task_dir`; return the env of `Envvars` templates."""
+    targets: list[Path] = []
+    for number, template in enumerate(templates):
+        dest = str(template.get("DestPath") or "")
+        target = (task_dir / dest).resolve()
+        if not dest or not target.is_relative_to(task_dir.resolve()):
+            raise TemplateError(f"template {number}: destination {dest!r} escapes the task dir")
+        targets.append(target)
     env: dict[str, str] = {}
-    for target, text, perms, envvars in rendered:
+    for template, target, text in zip(templates, targets, texts, strict=True):
+        perms = int(str(template.get("Perms") or "0644"), 8)
         target.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, perms)
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
         target.chmod(perms)
-        if envvars:
+        if template.get("Envvars", False):
             env.update(parse_env_file(text))
     return env
+
+
+def render_task_templates(
+    templates: Sequence[Mapping[str, Any]], task_dir: Path, lookup: VariableLookup
+) -> dict[str, str]:
+    """Render and write every template under `task_dir`; the env of `Envvars` templates.
+
+    Raises `MissingVariable` (nothing is written) or `TemplateError`.
+    """
+    return write_task_templates(templates, task_dir, render_texts(templates, lookup))

@@ -151,3 +151,49 @@ async def test_with_acls_a_task_reads_only_its_implicit_paths(unique: str) -> No
             await eventually(missing_reported, timeout_s=20)
             events = await _task_events(http, server.address, job_id)
             assert not any(e.startswith("Started") for e in events)
+
+
+# Writes the key it started with into the alloc dir, then sleeps.
+RECORDER = """
+import os, pathlib, time
+pathlib.Path(os.environ["NOMAD_ALLOC_DIR"], "seen-" + os.environ["ENGINE_KEY"]).write_text("")
+time.sleep(600)
+"""
+
+
+async def test_changed_variable_restarts_the_task_with_the_new_value(
+    target: NomadTarget, http: aiohttp.ClientSession, unique: str
+) -> None:
+    """`ChangeMode: restart`: writing the variable again restarts the task, which then
+    sees the new value; the restart does not count against the restart policy."""
+    server = target.devcluster()
+    job_id = f"tplchg-{unique}"
+    path = f"nomad/jobs/{job_id}"
+    body = template_job(
+        job_id, f'{{{{ with nomadVar "{path}" }}}}ENGINE_KEY={{{{ .key }}}}\n{{{{ end }}}}'
+    )
+    body["Job"]["TaskGroups"][0]["Tasks"][0]["Config"]["args"] = ["-c", RECORDER]
+    async with NomadClient(NomadSettings(address=server.address)) as nomad:
+        await nomad.put_variable(path, {"key": "one"})
+        await nomad.register_job(body)
+
+        async def alloc_dir() -> Path | None:
+            allocs = await get_json(http, f"{server.address}/v1/job/{job_id}/allocations")
+            live = [a for a in allocs if a["ClientStatus"] == "running"]
+            if not live:
+                return None
+            node = server.state.nodes[live[0]["NodeID"]]
+            folder = server.data_dir / node.name / "alloc" / live[0]["ID"] / "alloc"
+            return folder if (folder / "seen-one").exists() else None
+
+        folder = await eventually(alloc_dir, timeout_s=20)
+        await nomad.put_variable(path, {"key": "two"})
+
+        async def restarted() -> bool:
+            return (folder / "seen-two").exists()
+
+        await eventually(restarted, timeout_s=20)
+        events = await _task_events(http, server.address, job_id)
+        assert "Restart Signal: Template with change_mode restart re-rendered" in events
+        assert not any(e.startswith("Not Restarting") for e in events)
+        await nomad.deregister_job(job_id, purge=True)
