@@ -105,7 +105,7 @@ class SchedulerProcess:
             metrics=metrics,
             is_leader=lambda: election.is_leader,
             settings=self.options.autoscaler,
-            engine_key=engine_keys.model_key if engine_keys is not None else None,
+            engine_key=engine_keys.cached_model_key if engine_keys is not None else None,
         )
         self.autoscaler = autoscaler
         controller = Controller(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 
 KEY_BYTES = 32
 CAS_ATTEMPTS = 3
+# How long the autoscaler's scrapes reuse a key they read.
+CACHE_S = 30.0
 
 
 class VariableStore(Protocol):
@@ -46,23 +49,34 @@ def new_key() -> str:
 class EngineKeys:
     """Creates a model's key once and hands it to each replica job's own variable."""
 
-    def __init__(self, store: VariableStore, *, generate: Callable[[], str] = new_key) -> None:
+    def __init__(
+        self,
+        store: VariableStore,
+        *,
+        generate: Callable[[], str] = new_key,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.store = store
         self.generate = generate
-        # Keys never change once created (no rotation yet), so they are read once.
-        self._known: dict[str, str] = {}
+        self.clock = clock
+        # For the autoscaler's scrapes: model -> (key, when read).
+        self._cached: dict[str, tuple[str, float]] = {}
+
+    async def cached_model_key(self, model: str) -> str:
+        """The model's key, read again at most every CACHE_S (scrapes run every tick)."""
+        cached = self._cached.get(model)
+        if cached is not None and self.clock() - cached[1] < CACHE_S:
+            return cached[0]
+        return await self.model_key(model)
 
     async def model_key(self, model: str) -> str:
-        """The model's key, created (create-only CAS) when it has none."""
-        known = self._known.get(model)
-        if known is not None:
-            return known
+        """The model's key as stored now, created (create-only CAS) when it has none."""
         path = engine_key_path(model)
         for _ in range(CAS_ATTEMPTS):
             found = await self.store.get_variable(path)
             key = None if found is None else found.items.get(ENGINE_KEY_ITEM)
             if key:
-                self._known[model] = key
+                self._cached[model] = (key, self.clock())
                 return key
             try:
                 cas = 0 if found is None else found.meta.modify_index

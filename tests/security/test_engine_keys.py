@@ -342,8 +342,24 @@ async def test_scheduler_creates_a_key_once_per_model_and_copies_it_per_replica(
     puts = store.puts
     await SchedulerEngineKeys(store).ensure_replica_key("alpha", "caravan-alpha-0")
     assert puts == store.puts  # an existing key is kept, an equal copy not rewritten
+    # An operator's rotation (a new per-model key) reaches the next replica registered.
+    await store.put_variable(engine_key_path("alpha"), {"api_key": "rotated"})
+    await keys.ensure_replica_key("alpha", "caravan-alpha-0")
+    assert "rotated" == store.vars["nomad/jobs/caravan-alpha-0"].items["api_key"]
     await keys.remove_replica_key("caravan-alpha-1")
     assert "nomad/jobs/caravan-alpha-1" not in store.vars
+
+
+async def test_scrape_key_cache_is_bounded_in_time() -> None:
+    """The autoscaler's cached key is read again once CACHE_S has passed."""
+    store = FakeVariables()
+    now = [0.0]
+    keys = SchedulerEngineKeys(store, clock=lambda: now[0])
+    first = await keys.cached_model_key("alpha")
+    await store.put_variable(engine_key_path("alpha"), {"api_key": "rotated"})
+    assert first == await keys.cached_model_key("alpha")
+    now[0] = 31.0
+    assert "rotated" == await keys.cached_model_key("alpha")
 
 
 async def test_router_follows_the_keys_by_service_name() -> None:
