@@ -26,7 +26,12 @@ from pydantic import (
     model_validator,
 )
 
-from caravan.contract import MODEL_NAME_MAX_LEN, MODEL_NAME_PATTERN, RESERVED_MODEL_NAMES
+from caravan.contract import (
+    JOB_PREFIX,
+    MODEL_NAME_MAX_LEN,
+    MODEL_NAME_PATTERN,
+    RESERVED_MODEL_NAMES,
+)
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -56,17 +61,21 @@ class SecretRef(BaseModel):
                 f"secrets.{env_name}: {path!r} is not a Nomad Variables path "
                 "(letters, digits, - _ ~ /, at most 128 characters)"
             )
-        if path.startswith("nomad/") and not path.startswith("nomad/jobs"):
+        parts = path.split("/")
+        if parts[0] == "nomad" and parts[1:2] != ["jobs"]:
             raise ValueError(f"secrets.{env_name}: under nomad/ only nomad/jobs... holds variables")
+        # nomad/jobs/caravan*: the engine keys and the control plane's own variables.
+        if parts[0] == "nomad" and parts[2:3] and parts[2].startswith(JOB_PREFIX.rstrip("-")):
+            raise ValueError(
+                f"secrets.{env_name}: {path!r} is caravan's own (engine keys, the control "
+                "plane's tokens); a profile may not read it"
+            )
         if not _ITEM_NAME.fullmatch(item):
             raise ValueError(
                 f"secrets.{env_name}: item {item!r} must be letters, digits and _ "
                 "(not starting with a digit)"
             )
         return cls(path=path, item=item)
-
-    def reference(self) -> str:
-        return f"{self.path}#{self.item}"
 
 
 # Flags caravan renders itself: a profile may not set them through
