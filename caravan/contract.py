@@ -249,3 +249,33 @@ def decode_placements(raw: bytes | str, *, key: str, model: str) -> Placements:
     if placements.model != model:
         raise PlacementsError(f"{key}: model {placements.model!r} does not match its key")
     return placements
+
+# -- engine API keys in Nomad Variables (docs/security.md "Engine API keys") --
+
+# The item that holds the key in each of the variables below.
+ENGINE_KEY_ITEM = "api_key"
+# The scheduler's one copy per model, read by routers. Under `nomad/jobs/caravan-*`, so the
+# scheduler's and router's ACL policies (docs/security.md) cover it, and four levels below
+# `nomad/jobs`, deeper than any path Nomad lets a workload read implicitly
+# (`nomad/jobs/<job>/<group>/<task>`), so no job can read it by its name.
+ENGINE_KEY_PREFIX = "nomad/jobs/caravan-engine-keys/models/"
+ENGINE_KEY_LEAF = "/key"
+
+
+def engine_key_path(model_name: str) -> str:
+    """The Nomad Variables path of a model's engine key (scheduler writes, routers read)."""
+    return f"{ENGINE_KEY_PREFIX}{model_name}{ENGINE_KEY_LEAF}"
+
+
+def engine_key_model(path: str) -> str | None:
+    """The model whose engine key lives at `path`, or None for any other path."""
+    if not path.startswith(ENGINE_KEY_PREFIX) or not path.endswith(ENGINE_KEY_LEAF):
+        return None
+    model = path[len(ENGINE_KEY_PREFIX) : -len(ENGINE_KEY_LEAF)]
+    return model if MODEL_NAME_PATTERN.fullmatch(model) else None
+
+
+def replica_key_path(job_id: str) -> str:
+    """The copy in a replica job's own path, which its task reads with no ACL policy
+    (Nomad's implicit workload access to `nomad/jobs/<job_id>`)."""
+    return f"nomad/jobs/{job_id}"

@@ -400,6 +400,45 @@ class EventFrame:
 # -- the client ------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class VariableMetadata:
+    """A Nomad Variable's metadata (what `GET /v1/vars` lists; no items)."""
+
+    namespace: str
+    path: str
+    create_index: int
+    modify_index: int
+
+    @classmethod
+    def from_api(cls, data: Mapping[str, Any]) -> VariableMetadata:
+        return cls(
+            namespace=str(data.get("Namespace", "default")),
+            path=str(data.get("Path", "")),
+            create_index=int(data.get("CreateIndex") or 0),
+            modify_index=int(data.get("ModifyIndex") or 0),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Variable:
+    """A Nomad Variable with its items; the items never show in `repr`."""
+
+    meta: VariableMetadata
+    items: Mapping[str, str] = field(repr=False)
+
+    @classmethod
+    def from_api(cls, data: Mapping[str, Any]) -> Variable:
+        raw_items = data.get("Items") or {}
+        return cls(
+            meta=VariableMetadata.from_api(data),
+            items=_frozen({str(k): str(v) for k, v in raw_items.items()}),
+        )
+
+
+def _var_path(path: str) -> str:
+    return "/v1/var/" + urllib.parse.quote(path.strip("/"), safe="/")
+
+
 def _job_body(job: Mapping[str, Any]) -> Json:
     """Accept `{"Job": {...}}` (what rendering produces) or a bare job."""
     return dict(job) if "Job" in job else {"Job": dict(job)}
@@ -466,8 +505,12 @@ class NomadClient:
         return out
 
     @staticmethod
-    def _error(method: str, path: str, status: int, text: str) -> HashiError:
-        body = text.strip()[:MESSAGE_BODY_LIMIT]
+    def _error(
+        method: str, path: str, status: int, text: str, *, redact: bool = False
+    ) -> HashiError:
+        # A Variables answer (a 409 carries the stored variable) may hold secrets.
+        body = "(answer withheld: may hold variable items)" if redact and status == 409 else ""
+        body = body or text.strip()[:MESSAGE_BODY_LIMIT]
         message = f"Nomad {method} {path}: HTTP {status}: {body}"
         if status == 403:
             return HashiPermissionDenied(message, status=status)
@@ -491,6 +534,7 @@ class NomadClient:
         params: Mapping[str, Any] | None = None,
         body: Any = None,
         wait_s: float | None = None,
+        redact: bool = False,
     ) -> tuple[int, Any]:
         """(X-Nomad-Index or 0, decoded JSON body); errors mapped to `caravan.errors`."""
         timeout_s = self.settings.request_timeout_s
@@ -508,7 +552,7 @@ class NomadClient:
             ) as response:
                 text = await response.text()
                 if response.status >= 300:
-                    raise self._error(method, path, response.status, text)
+                    raise self._error(method, path, response.status, text, redact=redact)
                 index = int(response.headers.get("X-Nomad-Index", "0") or 0)
                 try:
                     return index, json.loads(text) if text else None
@@ -667,6 +711,45 @@ class NomadClient:
         except HashiNotFound:
             return None
         return Evaluation.from_api(data)
+
+    # -- variables -----------------------------------------------------------
+
+    async def list_variables(
+        self, prefix: str = "", *, index: int | None = None, wait_s: float | None = None
+    ) -> QueryResult[list[VariableMetadata]]:
+        """`GET /v1/vars?prefix=`: metadata only; blocks when `index` is given."""
+        params, wait = self._blocking(index, wait_s)
+        params["prefix"] = prefix or None
+        got, data = await self._call("GET", "/v1/vars", params=params, wait_s=wait)
+        return QueryResult(got, [VariableMetadata.from_api(item) for item in data or []])
+
+    async def get_variable(self, path: str) -> Variable | None:
+        """`GET /v1/var/:path`, or None when there is no such variable."""
+        try:
+            _, data = await self._call("GET", _var_path(path), redact=True)
+        except HashiNotFound:
+            return None
+        return Variable.from_api(data)
+
+    async def put_variable(
+        self, path: str, items: Mapping[str, str], *, cas: int | None = None
+    ) -> VariableMetadata:
+        """`PUT /v1/var/:path`; with `cas` only if the stored ModifyIndex matches
+        (0: only if absent), else `HashiConflict` (its message carries no items)."""
+        params = {"cas": cas} if cas is not None else None
+        _, data = await self._call(
+            "PUT",
+            _var_path(path),
+            params=params,
+            body={"Path": path, "Items": dict(items)},
+            redact=True,
+        )
+        return VariableMetadata.from_api(data)
+
+    async def delete_variable(self, path: str, *, cas: int | None = None) -> None:
+        """`DELETE /v1/var/:path` (no error when absent); `cas` as for `put_variable`."""
+        params = {"cas": cas} if cas is not None else None
+        await self._call("DELETE", _var_path(path), params=params, redact=True)
 
     # -- events ---------------------------------------------------------------
 

@@ -52,6 +52,13 @@ from scheduler.controller import ControllerSettings
 from scheduler.plan import PlanSettings
 from scheduler.profiles import ModelProfile
 
+# The Nomad Variables the example profiles' `secrets` name, with placeholder
+# values, written as an operator would (`nomad var put`) so the examples start
+# on devcluster. Nothing reads them but the replicas' templates.
+EXAMPLE_VARIABLES: Mapping[str, Mapping[str, str]] = {
+    "caravan/secrets/hf": {"HF_TOKEN": "hf_devcluster_placeholder_not_a_token"},
+}
+
 
 @dataclass(frozen=True, slots=True)
 class StackOptions:
@@ -81,6 +88,8 @@ class StackOptions:
     work_dir: Path | None = None
     # Generate a router API key (unless `router` sets its own) and a scheduler API token.
     secure: bool = True
+    # Nomad Variables written before the scheduler starts (path -> items).
+    variables: Mapping[str, Mapping[str, str]] = field(default_factory=lambda: EXAMPLE_VARIABLES)
 
 
 def new_secret() -> str:
@@ -177,10 +186,14 @@ async def running_router(
     settings: RouterSettings,
     consul: ConsulClient,
     request_log: Callable[[dict[str, Any]], None] | None = None,
+    nomad: NomadClient | None = None,
 ) -> AsyncIterator[RouterHandle]:
-    """Serve a router on the running loop, registered in Consul as `caravan-router`."""
+    """Serve a router on the running loop, registered in Consul as `caravan-router`;
+    with `nomad` it reads the engines' API keys from Nomad Variables."""
     registry = CollectorRegistry()
-    app = create_app(settings, consul=consul, registry=registry, request_log=request_log)
+    app = create_app(
+        settings, consul=consul, registry=registry, request_log=request_log, nomad=nomad
+    )
     runtime = app[RUNTIME]
     runner = app_runner(app, settings)
     await runner.setup()
@@ -280,6 +293,8 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                 ConsulClient(ConsulSettings.from_env(env)) as consul,
                 NomadClient(NomadSettings.from_env(env)) as nomad,
             ):
+                for path, items in options.variables.items():
+                    await nomad.put_variable(path, items)
                 scheduler = SchedulerProcess(
                     options=SchedulerOptions(
                         http_port=0,
@@ -311,7 +326,7 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                         if options.secure:
                             settings = with_api_key(settings, new_secret())
                         router = await parts.enter_async_context(
-                            running_router(settings, consul, options.request_log)
+                            running_router(settings, consul, options.request_log, nomad=nomad)
                         )
                     yield LocalStack(
                         cluster=cluster,

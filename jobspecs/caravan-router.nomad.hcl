@@ -51,6 +51,12 @@ variable "consul_addr" {
   default     = "http://127.0.0.1:8500"
 }
 
+variable "nomad_addr" {
+  type        = string
+  description = "Nomad HTTP API address as seen from the task, where the router reads the engines' API keys"
+  default     = "http://127.0.0.1:4646"
+}
+
 variable "kv_prefix" {
   type        = string
   description = "Consul KV prefix of caravan's state; must end with a slash"
@@ -172,13 +178,15 @@ job "caravan-router" {
       # kill_timeout to let in-flight streams finish on shutdown.
       env {
         CONSUL_HTTP_ADDR                  = var.consul_addr
+        NOMAD_ADDR                        = var.nomad_addr
         CARAVAN_ROUTER_REGISTER_SERVICE   = "false"
         CARAVAN_ROUTER_SHUTDOWN_TIMEOUT_S = "100"
       }
 
       # The Consul token, optional API keys (comma-separated) and an optional
       # Consul CA certificate from the Nomad Variable `nomad/jobs/caravan-router`.
-      # Keys: consul_token, api_keys, consul_cacert; each one is optional.
+      # Keys: consul_token, api_keys, consul_cacert, nomad_token (reads the engines'
+      # API keys); each one is optional.
       template {
         destination = "secrets/caravan.env"
         env         = true
@@ -188,6 +196,7 @@ job "caravan-router" {
         {{ with nomadVar "nomad/jobs/caravan-router" -}}
         {{ with .consul_token.Value }}CONSUL_HTTP_TOKEN={{ . }}{{ end }}
         {{ with .api_keys.Value }}CARAVAN_ROUTER_API_KEYS={{ . }}{{ end }}
+        {{ with .nomad_token.Value }}NOMAD_TOKEN={{ . }}{{ end }}
         {{ with .consul_cacert.Value }}CONSUL_CACERT={{ env "NOMAD_SECRETS_DIR" }}/consul-ca.pem{{ end }}
         {{- end }}
         {{- end }}

@@ -41,6 +41,7 @@ from router.api_keys import KeyRing, build_key_ring, load_key_file
 from router.breaker import phase_at
 from router.discovery import Discovery, DiscoveryConsul
 from router.endpoints import CheckStatus
+from router.engine_keys import EngineKeys, VariableReader
 from router.http_limits import ConnectionGuard, GuardedAppRunner, default_connection_limit
 from router.load_scraper import LoadScraper
 from router.metrics import EndpointGauge, RouterMetrics, RouterStateView
@@ -99,9 +100,16 @@ class RouterRuntime:
         wall_clock: Callable[[], float],
         request_log: RequestLog | None = None,
         keys: KeyRing | None = None,
+        nomad: VariableReader | None = None,
     ) -> None:
         self.settings = settings
         self.consul = consul
+        # The engines' keys, when the router has a Nomad to read them from.
+        self.engine_keys = (
+            EngineKeys(nomad, wait_s=settings.consul_wait_s)
+            if nomad is not None and settings.engine_api_keys
+            else None
+        )
         self.clock = clock
         self.state = RoutingState()
         self.metrics = RouterMetrics(registry)
@@ -158,6 +166,7 @@ class RouterRuntime:
             clock=clock,
             wall_clock=wall_clock,
             request_log=_with_key_name(request_log or log_request),
+            engine_keys=self.engine_keys,
         )
         self.metrics.add_state_collector(self.state_view)
         self.shutting_down = False
@@ -196,9 +205,12 @@ class RouterRuntime:
             timeout_s=self.settings.scrape_timeout_s,
             metrics=self.metrics,
             clock=self.clock,
+            engine_keys=self.engine_keys,
         )
         try:
             async with asyncio.TaskGroup() as group:
+                if self.engine_keys is not None:
+                    group.create_task(self.engine_keys.run(), name="router-engine-keys")
                 group.create_task(self.discovery.run(), name="router-discovery")
                 group.create_task(scraper.run(), name="router-load-scraper")
                 group.create_task(self.gate.run(), name="router-admission-tick")
@@ -357,14 +369,23 @@ def create_app(
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Callable[[], float] = time.time,
     request_log: RequestLog | None = None,
+    nomad: VariableReader | None = None,
 ) -> web.Application:
     """The router's aiohttp application; `consul` must be open for the app's lifetime.
 
     `request_log` writes the canonical line of each request (default: stdlib
-    logging on `router.proxy`).
+    logging on `router.proxy`). `nomad` (open for the app's lifetime too) is
+    where the engines' API keys are read from when `engine_api_keys` is on;
+    without it no key is sent upstream.
     """
     runtime = RouterRuntime(
-        settings, consul, registry, clock=clock, wall_clock=wall_clock, request_log=request_log
+        settings,
+        consul,
+        registry,
+        clock=clock,
+        wall_clock=wall_clock,
+        request_log=request_log,
+        nomad=nomad,
     )
     app = _guarded_app(runtime, client_max_size=settings.max_body_bytes)
     app.cleanup_ctx.append(runtime.lifecycle)

@@ -32,6 +32,7 @@ import aiohttp
 
 from caravan.engine_metrics import EngineMetricsParseError, MetricNames, parse_engine_load
 from router.endpoints import CheckStatus, Endpoint
+from router.engine_keys import EngineKeySource
 from router.live_state import forget_load, record_load
 from router.metrics import RouterMetrics
 from router.routing_state import RoutingState
@@ -57,7 +58,9 @@ class LoadScraper:
         timeout_s: float,
         metrics: RouterMetrics,
         clock: Callable[[], float] = time.monotonic,
+        engine_keys: EngineKeySource | None = None,
     ) -> None:
+        self._engine_keys = engine_keys
         self._session = session
         self._state = state
         self._interval_s = interval_s
@@ -84,9 +87,12 @@ class LoadScraper:
 
     async def _scrape(self, endpoint: Endpoint) -> None:
         url = endpoint.base_url + endpoint.metrics_path
+        # llama-server guards /metrics with its API key (vLLM does not; the key is harmless there).
+        key = None if self._engine_keys is None else self._engine_keys.key_for(endpoint.service)
+        headers = {"Authorization": f"Bearer {key}"} if key else None
         try:
             async with self._session.get(
-                url, timeout=self._timeout, raise_for_status=True
+                url, timeout=self._timeout, raise_for_status=True, headers=headers
             ) as response:
                 text = await response.text(errors="replace")
             load = parse_engine_load(

@@ -65,7 +65,8 @@ from router.continuation import (
     error_event,
     split_complete_events,
 )
-from router.endpoints import CheckStatus
+from router.endpoints import CheckStatus, Endpoint
+from router.engine_keys import EngineKeySource
 from router.errors import (
     AdmissionRejected,
     InvalidRequest,
@@ -97,6 +98,9 @@ HOLD_COMMENT = b": waiting for a replica\n\n"
 # An SSE event larger than this without a blank line is not SSE.
 _MAX_EVENT_BYTES = 8 * 1024 * 1024
 _JSON = "application/json"
+# An engine's 401 refuses the router's engine key (clients' credentials never reach
+# engines): a router-side failure (502), never passed on as the client's 401.
+ENGINE_KEY_REFUSED = 401
 # Header pairs as aiohttp takes them (it copies them into its own multidict).
 Headers = list[tuple[str, str]]
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -119,6 +123,9 @@ _HOP_BY_HOP = frozenset(
 # Not sent on to the engine: the host is the engine's, the length is recomputed,
 # compression would hide the events the router reads, and the rest are the router's.
 _NOT_FORWARDED = _HOP_BY_HOP | {
+    # The client's credentials are the router's business; the engine gets its own key.
+    "authorization",
+    "x-api-key",
     "host",
     "content-length",
     "accept-encoding",
@@ -221,7 +228,9 @@ class Proxy:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         request_log: RequestLog | None = None,
+        engine_keys: EngineKeySource | None = None,
     ) -> None:
+        self._engine_keys = engine_keys
         self._settings = settings
         self._request_log = request_log or log_request
         self._state = state
@@ -246,9 +255,7 @@ class Proxy:
         self._stream_timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=settings.connect_timeout_s
         )
-        self._not_forwarded = (
-            _NOT_FORWARDED if settings.forward_authorization else _NOT_FORWARDED | {"authorization"}
-        )
+        self._not_forwarded = _NOT_FORWARDED
 
     def _new_request_id(self) -> str:
         return f"{self._id_prefix}-{next(self._id_counter):x}"
@@ -363,7 +370,7 @@ class Proxy:
                 async with self._session().post(
                     endpoint.base_url + exchange.path,
                     data=exchange.body,
-                    headers=exchange.headers,
+                    headers=self._engine_headers(exchange.headers, endpoint),
                     timeout=self._unary_timeout,
                 ) as upstream:
                     data = await upstream.read()
@@ -373,7 +380,7 @@ class Proxy:
                 # Nothing reached the client yet (the body is read whole), so even
                 # a connection lost halfway through the body can go elsewhere.
                 return _Failed(_upstream_failure(endpoint.id, exc))
-            if status in UpstreamStatusError.RETRYABLE_STATUSES:
+            if status in UpstreamStatusError.RETRYABLE_STATUSES or status == ENGINE_KEY_REFUSED:
                 return _Failed(UpstreamStatusError(endpoint.id, status))
             outcome = _verdict(status)
             exchange.status = status
@@ -508,7 +515,7 @@ class Proxy:
                     upstream = await self._session().post(
                         endpoint.base_url + exchange.path,
                         data=body,
-                        headers=exchange.headers,
+                        headers=self._engine_headers(exchange.headers, endpoint),
                         timeout=self._stream_timeout,
                     )
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
@@ -552,7 +559,7 @@ class Proxy:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             return self._failed_or_broken(exchange, _upstream_failure(endpoint_id, exc))
         status = upstream.status
-        if status in UpstreamStatusError.RETRYABLE_STATUSES:
+        if status in UpstreamStatusError.RETRYABLE_STATUSES or status == ENGINE_KEY_REFUSED:
             return self._failed_or_broken(exchange, UpstreamStatusError(endpoint_id, status))
         if exchange.response is None and not continuing:
             # Nothing sent yet: the engine's answer goes through as it is.
@@ -754,6 +761,13 @@ class Proxy:
             raise InvalidRequest(
                 f"Header {PRIORITY_HEADER} must be an integer, got {raw[:40]!r}."
             ) from None
+
+    def _engine_headers(self, headers: Headers, endpoint: Endpoint) -> Headers:
+        """The request's headers plus the engine key of the endpoint's model, if known."""
+        key = None if self._engine_keys is None else self._engine_keys.key_for(endpoint.service)
+        if key is None:
+            return headers
+        return [*headers, ("Authorization", f"Bearer {key}")]
 
     def _upstream_headers(self, request: web.Request, request_id: str) -> Headers:
         dropped = self._not_forwarded

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 from caravan.consul_api import ConsulClient, ConsulSettings
 from caravan.errors import HashiError
 from caravan.log_format import BufferedLineHandler, configure_logging
+from caravan.nomad_api import NomadClient, NomadSettings
 from router.api_keys import ApiKeyError
 from router.app import RUNTIME, RouterRuntime, app_runner, create_admin_app, create_app, key_ring
 from router.proxy import RequestLog
@@ -41,11 +42,15 @@ async def serve(
     settings: RouterSettings,
     consul_settings: ConsulSettings,
     log_handler: BufferedLineHandler | None = None,
+    nomad_settings: NomadSettings | None = None,
 ) -> None:
-    """Serve until SIGTERM or SIGINT, then shut down in order (module docstring)."""
+    """Serve until SIGTERM or SIGINT, then shut down in order (module docstring).
+
+    With `nomad_settings` the engines' API keys are read from Nomad Variables.
+    """
     flusher = asyncio.create_task(_flush_logs(log_handler)) if log_handler else None
     try:
-        await _serve(settings, consul_settings, log_handler)
+        await _serve(settings, consul_settings, log_handler, nomad_settings)
     finally:
         if flusher is not None:
             flusher.cancel()
@@ -75,17 +80,24 @@ async def _serve(
     settings: RouterSettings,
     consul_settings: ConsulSettings,
     log_handler: BufferedLineHandler | None,
+    nomad_settings: NomadSettings | None = None,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    async with ConsulClient(consul_settings) as consul:
+    async with ConsulClient(consul_settings) as consul, contextlib.AsyncExitStack() as stack:
+        nomad = (
+            await stack.enter_async_context(NomadClient(nomad_settings))
+            if nomad_settings is not None
+            else None
+        )
         app = create_app(
             settings,
             consul=consul,
             registry=CollectorRegistry(),
             request_log=_fast_request_log(log_handler),
+            nomad=nomad,
         )
         runtime = app[RUNTIME]
         runner = app_runner(app, settings)
@@ -170,6 +182,8 @@ def run(settings: RouterSettings, environ: Mapping[str, str]) -> int:
     handler = configure_logging(settings.log_level, settings.log_format)
     try:
         consul_settings = ConsulSettings.from_env(environ)
+        # The engines' keys are read with the router's own Nomad token (NOMAD_* variables).
+        nomad_settings = NomadSettings.from_env(environ) if settings.engine_api_keys else None
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)  # noqa: T201
         return 2
@@ -187,7 +201,7 @@ def run(settings: RouterSettings, environ: Mapping[str, str]) -> int:
     log.info("event_loop_chosen", extra={"event_loop": "uvloop" if loop_factory else "asyncio"})
     try:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            runner.run(serve(settings, consul_settings, handler))
+            runner.run(serve(settings, consul_settings, handler, nomad_settings))
     except OSError as exc:
         # A taken port or an address that is not ours.
         print(f"error: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)  # noqa: T201

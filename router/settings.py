@@ -40,8 +40,13 @@ class RouterSettings(BaseSettings):
     max_body_bytes: int = Field(default=16 * MIB, ge=1024)
     # Bearer keys clients must present (comma-separated in the environment); empty = open.
     api_keys: Annotated[tuple[SecretStr, ...], NoDecode] = ()
-    # Send the client's Authorization header on to the engine (engines started with --api-key).
+    # Retired: the client's Authorization never reaches an engine; the router sends
+    # each engine its model's key (`engine_api_keys`). Setting it true is an error.
     forward_authorization: bool = False
+    # Read the engines' API keys from Nomad Variables (nomad/jobs/caravan-engine-keys/...) with the
+    # router's own Nomad token (NOMAD_ADDR, NOMAD_TOKEN, NOMAD_NAMESPACE, NOMAD_REGION,
+    # NOMAD_CACERT, ...) and send them upstream as `Authorization: Bearer <key>`.
+    engine_api_keys: bool = True
 
     # -- routing ----------------------------------------------------------------
     policy: Policy = Policy.PREFIX_AFFINITY
@@ -141,6 +146,17 @@ class RouterSettings(BaseSettings):
     @classmethod
     def _valid_prefix(cls, value: str) -> str:
         KVLayout(value)  # raises naming the prefix
+        return value
+
+    @field_validator("forward_authorization")
+    @classmethod
+    def _forwarding_retired(cls, value: bool) -> bool:
+        if value:
+            raise ValueError(
+                "forward_authorization is retired: clients' Authorization headers are never "
+                "sent to engines; the router sends each engine its model's key "
+                "(engine_api_keys, docs/security.md)"
+            )
         return value
 
     @model_validator(mode="after")

@@ -38,6 +38,7 @@ from scheduler.api_auth import TokenSource
 from scheduler.autoscale.loop import Autoscaler, AutoscalerSettings
 from scheduler.cluster_config import ClusterConfig
 from scheduler.controller import Controller, ControllerSettings
+from scheduler.engine_keys import EngineKeys
 from scheduler.metrics import SchedulerMetrics
 from scheduler.model_service import ModelService
 from scheduler.model_store import ModelStore
@@ -123,12 +124,14 @@ class SchedulerProcess:
             ),
         )
         self.election = election
+        engine_keys = EngineKeys(self.nomad) if self.config.engine_api_keys else None
         autoscaler = Autoscaler(
             store=store,
             health=self.consul,
             metrics=metrics,
             is_leader=lambda: election.is_leader,
             settings=self.options.autoscaler,
+            engine_key=engine_keys.cached_model_key if engine_keys is not None else None,
         )
         self.autoscaler = autoscaler
         controller = Controller(
@@ -140,6 +143,7 @@ class SchedulerProcess:
             settings=self.options.controller,
             is_leader=lambda: election.is_leader,
             inflight=autoscaler.inflight_of,
+            engine_keys=engine_keys,
         )
         self.controller = controller
         service = ModelService(

@@ -56,6 +56,7 @@ from caravan.nomad_api import (
     RegisterResult,
 )
 from scheduler.cluster_config import ClusterConfig
+from scheduler.engine_keys import EngineKeys
 from scheduler.metrics import SchedulerMetrics
 from scheduler.model_store import DesiredState, ModelStore
 from scheduler.plan import (
@@ -288,7 +289,9 @@ class Controller:
         is_leader: Callable[[], bool] = lambda: True,
         inflight: Callable[[ObservedReplica], float | None] = lambda _replica: None,
         clock: Callable[[], float] = time.time,
+        engine_keys: EngineKeys | None = None,
     ) -> None:
+        self.engine_keys = engine_keys
         self.store = store
         self.nomad = nomad
         self.health = health
@@ -528,9 +531,11 @@ class Controller:
     async def _dispatch(self, action: Action) -> None:
         match action:
             case Register():
+                await self._hand_engine_key(action.model, action.job_id)
                 await self.nomad.register_job(action.body)
             case Replace():
                 await self._deregister(action.job_id)
+                await self._hand_engine_key(action.model, action.job_id)
                 await self.nomad.register_job(action.body)
             case StartDrain():
                 await self.store.mark_draining(
@@ -538,8 +543,15 @@ class Controller:
                 )
             case Deregister():
                 await self._deregister(action.job_id)
+                if self.engine_keys is not None:
+                    await self.engine_keys.remove_replica_key(action.job_id)
             case ClearDrainMarker():
                 await self.store.clear_draining(action.job_id)
+
+    async def _hand_engine_key(self, model: str, job_id: str) -> None:
+        """Before a replica job is registered, its own variable holds the model's key."""
+        if self.engine_keys is not None:
+            await self.engine_keys.ensure_replica_key(model, job_id)
 
     async def _deregister(self, job_id: str) -> None:
         try:

@@ -26,11 +26,57 @@ from pydantic import (
     model_validator,
 )
 
-from caravan.contract import MODEL_NAME_MAX_LEN, MODEL_NAME_PATTERN, RESERVED_MODEL_NAMES
+from caravan.contract import (
+    JOB_PREFIX,
+    MODEL_NAME_MAX_LEN,
+    MODEL_NAME_PATTERN,
+    RESERVED_MODEL_NAMES,
+)
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# A Nomad Variables path (`structs.ValidatePath`) and a template-safe item name.
+_VARIABLE_PATH = re.compile(r"^[a-zA-Z0-9\-_~/]{1,128}$")
+_ITEM_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# The variables that carry the engine's own API key (rendered by caravan).
+ENGINE_KEY_ENV_NAMES = frozenset({"VLLM_API_KEY", "LLAMA_API_KEY"})
+
+
+class SecretRef(BaseModel):
+    """A secret by reference: the item `item` of the Nomad Variable at `path`."""
+
+    model_config = _FROZEN
+
+    path: str
+    item: str
+
+    @classmethod
+    def parse(cls, env_name: str, reference: str) -> SecretRef:
+        """`path[#item]`; the item defaults to the variable's name (`HF_TOKEN`)."""
+        path, _, item = reference.partition("#")
+        path, item = path.strip().strip("/"), item.strip() or env_name
+        if not _VARIABLE_PATH.fullmatch(path) or path == "nomad":
+            raise ValueError(
+                f"secrets.{env_name}: {path!r} is not a Nomad Variables path "
+                "(letters, digits, - _ ~ /, at most 128 characters)"
+            )
+        parts = path.split("/")
+        if parts[0] == "nomad" and parts[1:2] != ["jobs"]:
+            raise ValueError(f"secrets.{env_name}: under nomad/ only nomad/jobs... holds variables")
+        # nomad/jobs/caravan*: the engine keys and the control plane's own variables.
+        if parts[0] == "nomad" and parts[2:3] and parts[2].startswith(JOB_PREFIX.rstrip("-")):
+            raise ValueError(
+                f"secrets.{env_name}: {path!r} is caravan's own (engine keys, the control "
+                "plane's tokens); a profile may not read it"
+            )
+        if not _ITEM_NAME.fullmatch(item):
+            raise ValueError(
+                f"secrets.{env_name}: item {item!r} must be letters, digits and _ "
+                "(not starting with a digit)"
+            )
+        return cls(path=path, item=item)
+
 
 # Flags caravan renders itself: a profile may not set them through
 # `engine_args`, because two values for one flag would make the engine's
@@ -210,6 +256,9 @@ class ModelProfile(BaseModel):
     image: str | None = Field(default=None, min_length=1)
     engine_args: tuple[str, ...] = ()
     env: dict[str, str] = Field(default_factory=dict)
+    # Environment variables filled from Nomad Variables at task start:
+    # NAME -> "path[#item]". The job spec carries only the reference.
+    secrets: dict[str, str] = Field(default_factory=dict)
     autoscaling: Autoscaling | None = None
     metrics: MetricNames | None = None
 
@@ -233,8 +282,31 @@ class ModelProfile(BaseModel):
                 raise ValueError(f"{key!r} is not a valid environment variable name")
         return env
 
+    @field_validator("secrets")
+    @classmethod
+    def _secrets_are_references(cls, secrets: dict[str, str]) -> dict[str, str]:
+        for name, reference in secrets.items():
+            if not _ENV_NAME.fullmatch(name):
+                raise ValueError(f"secrets: {name!r} is not a valid environment variable name")
+            if name in ENGINE_KEY_ENV_NAMES:
+                raise ValueError(
+                    f"secrets: {name} carries the engine's API key, which caravan manages"
+                )
+            SecretRef.parse(name, reference)
+        return secrets
+
+    def secret_refs(self) -> dict[str, SecretRef]:
+        """The secrets, parsed (validated when the profile was built)."""
+        return {
+            name: SecretRef.parse(name, reference)
+            for name, reference in sorted(self.secrets.items())
+        }
+
     @model_validator(mode="after")
     def _engine_rules(self) -> Self:
+        clash = sorted(set(self.env) & set(self.secrets))
+        if clash:
+            raise ValueError(f"env and secrets both set {', '.join(clash)}; keep one")
         if self.engine is Engine.VLLM:
             self._check_vllm()
         else:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from caravan.contract import (
+    ENGINE_KEY_ITEM,
     GROUP_NAME,
     HTTP_PORT_LABEL,
     MANAGED_BY_VALUE,
@@ -31,6 +32,7 @@ from caravan.contract import (
     ServiceMetaKey,
     model_service_name,
     replica_job_id,
+    replica_key_path,
 )
 from scheduler.cluster_config import ClusterConfig
 from scheduler.engines.base import resolve_metrics
@@ -188,9 +190,49 @@ def _service(
     }
 
 
-def _task(profile: ModelProfile, adapter: EngineAdapter, config: ClusterConfig) -> dict[str, Any]:
-    gpu_class = _gpu_class(profile, config)
+def _env_template(path: str, lines: list[tuple[str, str]], dest: str) -> dict[str, Any]:
+    """A `template` that reads one Nomad Variable into env vars (`NAME={{ .item }}`).
+
+    The job carries only the variable's path; Nomad renders the values into
+    the task's secrets dir and environment before the task starts.
+    """
+    body = "".join(f"{name}={{{{ .{item} }}}}\n" for name, item in lines)
     return {
+        "EmbeddedTmpl": f'{{{{ with nomadVar "{path}" }}}}\n{body}{{{{ end }}}}\n',
+        "DestPath": f"secrets/{dest}",
+        "Envvars": True,
+        "ChangeMode": "restart",
+        "Perms": "0600",
+    }
+
+
+def _templates(
+    profile: ModelProfile, adapter: EngineAdapter, config: ClusterConfig, job_id: str
+) -> list[dict[str, Any]]:
+    templates: list[dict[str, Any]] = []
+    by_path: dict[str, list[tuple[str, str]]] = {}
+    for name, ref in profile.secret_refs().items():
+        by_path.setdefault(ref.path, []).append((name, ref.item))
+    for number, (path, lines) in enumerate(sorted(by_path.items())):
+        templates.append(_env_template(path, lines, f"profile-secrets-{number}.env"))
+    if config.engine_api_keys:
+        # The scheduler writes the model's key into the replica job's own
+        # variable path before registering the job.
+        templates.append(
+            _env_template(
+                replica_key_path(job_id),
+                [(adapter.api_key_env, ENGINE_KEY_ITEM)],
+                "engine-key.env",
+            )
+        )
+    return templates
+
+
+def _task(
+    profile: ModelProfile, adapter: EngineAdapter, config: ClusterConfig, job_id: str
+) -> dict[str, Any]:
+    gpu_class = _gpu_class(profile, config)
+    task: dict[str, Any] = {
         "Name": TASK_NAME,
         "Driver": adapter.driver(profile, config).value,
         "Config": adapter.task_config(profile, config),
@@ -199,6 +241,10 @@ def _task(profile: ModelProfile, adapter: EngineAdapter, config: ClusterConfig) 
         "KillTimeout": _ns(KILL_TIMEOUT_S),
         "KillSignal": "SIGTERM",
     }
+    templates = _templates(profile, adapter, config, job_id)
+    if templates:
+        task["Templates"] = templates
+    return task
 
 
 def _gpu_class(profile: ModelProfile, config: ClusterConfig) -> GpuClass | None:
@@ -286,7 +332,7 @@ def _job_without_hash(profile: ModelProfile, replica: int, config: ClusterConfig
                 # the task: routers stop sending and in-flight requests finish.
                 "ShutdownDelay": _ns(profile.drain_s),
                 "Services": [_service(profile, replica, adapter, config, gpu_class_name)],
-                "Tasks": [_task(profile, adapter, config)],
+                "Tasks": [_task(profile, adapter, config, job_id)],
             }
         ],
     }

@@ -46,6 +46,7 @@ resource "nomad_job" "router" {
       node_class     = var.router_node_class
       http_port      = tostring(var.router_http_port)
       consul_addr    = var.consul_addr
+      nomad_addr     = var.nomad_addr
       kv_prefix      = var.kv_prefix
       shutdown_delay = var.router_shutdown_delay
       kill_timeout   = var.router_kill_timeout

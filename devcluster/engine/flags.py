@@ -52,7 +52,6 @@ VLLM_IGNORED_VALUE_FLAGS = (
     "--pipeline-parallel-size",
     "--data-parallel-size",
     "--distributed-executor-backend",
-    "--api-key",
     "--chat-template",
     "--generation-config",
     "--max-logprobs",
@@ -104,7 +103,6 @@ LLAMACPP_IGNORED_VALUE_FLAGS = (
     ("-ngl", "--gpu-layers", "--n-gpu-layers"),
     ("-ub", "--ubatch-size"),
     ("-s", "--seed"),
-    ("--api-key",),
     ("-to", "--timeout"),
     ("--chat-template",),
     ("--cache-reuse",),
@@ -207,6 +205,8 @@ class EngineSettings:
     force_include_usage: bool
     perf: PerfModel
     sim: SimSettings
+    # `--api-key` / VLLM_API_KEY / LLAMA_API_KEY: when set, requests need one of them.
+    api_keys: tuple[str, ...] = ()
 
     @property
     def model_name(self) -> str:
@@ -288,6 +288,7 @@ def vllm_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--enable-force-include-usage", action=argparse.BooleanOptionalAction, default=False
     )
+    parser.add_argument("--api-key", default=None)
     ignored = parser.add_argument_group("accepted and ignored by the simulator")
     for flag in VLLM_IGNORED_VALUE_FLAGS:
         names = [flag, _VLLM_SHORT_FLAGS[flag]] if flag in _VLLM_SHORT_FLAGS else [flag]
@@ -318,6 +319,7 @@ def llamacpp_parser() -> argparse.ArgumentParser:
     parser.add_argument("--slots", dest="slots", action="store_true", default=True)
     parser.add_argument("--no-slots", dest="slots", action="store_false")
     parser.add_argument("-fa", "--flash-attn", nargs="?", const="on", default=None)
+    parser.add_argument("--api-key", default=None)
     ignored = parser.add_argument_group("accepted and ignored by the simulator")
     for names in LLAMACPP_IGNORED_VALUE_FLAGS:
         ignored.add_argument(*names, dest=f"ignored_{names[-1]}", default=None)
@@ -494,6 +496,8 @@ def _vllm_settings(args: argparse.Namespace, env: Mapping[str, str]) -> EngineSe
         force_include_usage=args.enable_force_include_usage,
         perf=perf,
         sim=_sim_settings(values),
+        # vLLM: `args.api_key or envs.VLLM_API_KEY`, one key.
+        api_keys=tuple(key for key in [args.api_key or env.get("VLLM_API_KEY") or ""] if key),
     )
 
 
@@ -558,4 +562,10 @@ def _llamacpp_settings(args: argparse.Namespace, env: Mapping[str, str]) -> Engi
         force_include_usage=False,
         perf=perf,
         sim=_sim_settings(values),
+        # llama-server: a comma-separated list; LLAMA_API_KEY when the flag is absent.
+        api_keys=tuple(
+            key.strip()
+            for key in (args.api_key or env.get("LLAMA_API_KEY") or "").split(",")
+            if key.strip()
+        ),
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import random
 import socket
@@ -66,6 +67,11 @@ Fault = Literal["fail", "hang", "disconnect"]
 LLAMACPP_LOADING_BODY = {
     "error": {"message": "Loading model", "type": "unavailable_error", "code": 503}
 }
+LLAMACPP_UNAUTHORIZED_BODY = {
+    "error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}
+}
+# Routes llama-server answers without its API key.
+LLAMACPP_PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
@@ -119,7 +125,9 @@ class SimulatedEngine:
     # --- wiring ---------------------------------------------------------
 
     def make_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._loading_gate], client_max_size=64 * 1024**2)
+        app = web.Application(
+            middlewares=[self._api_key_gate, self._loading_gate], client_max_size=64 * 1024**2
+        )
         routes = [
             web.get("/health", self._health),
             web.get("/v1/models", self._models),
@@ -140,6 +148,36 @@ class SimulatedEngine:
             ]
         app.add_routes(routes)
         return app
+
+    def _authorized(self, request: web.Request) -> bool:
+        """Whether the request may pass the engine's API-key check (none set: all pass)."""
+        keys = self.settings.api_keys
+        if not keys or request.method == "OPTIONS":
+            return True
+        if self.settings.flavor == "vllm":
+            # vLLM's AuthenticationMiddleware guards only paths under /v1.
+            if not request.path.startswith("/v1"):
+                return True
+            given = request.headers.get("Authorization", "")
+            return any(hmac.compare_digest(given, f"Bearer {key}") for key in keys)
+        # llama-server leaves its health routes public (measured on the real build).
+        if request.path in LLAMACPP_PUBLIC_PATHS:
+            return True
+        given = request.headers.get("X-Api-Key", "")
+        if not given:
+            given = request.headers.get("Authorization", "").removeprefix("Bearer ")
+        return any(hmac.compare_digest(given, key) for key in keys)
+
+    @web.middleware
+    async def _api_key_gate(
+        self, request: web.Request, handler: Callable[[web.Request], Any]
+    ) -> web.StreamResponse:
+        if self._authorized(request):
+            response: web.StreamResponse = await handler(request)
+            return response
+        if self.settings.flavor == "vllm":
+            return _json_response({"error": "Unauthorized"}, status=401)
+        return _json_response(LLAMACPP_UNAUTHORIZED_BODY, status=401)
 
     @web.middleware
     async def _loading_gate(

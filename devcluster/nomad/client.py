@@ -58,6 +58,13 @@ from devcluster.nomad.taskenv import (
     node_variables,
     task_environment,
 )
+from devcluster.nomad.templates import (
+    MissingVariable,
+    TemplateError,
+    render_texts,
+    write_task_templates,
+)
+from devcluster.nomad.variables import VariableStore, workload_may_read
 
 Json = dict[str, Any]
 
@@ -133,6 +140,9 @@ class TaskRunner:
     kill_requested: asyncio.Event = field(default_factory=asyncio.Event)
     restart_requested: asyncio.Event = field(default_factory=asyncio.Event)
     killed_by_stop: bool = False
+    # The templates' last rendered texts, and whether a re-render asked for this restart.
+    template_texts: list[str] = field(default_factory=list)
+    template_restart: bool = False
 
     @property
     def name(self) -> str:
@@ -176,9 +186,15 @@ class TaskRunner:
             if self.kill_requested.is_set():
                 self.emit(TaskEvent("Killed", self.now()), state="dead", finished_at_ns=self.now())
                 return
+            template_env = await self._render_templates(task_dir)
+            if template_env is None:
+                if self.state.state == "dead":
+                    return  # the template failed; events already emitted
+                continue  # killed while waiting: the top of the loop reports it
             env = task_environment(
                 runner.alloc, runner.job, self.task, client.node, runner.alloc_dir
             )
+            env.update(template_env)  # template env overrides the task's env, as in Nomad
             exit_result: ExitResult | None = None
             start_error: DriverError | None = None
             try:
@@ -211,9 +227,23 @@ class TaskRunner:
                     started_at_ns=self.now(),
                     finished_at_ns=None,
                 )
-                exit_result = await self._wait_or_kill(self.process)
+                watcher = asyncio.ensure_future(self._watch_templates(task_dir))
+                try:
+                    exit_result = await self._wait_or_kill(self.process)
+                finally:
+                    watcher.cancel()
                 if exit_result is None:
                     return  # killed on request; events already emitted
+                if self.template_restart:
+                    # Nomad restarts at once and does not count it against the policy.
+                    self.template_restart = False
+                    self.emit(
+                        TaskEvent("Restarting", self.now(), start_delay_ns=0),
+                        state="pending",
+                        restarts=self.state.restarts + 1,
+                        last_restart_ns=self.now(),
+                    )
+                    continue
             decision, delay, reason = tracker.decide(
                 self.now(), exit_result=exit_result, start_error=start_error
             )
@@ -241,6 +271,99 @@ class TaskRunner:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay / 1e9):
                     await self.kill_requested.wait()
+
+    def _variable_items(self, path: str) -> Mapping[str, str] | None:
+        """What this task's workload identity reads at `path` (None: missing or denied)."""
+        runner = self.alloc_runner
+        store = runner.client.variables
+        if store is None:
+            return None
+        if runner.client.acl_enabled and not workload_may_read(
+            path, job_id=runner.alloc.job_id, group=runner.alloc.task_group, task=self.name
+        ):
+            return None
+        found = store.get(runner.alloc.namespace, path)
+        return None if found is None else found.items
+
+    async def _render_templates(self, task_dir: Path) -> dict[str, str] | None:
+        """Render the task's templates, waiting while a variable is missing (Nomad's
+        template runner blocks the start). None when killed meanwhile or failed."""
+        templates = self.task.get("Templates") or []
+        if not templates:
+            return {}
+        reported: str | None = None
+        state = self.alloc_runner.client.endpoints.state
+        region = str(self.alloc_runner.job.get("Region", "global"))
+        while not self.kill_requested.is_set():
+            changed = state.changed_event()
+            try:
+                texts = render_texts(templates, self._variable_items)
+                env = write_task_templates(templates, task_dir, texts)
+            except MissingVariable as missing:
+                namespace = self.alloc_runner.alloc.namespace
+                dependency = f"nomad.var.block({missing.path}@{namespace}.{region})"
+                if dependency != reported:
+                    reported = dependency
+                    self.emit(TaskEvent("Template", self.now(), message=f"Missing: {dependency}"))
+            except (TemplateError, OSError) as exc:
+                self.emit(TaskEvent("Killing", self.now(), kill_reason=f"Template failed: {exc}"))
+                self.emit(
+                    TaskEvent("Killed", self.now()),
+                    state="dead",
+                    failed=True,
+                    finished_at_ns=self.now(),
+                )
+                return None
+            else:
+                self.template_texts = texts
+                return env
+            kill = asyncio.ensure_future(self.kill_requested.wait())
+            write = asyncio.ensure_future(changed.wait())
+            try:
+                await asyncio.wait({kill, write}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                kill.cancel()
+                write.cancel()
+        return None
+
+    async def _watch_templates(self, task_dir: Path) -> None:
+        """While the task runs, re-render after every write and act on a change by the
+        template's `ChangeMode`, as Nomad's template runner does: `restart` restarts the
+        task, `signal` sends `ChangeSignal`, `noop` only rewrites the file. A render that
+        fails meanwhile (variable gone) keeps the last one."""
+        templates = self.task.get("Templates") or []
+        if not templates:
+            return
+        state = self.alloc_runner.client.endpoints.state
+        changed_event = state.changed_event()
+        while True:
+            await changed_event.wait()
+            changed_event = state.changed_event()  # taken before reading: no write is missed
+            try:
+                texts = render_texts(templates, self._variable_items)
+            except (MissingVariable, TemplateError):
+                continue
+            if texts == self.template_texts:
+                continue
+            changed = [
+                template
+                for template, old, new in zip(templates, self.template_texts, texts, strict=True)
+                if old != new
+            ]
+            try:
+                write_task_templates(templates, task_dir, texts)
+            except (TemplateError, OSError):
+                continue
+            self.template_texts = texts
+            modes = {str(t.get("ChangeMode") or "restart") for t in changed}
+            if "restart" in modes:
+                self.template_restart = True
+                self.request_restart("Template with change_mode restart re-rendered")
+                return
+            for template in changed:
+                if str(template.get("ChangeMode")) == "signal" and self.process is not None:
+                    self.process.signal_group(parse_signal(str(template.get("ChangeSignal", ""))))
+                    self.emit(TaskEvent("Signaling", self.now(), message="Template re-rendered"))
 
     def _interpolated_config(self, env: Mapping[str, str]) -> Json:
         node_vars = node_variables(
@@ -625,7 +748,11 @@ class ClientNode:
         driver_settings: DriverSettings,
         clock_ns: Callable[[], int],
         rng: random.Random,
+        variables: VariableStore | None = None,
+        acl_enabled: bool = False,
     ) -> None:
+        self.variables = variables
+        self.acl_enabled = acl_enabled
         self.node = node
         self.endpoints = endpoints
         self.consul = consul

@@ -34,6 +34,7 @@ from devcluster.nomad.events import TopicQueryError, event_matches, parse_topics
 from devcluster.nomad.gotext import NS_PER_S, parse_go_duration
 from devcluster.nomad.model import Allocation, Evaluation
 from devcluster.nomad.settings import NodeSpec
+from devcluster.nomad.variables import variable_routes
 
 if TYPE_CHECKING:
     from devcluster.nomad.server import NomadServer
@@ -733,4 +734,5 @@ def build_app(server: NomadServer) -> web.Application:
     route.add_get(f"/v1/job/{child}/deployment", job_latest_deployment)
     route.add_get(f"/v1/job/{child}/summary", job_summary)
     route.add_get(f"/v1/job/{child}/versions", job_versions)
+    route.add_routes(variable_routes(server.variables))
     return app

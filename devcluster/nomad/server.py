@@ -38,6 +38,7 @@ from devcluster.nomad.leader import Leader
 from devcluster.nomad.model import Node
 from devcluster.nomad.settings import NodeSpec, NomadServerSettings, default_nodes
 from devcluster.nomad.state import ClusterState
+from devcluster.nomad.variables import VariableStore
 from devcluster.nomad.worker import Scheduler
 
 SHUTDOWN_TIMEOUT_S = 0.5
@@ -94,6 +95,7 @@ class NomadServer:
         self._owns_data_dir = self.settings.data_dir is None
         self.data_dir = self.settings.data_dir or Path(tempfile.mkdtemp(prefix="devcluster-nomad-"))
         self.state = ClusterState(time.time_ns)
+        self.variables = VariableStore(self.state)
         self.scheduler = Scheduler(self.state, rng=self._rng, new_id=self.new_id)
         self.endpoints = Endpoints(
             self.state,
@@ -246,6 +248,8 @@ class NomadServer:
             driver_settings=self.driver_settings,
             clock_ns=self.state.clock_ns,
             rng=self._rng,
+            variables=self.variables,
+            acl_enabled=bool(self.settings.token),
         )
         self.clients[node_id] = client
         await client.start()

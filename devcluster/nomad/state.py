@@ -164,6 +164,13 @@ class ClusterState:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
+    def commit(self, tables: Sequence[str], write: Callable[[int], object]) -> int:
+        """One write outside the tables above (e.g. Variables): `write(index)`, then wake."""
+        index = self._next()
+        write(index)
+        self._finish(index, tables, ())
+        return index
+
     def tables_index(self, tables: Iterable[str]) -> int:
         return max(self.table_index[table] for table in tables)
 

@@ -21,8 +21,8 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 
@@ -93,6 +93,8 @@ class Autoscaler:
     last_decisions: dict[str, ScaleDecision] = field(default_factory=dict)
     # Seconds from demand to the first ready replica, per model, last time.
     last_cold_start_s: dict[str, float] = field(default_factory=dict)
+    # The model's engine API key (scheduler.engine_keys), for engines that guard /metrics.
+    engine_key: Callable[[str], Awaitable[str]] | None = None
 
     async def run(self) -> None:
         async with aiohttp.ClientSession() as session:
@@ -139,6 +141,9 @@ class Autoscaler:
         """Scrape the model's passing replicas and remember their in-flight requests."""
         _, entries = await self.health.health_service(model_service_name(name), passing=True)
         targets = [t for t in (replica_target(e) for e in entries) if t is not None]
+        if targets and self.engine_key is not None:
+            key = await self.engine_key(name)
+            targets = [replace(target, api_key=key) for target in targets]
         scrapes = await scrape_replicas(
             session, targets, clock=self.clock, timeout_s=self.settings.scrape_timeout_s
         )

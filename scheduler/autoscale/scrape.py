@@ -23,7 +23,7 @@ import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
 from typing import TypeVar
@@ -86,6 +86,8 @@ class ReplicaTarget:
     base_url: str
     metrics_path: str
     metric_names: MetricNames
+    # The engine's API key (llama-server guards /metrics with it); never shown.
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         _check_endpoint(self.base_url, self.metrics_path)
@@ -158,12 +160,21 @@ async def _read_bounded(response: aiohttp.ClientResponse, max_bytes: int) -> byt
 
 
 async def fetch_metrics_text(
-    session: aiohttp.ClientSession, url: str, *, timeout_s: float, max_bytes: int
+    session: aiohttp.ClientSession,
+    url: str,
+    *,
+    timeout_s: float,
+    max_bytes: int,
+    api_key: str | None = None,
 ) -> str:
-    """GET one metrics page as text; raises ScrapeError."""
+    """GET one metrics page as text (with the engine's key, if any); raises ScrapeError."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:
         async with session.get(
-            url, timeout=aiohttp.ClientTimeout(total=timeout_s), allow_redirects=False
+            url,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+            allow_redirects=False,
+            headers=headers,
         ) as response:
             if response.status != 200:
                 raise ScrapeError(ScrapeFailure.HTTP_STATUS, f"HTTP {response.status}")
@@ -219,7 +230,11 @@ async def scrape_replicas(
     async def scrape_one(target: ReplicaTarget) -> ReplicaScrape:
         try:
             text = await fetch_metrics_text(
-                session, target.url, timeout_s=timeout_s, max_bytes=max_bytes
+                session,
+                target.url,
+                timeout_s=timeout_s,
+                max_bytes=max_bytes,
+                api_key=target.api_key,
             )
             try:
                 engine_load = parse_engine_load(text, target.metric_names)

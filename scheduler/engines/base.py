@@ -76,6 +76,11 @@ class EngineAdapter(Protocol):
         """HTTP path that answers 200 once the model is loaded."""
         ...
 
+    @property
+    def api_key_env(self) -> str:
+        """The environment variable the engine reads its API key from."""
+        ...
+
     def default_metrics(self) -> ResolvedMetrics: ...
 
     def capacity(self, profile: ModelProfile) -> int:

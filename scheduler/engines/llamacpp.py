@@ -42,6 +42,11 @@ class LlamaCppAdapter:
     def health_path(self) -> str:
         return "/health"
 
+    @property
+    def api_key_env(self) -> str:
+        # llama-server's `--api-key` is also read from LLAMA_API_KEY (common/arg.cpp).
+        return "LLAMA_API_KEY"
+
     def default_metrics(self) -> ResolvedMetrics:
         return LLAMACPP_METRICS
 

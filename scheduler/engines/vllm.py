@@ -36,6 +36,11 @@ class VllmAdapter:
     def health_path(self) -> str:
         return "/health"
 
+    @property
+    def api_key_env(self) -> str:
+        # `--api-key` falls back to VLLM_API_KEY (vllm/entrypoints/openai/api_server.py).
+        return "VLLM_API_KEY"
+
     def default_metrics(self) -> ResolvedMetrics:
         return VLLM_METRICS
 

@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from caravan.contract import KVLayout, model_service_name
+from caravan.contract import ENGINE_KEY_ITEM, KVLayout, engine_key_path, model_service_name
 from caravan_cli.local_stack import LocalStack, StackOptions, local_profile, local_stack
 from router.settings import RouterSettings
 from scheduler.model_store import ModelStore
@@ -125,7 +125,11 @@ async def run_scenario(stack: LocalStack, lines: list[tuple[float, dict[str, Any
 
         clients = [asyncio.create_task(client(n)) for n in range(CLIENTS)]
         await asyncio.sleep(2)
-        victim = await busy_replica(session, await passing_entries())
+        # The engines answer only with their model's key (docs/security.md).
+        key = await nomad.get_variable(engine_key_path(profile.name))
+        assert key is not None
+        headers = {"Authorization": f"Bearer {key.items[ENGINE_KEY_ITEM]}"}
+        victim = await busy_replica(session, await passing_entries(), headers)
         node_ids = {n.name: n.id for n in (await nomad.list_nodes()).value}
         victim_node_id = node_ids[victim.node]
         await stack.cluster.nomad.kill_node(victim_node_id)
@@ -185,12 +189,15 @@ async def run_scenario(stack: LocalStack, lines: list[tuple[float, dict[str, Any
     assert down_s <= rebuilt_s
 
 
-async def busy_replica(session: aiohttp.ClientSession, entries: tuple[Any, ...]) -> Any:
+async def busy_replica(
+    session: aiohttp.ClientSession, entries: tuple[Any, ...], headers: dict[str, str]
+) -> Any:
     """A replica streaming right now (so the kill cuts a stream), by its engine's metrics."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         for entry in entries:
-            async with session.get(f"http://{entry.address}:{entry.port}/metrics") as response:
+            url = f"http://{entry.address}:{entry.port}/metrics"
+            async with session.get(url, headers=headers) as response:
                 text = await response.text()
             processing = [
                 float(line.rsplit(" ", 1)[1])

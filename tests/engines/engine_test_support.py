@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from pathlib import Path
@@ -99,10 +100,15 @@ def rendered_llama_server_command(
 
 
 @contextlib.asynccontextmanager
-async def llama_server_process(command: list[str]) -> AsyncIterator[asyncio.subprocess.Process]:
+async def llama_server_process(
+    command: list[str], env: Mapping[str, str] | None = None
+) -> AsyncIterator[asyncio.subprocess.Process]:
     """Run a llama-server; on exit SIGTERM, then SIGKILL if it hangs (it can mid-request)."""
     process = await asyncio.create_subprocess_exec(
-        *command, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+        *command,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+        env=None if env is None else {**os.environ, **env},
     )
     try:
         yield process

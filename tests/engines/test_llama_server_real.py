@@ -220,3 +220,37 @@ async def test_the_tiny_model_says_hello_and_stops_by_itself(
     assert "stop" == choice["finish_reason"]
     assert {"hello"} == set(choice["message"]["content"].split())
     assert 0 < body["usage"]["completion_tokens"] < 300
+
+
+@needs_build
+async def test_api_key_from_env_guards_all_but_health(session: aiohttp.ClientSession) -> None:
+    """With LLAMA_API_KEY (how caravan's template passes the key) a request without the
+    key is 401, /health stays public, and Bearer or X-Api-Key with the key pass."""
+    port = free_port()
+    command = rendered_llama_server_command(build().binary, build().model, port=port)
+    assert not any("api-key" in arg for arg in command)
+    async with llama_server_process(command, env={"LLAMA_API_KEY": "engine-k"}):
+        base_url = f"http://127.0.0.1:{port}"
+        await wait_healthy(session, base_url)
+        async with session.post(f"{base_url}/v1/chat/completions", json=CHAT) as response:
+            body = await response.json()
+        assert 401 == response.status
+        assert {"message": "Invalid API Key", "type": "authentication_error", "code": 401} == (
+            body["error"]
+        )
+        for path in ("/metrics", "/v1/models", "/models", "/slots", "/props"):
+            async with session.get(f"{base_url}{path}") as response:
+                assert 401 == response.status, path
+        for path in ("/health", "/v1/health"):
+            async with session.get(f"{base_url}{path}") as response:
+                assert 200 == response.status, path
+        for headers in ({"Authorization": "Bearer engine-k"}, {"X-Api-Key": "engine-k"}):
+            async with session.post(
+                f"{base_url}/v1/chat/completions", json=CHAT, headers=headers
+            ) as response:
+                assert 200 == response.status
+            async with session.get(f"{base_url}/metrics", headers=headers) as response:
+                assert 200 == response.status
+        wrong = {"Authorization": "Bearer nope"}
+        async with session.get(f"{base_url}/metrics", headers=wrong) as response:
+            assert 401 == response.status

@@ -274,8 +274,11 @@ class RouterUnderTest:
 
 
 @asynccontextmanager
-async def running_router(consul: ConsulClient, **overrides: Any) -> AsyncIterator[RouterUnderTest]:
-    """A router on this event loop, on a free port, synced with Consul before it is yielded."""
+async def running_router(
+    consul: ConsulClient, *, nomad: Any = None, **overrides: Any
+) -> AsyncIterator[RouterUnderTest]:
+    """A router on this event loop, on a free port, synced with Consul before it is yielded
+    (`nomad`: where it reads the engines' API keys from, if anywhere)."""
     values: dict[str, Any] = {
         "port": 0,
         "register_service": False,
@@ -289,7 +292,7 @@ async def running_router(consul: ConsulClient, **overrides: Any) -> AsyncIterato
     values.update(overrides)
     settings = RouterSettings(**values)
     registry = CollectorRegistry()
-    app = create_app(settings, consul=consul, registry=registry, clock=clock)
+    app = create_app(settings, consul=consul, registry=registry, clock=clock, nomad=nomad)
     runner = app_runner(app, settings)
     await runner.setup()
     try:

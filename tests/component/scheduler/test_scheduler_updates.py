@@ -7,7 +7,7 @@ import time
 
 from conftest import eventually, example, store_of, submit
 
-from caravan.contract import KVLayout, model_service_name
+from caravan.contract import ENGINE_KEY_ITEM, KVLayout, engine_key_path, model_service_name
 from caravan_cli.local_stack import LocalStack
 from scheduler.render import spec_hash
 
@@ -115,9 +115,15 @@ async def test_scale_down_drains_the_replica_with_fewest_inflight_requests(tmp_p
             "max_tokens": 400,
             "messages": [{"role": "user", "content": "keep talking"}],
         }
+        # The engines answer only with their model's key (docs/security.md).
+        key = await stack.scheduler.nomad.get_variable(engine_key_path(profile.name))
+        assert key is not None
+        headers = {"Authorization": f"Bearer {key.items[ENGINE_KEY_ITEM]}"}
         async with aiohttp.ClientSession() as session:
             streams = [
-                await session.post(f"http://{e.address}:{e.port}/v1/chat/completions", json=body)
+                await session.post(
+                    f"http://{e.address}:{e.port}/v1/chat/completions", json=body, headers=headers
+                )
                 for e in busy
                 for _ in range(2)
             ]
