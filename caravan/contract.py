@@ -250,6 +250,7 @@ def decode_placements(raw: bytes | str, *, key: str, model: str) -> Placements:
         raise PlacementsError(f"{key}: model {placements.model!r} does not match its key")
     return placements
 
+
 # -- engine API keys in Nomad Variables (docs/security.md "Engine API keys") --
 
 # The item that holds the key in each of the variables below.

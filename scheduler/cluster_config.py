@@ -70,6 +70,7 @@ class ClusterConfig(BaseModel):
     def engine_images(self) -> frozenset[str]:
         """The images this cluster runs engines from; a profile may always name these."""
         return frozenset({self.vllm.image, self.llamacpp.image, self.llamacpp.cuda_image})
+
     # Each replica's engine requires a per-model API key that reaches it through
     # Nomad Variables and a template (docs/security.md "Engine API keys").
     engine_api_keys: bool = True

@@ -171,11 +171,11 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
     return False
 
 
-def env_problems(env: Iterable[str], policy: ProfilePolicy) -> list[str]:
-    """One line per environment variable the policy refuses."""
+def env_problems(env: Iterable[str], policy: ProfilePolicy, *, field: str = "env") -> list[str]:
+    """One line per environment variable the policy refuses (`field` names where it was set)."""
     denied = (*DENIED_ENV, *policy.deny_env)
     return [
-        f"env: {name} is refused by the cluster's profile policy (it can change "
+        f"{field}: {name} is refused by the cluster's profile policy (it can change "
         "what code the engine process loads or where it runs); an operator may allow "
         "it with profile_policy.allow_env in the cluster config"
         for name in sorted(env)
@@ -260,6 +260,8 @@ def policy_problems(
     """Everything in `profile` the policy refuses (empty when it may run), one line each."""
     return [
         *env_problems(profile.env, policy),
+        # A secret becomes an environment variable of the task just the same.
+        *env_problems(profile.secrets, policy, field="secrets"),
         *engine_arg_problems(profile.engine, profile.engine_args, policy),
         *image_problems(profile.image, policy, cluster_images),
     ]

@@ -47,6 +47,12 @@ def test_code_loading_variables_are_refused_by_name(variable):
     assert "profile_policy.allow_env" in problems[0]
 
 
+def test_a_secret_cannot_set_a_refused_variable():
+    """Secrets become environment variables too, so the same names are refused there."""
+    problems = policy_problems(make_vllm(secrets={"LD_PRELOAD": "caravan/secrets/x"}), DEFAULT)
+    assert ["secrets: LD_PRELOAD"] == names(problems)
+
+
 def test_ordinary_variables_pass():
     """HF_HOME, PYTHONUNBUFFERED and caravan's own simulation knobs are fine."""
     env = {"HF_HOME": "/alloc/data/hf", "PYTHONUNBUFFERED": "1", "CARAVAN_SIM_STEP_SECONDS": "1"}
