@@ -17,6 +17,7 @@ from router_cluster import (
     FakeEngine,
     chat_body,
     declare_model,
+    engine_metric,
     parse_sse,
     read_stream,
     register_replica,
@@ -114,6 +115,52 @@ async def test_refused_request_waits_for_the_replacement(
     assert 200 == response.status
     assert "chat.completion" == answer["object"]
     assert 1 == engine.requests
+    assert 1.0 == holds
+
+
+async def test_unary_request_cut_by_the_kill_is_answered_by_the_replacement(
+    consul: ConsulClient, http: aiohttp.ClientSession
+) -> None:
+    """Non-streaming, the only engine killed while generating: the replacement answers it."""
+    model = "solo-cut"
+    await declare_model(consul, model)
+    sim = {"step_seconds": "0.05", "output_tokens": "64"}
+    first = await asyncio.to_thread(start_engine, model, sim=sim)
+    replacement = None
+    try:
+        await register_replica(consul, model, 0, first.port)
+        body = chat_body(model, "a long answer please", seed=3, max_tokens=40)
+        async with http.post(first.url + "/v1/chat/completions", json=body) as direct:
+            expected = (await direct.json())["choices"][0]["message"]["content"]
+        async with running_router(consul) as router:
+            await wait_until(lambda: routable_count(router, model) == 1, timeout_s=5, what="ep")
+            request = asyncio.create_task(http.post(router.url + "/v1/chat/completions", json=body))
+
+            async def generating() -> bool:
+                return await engine_metric(http, first, "vllm:num_requests_running") == 1.0
+
+            await wait_until(generating, timeout_s=5, what="the engine generating")
+            first.kill()
+            await wait_until(
+                lambda: router.runtime.gate.queue_depths() == {model: 1}, timeout_s=5, what="hold"
+            )
+            replacement = await asyncio.to_thread(start_engine, model, sim=sim)
+            await register_replica(consul, model, 0, replacement.port)
+            response = await asyncio.wait_for(request, 15)
+            answer = await response.json()
+            holds = router.metric(
+                "caravan_router_replacement_holds_total",
+                model=model,
+                kind="unary",
+                outcome="resumed",
+            )
+    finally:
+        first.stop()
+        if replacement is not None:
+            replacement.stop()
+
+    assert 200 == response.status
+    assert expected == answer["choices"][0]["message"]["content"]
     assert 1.0 == holds
 
 
