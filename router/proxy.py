@@ -22,9 +22,9 @@ written into the same response (`router.continuation`); when no faithful
 continuation is possible the stream ends with an SSE error event and
 `[DONE]`. When the replica that died was the last one (every endpoint
 tried), the retry or continuation is held for its replacement, like a cold
-start (`router.replacement`). Every lease is given back exactly once, with its verdict for the
-endpoint's breaker: success, failure (connect error, 5xx, broken stream) or
-none (4xx, client gone).
+start (`router.replacement`). Every lease is given back exactly once, with
+its verdict for the endpoint's breaker: success, failure (connect error,
+5xx, broken stream) or none (4xx, client gone).
 
 One canonical log line per request (`request`: model, endpoint, status,
 attempts, failovers, ttfb, duration), never bodies, headers or keys.
