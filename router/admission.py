@@ -91,6 +91,7 @@ def decide_admission(
     model_declared: bool,
     policy: AdmissionPolicy,
     now: float,
+    replacement: bool = False,
 ) -> Decision:
     """What to do with a request, given what the balancer found for it.
 
@@ -100,7 +101,9 @@ def decide_admission(
     3. Endpoints exist but are full, unhealthy or breaker-open: queue, since
        capacity frees up or Nomad replaces the replica within seconds.
     4. The request already tried every endpoint: 503, no queue (the proxy's
-       retry loop ends there).
+       retry loop ends there), unless it waits for the `replacement` of a
+       replica that died (`router.replacement`) and a profile declares the
+       model: then it is held like a cold start, for the rebuilt replica.
     5. A full queue rejects: 429 when the model is at capacity (back off), 503
        when it is unavailable.
     """
@@ -114,8 +117,10 @@ def decide_admission(
     cold_start = reason is NoEndpointReason.NO_ENDPOINTS
     if cold_start and not model_declared:
         return UnknownModel()
+    if reason is NoEndpointReason.ALL_EXCLUDED and replacement and model_declared:
+        cold_start = True
     retry_after = policy.cold_start_retry_after_s if cold_start else policy.retry_after_s
-    if reason is NoEndpointReason.ALL_EXCLUDED:
+    if reason is NoEndpointReason.ALL_EXCLUDED and not cold_start:
         return Reject(503, retry_after, reason, queue_full=False)
     if queue_depth >= policy.max_queue_per_model:
         status = 429 if reason is NoEndpointReason.AT_CAPACITY else 503

@@ -14,6 +14,12 @@ draining) is a cold start: the request is held up to the cold-start timeout,
 `DemandSignal` writes `<prefix>demand/<name>` for the scheduler (at most once
 per model per `demand_interval_s`), and a streaming client gets an SSE
 comment every `cold_start_keepalive_s` through the `hold` callback.
+
+A retry or continuation whose replica died (`admit(..., replacement=True)`)
+and that finds every endpoint already tried is held the same way, for the
+replacement the scheduler rebuilds (`router.replacement`): while it waits, a
+tried endpoint that Consul reports critical or that left the catalog stops
+being excluded, so a replica restarted in place is taken again once it passes.
 """
 
 from __future__ import annotations
@@ -51,9 +57,10 @@ from router.balancer import (
     pick,
 )
 from router.endpoints import Endpoint
-from router.errors import ModelNotFound, NoHealthyEndpoint
+from router.errors import ModelNotFound, NoHealthyEndpoint, QueueTimeout, ReplacementTimeout
 from router.live_state import Lease, Outcome, finish_request, start_request
 from router.metrics import OTHER_MODEL, RouterMetrics
+from router.replacement import still_excluded
 from router.routing_state import KnownModel, RoutingState
 
 log = logging.getLogger(__name__)
@@ -78,6 +85,8 @@ class _Waiter:
     ticket: Ticket
     features: RequestFeatures
     future: asyncio.Future[Admitted]
+    # Held for the replacement of a dead replica (router.replacement).
+    replacement: bool = False
 
 
 class DemandStore(Protocol):
@@ -177,12 +186,20 @@ class AdmissionGate:
     # -- the request path ------------------------------------------------------------
 
     async def admit(
-        self, features: RequestFeatures, *, priority: int, hold: Hold | None = None
+        self,
+        features: RequestFeatures,
+        *,
+        priority: int,
+        hold: Hold | None = None,
+        replacement: bool = False,
     ) -> Admitted:
         """An endpoint for the request, now or after waiting; raises the RouterError to answer.
 
         `hold` is awaited when a cold-start wait begins and every keep-alive
         interval during it (streams use it to send SSE comments).
+        `replacement`: the request's replica died in a way that a rebuilt one
+        can make good (`router.replacement.waits_for_replacement`); when every
+        endpoint was already tried, wait for one up to the cold-start deadline.
         """
         now = self._clock()
         model = features.model
@@ -209,6 +226,7 @@ class AdmissionGate:
             model_declared=declared,
             policy=self._admission,
             now=now,
+            replacement=replacement,
         )
         match decision:
             case Admit(endpoint=endpoint):
@@ -225,6 +243,7 @@ class AdmissionGate:
                     deadline=deadline,
                     cold_start=cold_start,
                     hold=hold if cold_start else None,
+                    replacement=replacement,
                 )
             case _:
                 assert_never(decision)
@@ -261,7 +280,7 @@ class AdmissionGate:
         for ticket in self._queues.expire(now):
             waiter = self._waiters.get(ticket.seq)
             if waiter is not None and not waiter.future.done():
-                waiter.future.set_exception(ticket.timeout_error(self._admission))
+                waiter.future.set_exception(self._timeout_error(ticket, waiter.replacement))
         self.capacity_changed()
         cold: dict[str, int] = {}
         for waiter in self._waiters.values():
@@ -300,6 +319,7 @@ class AdmissionGate:
         deadline: float,
         cold_start: bool,
         hold: Hold | None,
+        replacement: bool = False,
     ) -> Admitted:
         model = features.model
         retry_after = (
@@ -316,14 +336,16 @@ class AdmissionGate:
             retry_after_s=retry_after,
         )
         future: asyncio.Future[Admitted] = asyncio.get_running_loop().create_future()
-        self._waiters[ticket.seq] = _Waiter(ticket, features, future)
+        self._waiters[ticket.seq] = _Waiter(ticket, features, future, replacement)
         if cold_start:
             known = self._state.view.profiles.get(model)
             if known is not None:
                 self._demand.note(known, self._queues.depth(model))
-            log.info("cold_start_hold", extra={"model": model})
+            log.info(
+                "replacement_hold" if replacement else "cold_start_hold", extra={"model": model}
+            )
         try:
-            admitted = await self._await_turn(ticket, future, hold)
+            admitted = await self._await_turn(ticket, future, hold, replacement=replacement)
         except BaseException:
             self._abandon(ticket, future)
             raise
@@ -333,7 +355,12 @@ class AdmissionGate:
         return admitted
 
     async def _await_turn(
-        self, ticket: Ticket, future: asyncio.Future[Admitted], hold: Hold | None
+        self,
+        ticket: Ticket,
+        future: asyncio.Future[Admitted],
+        hold: Hold | None,
+        *,
+        replacement: bool = False,
     ) -> Admitted:
         if hold is not None:
             await hold()
@@ -342,7 +369,7 @@ class AdmissionGate:
                 return future.result()
             remaining = ticket.deadline - self._clock()
             if remaining <= 0:
-                raise ticket.timeout_error(self._admission)
+                raise self._timeout_error(ticket, replacement)
             step = remaining if hold is None else min(remaining, self._keepalive_s)
             try:
                 async with asyncio.timeout(step):
@@ -352,6 +379,11 @@ class AdmissionGate:
             except TimeoutError:
                 if hold is not None and not future.done() and self._clock() < ticket.deadline:
                     await hold()
+
+    def _timeout_error(self, ticket: Ticket, replacement: bool) -> QueueTimeout:
+        if replacement and ticket.cold_start:
+            return ReplacementTimeout(ticket.model, self._admission.cold_start_retry_after_s)
+        return ticket.timeout_error(self._admission)
 
     def _abandon(self, ticket: Ticket, future: asyncio.Future[Admitted]) -> None:
         """The waiter leaves (timeout, client gone): give back a lease it got too late."""
@@ -369,11 +401,19 @@ class AdmissionGate:
             waiter = self._waiters.get(ticket.seq)
             if waiter is None or waiter.future.done():
                 continue
+            if waiter.replacement and waiter.features.exclude:
+                exclude = still_excluded(
+                    self._state.view.snapshot.for_model(model), waiter.features.exclude
+                )
+                if exclude is not waiter.features.exclude:
+                    waiter.features = replace(waiter.features, exclude=exclude)
             result = self._pick(waiter.features, now)
             if isinstance(result, Picked):
                 waiter.future.set_result(self._lease(result.endpoint, now))
                 continue
-            if result.reason is NoEndpointReason.ALL_EXCLUDED:
+            if result.reason is NoEndpointReason.ALL_EXCLUDED and not (
+                waiter.replacement and ticket.cold_start
+            ):
                 waiter.future.set_exception(
                     NoHealthyEndpoint(model, result.reason.value, self._admission.retry_after_s)
                 )

@@ -17,6 +17,7 @@
     ├── AdmissionRejected         429/503 with Retry-After                          (retryable)
     │   ├── QueueFull             429  the model's queue is at its bound
     │   └── QueueTimeout          503  queued past its deadline (capacity or cold start)
+    │       └── ReplacementTimeout 503 no replacement of a dead last replica passed in time
     └── UpstreamError             502  the engine failed the request
         ├── UpstreamConnectError  502  no connection, or reset before any response  (retryable)
         ├── UpstreamStatusError   502/503/504 as the engine said (retryable for 5xx gateway codes)
@@ -217,6 +218,22 @@ class QueueTimeout(AdmissionRejected):
         )
         self.model = model
         self.cold_start = cold_start
+
+
+class ReplacementTimeout(QueueTimeout):
+    """A retry or continuation held for the replacement of a dead replica waited too long."""
+
+    code = "replacement_timeout"
+
+    def __init__(self, model: str, retry_after_s: int) -> None:
+        AdmissionRejected.__init__(
+            self,
+            f"The last replica of model '{model}' failed and no replacement passed its health "
+            "check in time; retry later.",
+            retry_after_s,
+        )
+        self.model = model
+        self.cold_start = True
 
 
 class UpstreamError(RouterError):

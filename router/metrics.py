@@ -192,6 +192,14 @@ class RouterMetrics:
             ["model", "outcome"],
             registry=registry,
         )
+        # Outcomes: router.replacement.ReplacementOutcome; kind: stream or unary.
+        self.replacement_holds = Counter(
+            "caravan_router_replacement_holds_total",
+            "Retries and stream continuations held for the replacement of a dead last replica, "
+            "by how they ended.",
+            ["model", "kind", "outcome"],
+            registry=registry,
+        )
         self.demand_signals = Counter(
             "caravan_router_demand_signals_total",
             "Cold-start demand signals written to Consul KV.",

@@ -20,9 +20,11 @@ started, an engine that dies (reset, EOF without `[DONE]`, silent for
 `stream_idle_timeout_s`) is replaced by a continuation on another endpoint,
 written into the same response (`router.continuation`); when no faithful
 continuation is possible the stream ends with an SSE error event and
-`[DONE]`. Every lease is given back exactly once, with its verdict for the
-endpoint's breaker: success, failure (connect error, 5xx, broken stream) or
-none (4xx, client gone).
+`[DONE]`. When the replica that died was the last one (every endpoint
+tried), the retry or continuation is held for its replacement, like a cold
+start (`router.replacement`). Every lease is given back exactly once, with
+its verdict for the endpoint's breaker: success, failure (connect error,
+5xx, broken stream) or none (4xx, client gone).
 
 One canonical log line per request (`request`: model, endpoint, status,
 attempts, failovers, ttfb, duration), never bodies, headers or keys.
@@ -72,6 +74,7 @@ from router.errors import (
     InvalidRequest,
     ModelNotFound,
     NoHealthyEndpoint,
+    ReplacementTimeout,
     RequestTooLarge,
     RouterError,
     StreamInterrupted,
@@ -87,6 +90,7 @@ from router.errors import (
 )
 from router.live_state import Outcome
 from router.metrics import OTHER_MODEL, FailoverOutcome, RequestOutcome, RouterMetrics
+from router.replacement import replacement_outcome, waits_for_replacement
 from router.routing_state import RoutingState
 from router.settings import RouterSettings
 
@@ -175,6 +179,9 @@ class Exchange:
     # Headers of the engine whose stream opens the client response.
     reply_headers: Headers | None = None
     tried: set[str] = field(default_factory=set)
+    # Held for the replacement of its dead replica at least once; and whether that hold timed out.
+    replacement_held: bool = False
+    replacement_timed_out: bool = False
     # The parsed request, set once the body has been read.
     body: bytes = b""
     payload: dict[str, Any] = field(default_factory=dict)
@@ -355,12 +362,14 @@ class Proxy:
     # -- non-streaming -------------------------------------------------------------------
 
     async def _serve_unary(self, exchange: Exchange) -> web.StreamResponse:
+        replacement = False
         while True:
-            admitted = await self._admit(exchange)
+            admitted = await self._admit(exchange, replacement=replacement)
             result = await self._unary_once(exchange, admitted)
             if isinstance(result, _Done):
                 return result.response
             self._retry_or_raise(exchange, admitted, result.error)
+            replacement = self._waits_for_replacement(result.error, mid_stream=False)
 
     async def _unary_once(self, exchange: Exchange, admitted: Admitted) -> _Done | _Failed:
         endpoint = admitted.endpoint
@@ -403,13 +412,15 @@ class Proxy:
             await self._write(exchange, HOLD_COMMENT, forwarded=False)
 
         # Plain attempts, while nothing of any engine's answer reached the client.
+        replacement = False
         while True:
-            admitted = await self._admit(exchange, hold=hold)
+            admitted = await self._admit(exchange, hold=hold, replacement=replacement)
             result = await self._stream_once(exchange, admitted, exchange.body, account, None)
             if isinstance(result, _Done):
                 return result.response
             if isinstance(result, _Failed):
                 self._retry_or_raise(exchange, admitted, result.error)
+                replacement = self._waits_for_replacement(result.error, mid_stream=False)
                 continue
             exchange.tried.add(admitted.endpoint.id)
             return await self._fail_over(exchange, account, hold, result.error)
@@ -438,18 +449,20 @@ class Proxy:
                     exchange.endpoint_id or "-", f"the stream broke and failover gave up: {broken}"
                 )
                 return await self._end_stream_with_error(exchange, error, FailoverOutcome.FAILED)
-            step = await self._continue(exchange, account, hold)
+            step = await self._continue(exchange, account, hold, broken)
             if isinstance(step, _Done):
                 return step.response
             broken = step
 
     async def _continue(
-        self, exchange: Exchange, account: StreamAccount, hold: Hold
+        self, exchange: Exchange, account: StreamAccount, hold: Hold, broken: UpstreamError
     ) -> _Done | UpstreamError:
         """One continuation on another endpoint: `_Done` once the stream is over, else the error.
 
         Ends the client's stream itself (with an error event) when no faithful
-        continuation is possible or no endpoint can take it.
+        continuation is possible or no endpoint can take it. When the endpoint
+        that broke was the last one, waits for its replacement (SSE comments
+        through `hold` meanwhile), up to the cold-start deadline.
         """
         children = self._metrics.for_model(exchange.label)
         payload = exchange.payload
@@ -464,13 +477,14 @@ class Proxy:
             )
         exchange.failovers += 1
         try:
-            admitted = await self._gate.admit(
-                exchange.retry_features(), priority=CONTINUATION_PRIORITY, hold=hold
+            admitted = await self._admit(
+                exchange,
+                hold,
+                replacement=self._waits_for_replacement(broken, mid_stream=True),
+                priority=CONTINUATION_PRIORITY,
             )
         except RouterError as exc:
             return _Done(await self._end_stream_with_error(exchange, exc, FailoverOutcome.FAILED))
-        exchange.attempts += 1
-        exchange.endpoint_id = admitted.endpoint.id
         continuation = build_continuation(payload, account, admitted.endpoint.engine)
         if isinstance(continuation, Unfaithful):  # pragma: no cover - the probe said yes
             self._gate.finish(admitted, Outcome.NO_VERDICT)
@@ -710,13 +724,35 @@ class Proxy:
 
     # -- helpers -------------------------------------------------------------------------
 
-    async def _admit(self, exchange: Exchange, hold: Hold | None = None) -> Admitted:
-        admitted = await self._gate.admit(
-            exchange.retry_features(), priority=exchange.priority, hold=hold
-        )
+    async def _admit(
+        self,
+        exchange: Exchange,
+        hold: Hold | None = None,
+        *,
+        replacement: bool = False,
+        priority: int | None = None,
+    ) -> Admitted:
+        """An endpoint for the next attempt; `replacement`: it may wait for a rebuilt replica."""
+        if replacement:
+            hold = _marking_hold(exchange, hold)
+        try:
+            admitted = await self._gate.admit(
+                exchange.retry_features(),
+                priority=exchange.priority if priority is None else priority,
+                hold=hold,
+                replacement=replacement,
+            )
+        except ReplacementTimeout:
+            exchange.replacement_timed_out = True
+            raise
         exchange.attempts += 1
         exchange.endpoint_id = admitted.endpoint.id
         return admitted
+
+    def _waits_for_replacement(self, error: UpstreamError, *, mid_stream: bool) -> bool:
+        return self._settings.hold_for_replacement and waits_for_replacement(
+            error, mid_stream=mid_stream
+        )
 
     def _retry_or_raise(self, exchange: Exchange, admitted: Admitted, error: UpstreamError) -> None:
         exchange.tried.add(admitted.endpoint.id)
@@ -792,6 +828,14 @@ class Proxy:
         children.duration[exchange.outcome].observe(duration)
         if exchange.ttfb_s is not None:
             children.ttfb.observe(exchange.ttfb_s)
+        if exchange.replacement_held:
+            outcome = replacement_outcome(
+                ok=exchange.outcome is RequestOutcome.OK,
+                timed_out=exchange.replacement_timed_out,
+                client_closed=exchange.outcome is RequestOutcome.CLIENT_CLOSED,
+            )
+            kind = "stream" if exchange.stream else "unary"
+            self._metrics.replacement_holds.labels(label, kind, outcome.value).inc()
         if log.isEnabledFor(logging.INFO):
             self._request_log(
                 {
@@ -823,6 +867,17 @@ def _parse_payload(body: bytes) -> dict[str, Any]:
     if not isinstance(payload, dict):
         raise InvalidRequest("The request body must be a JSON object.")
     return payload
+
+
+def _marking_hold(exchange: Exchange, hold: Hold | None) -> Hold:
+    """`hold`, noting on the exchange that it was held (the gate calls it when a hold begins)."""
+
+    async def marked() -> None:
+        exchange.replacement_held = True
+        if hold is not None:
+            await hold()
+
+    return marked
 
 
 def _upstream_failure(endpoint_id: str, exc: BaseException) -> UpstreamError:

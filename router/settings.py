@@ -77,6 +77,10 @@ class RouterSettings(BaseSettings):
     cold_start_timeout_s: float = Field(default=300.0, gt=0)
     # How often a streaming client held for a cold start gets an SSE comment.
     cold_start_keepalive_s: float = Field(default=5.0, gt=0)
+    # When the last replica of a model dies under a retry or a stream, hold the
+    # request (streams: SSE comments every cold_start_keepalive_s) for its
+    # replacement, up to cold_start_timeout_s, instead of failing it.
+    hold_for_replacement: bool = True
     # How often, at most, the demand signal of one model is written to KV.
     demand_interval_s: float = Field(default=5.0, gt=0)
     retry_after_s: int = Field(default=1, ge=1)
