@@ -113,6 +113,8 @@ async def test_killed_leader_is_replaced_within_the_ttl(bare_stack: LocalStack):
 
             await eventually(follower_leads, timeout_s=30, interval_s=0.1)
             takeover_s = time.monotonic() - killed_at
+            # devcluster expires a session at its TTL; a real Consul waits twice
+            # the TTL (facts C9), so there the bound is 2 x TTL + lock-delay.
             assert takeover_s <= LEADER_TTL_S + LOCK_DELAY_S + 1.0, (
                 f"takeover took {takeover_s:.1f}s"
             )
