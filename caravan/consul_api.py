@@ -6,6 +6,10 @@
         index, entries = await consul.health_service("caravan-qwen", passing=True,
                                                      index=index, wait_s=60)
 
+Consul's behaviour relied on is in `docs/nomad-consul-facts.md`: health
+reads (facts C3), KV and check-and-set (C6), transactions (C7), sessions
+(C8), ACL tokens (C12); py-consul's async client (facts P2).
+
 Results are frozen dataclasses (`HealthEntry`, `KVEntry`, `SessionInfo`);
 failures are `caravan.errors` types: connection errors, timeouts and 5xx
 are `HashiUnavailable`, 403 `HashiPermissionDenied`, 404 where the object

@@ -9,11 +9,19 @@ How it works: a session with a TTL (behavior `release`, a lock-delay) is
 renewed every TTL/2; the contender `acquire`s the key with it. A follower
 blocks on the key and tries again when the key has no holder (a refused
 acquire while the key is free means the lock-delay is running: it retries
-every `retry_interval_s`). A leader blocks on the key as well and steps down
+every `retry_interval_s`; facts C10). A leader blocks on the key as well and steps down
 at once when the key shows another holder or no holder, when a renew says
 the session is gone, or when no renew has succeeded for a whole TTL (the
 session may be gone without us hearing). On cancellation it releases the
 key and destroys the session, so a successor does not wait out the TTL.
+
+Takeover time (facts C8-C10): after a clean shutdown the key is released
+before the session is destroyed, so no lock-delay applies and a follower
+takes the lock as soon as its blocking read returns. After a crash Consul
+invalidates the session twice the TTL after its last renew (1.5 to 2 TTLs
+after the crash, as renews come every TTL/2), and the key then stays
+locked for the lock-delay: a follower leads within 2 x TTL + lock-delay
+(+ one `retry_interval_s`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
         async for frame in nomad.events(["Allocation", "Job:caravan-qwen-0"]):
             ...
 
-Why not python-nomad: it is synchronous (requests), so every call would
+Why not python-nomad (facts P1): it is synchronous (requests), so every call would
 need a thread, and it has no blocking queries (`index`/`wait`) at all,
 which the scheduler's watches are built on. The API surface caravan needs
 is small, so it lives here with Nomad's field names.
@@ -18,8 +18,8 @@ kept in `raw`. Failures are `caravan.errors` types: connection errors,
 timeouts and 5xx are `HashiUnavailable`; 403 `HashiPermissionDenied`; 404
 `HashiNotFound` (reads of one object return None instead); 400 and Nomad's
 validation failures (HTTP 500 whose text says "validation failed" or
-"error occurred") `HashiBadRequest` with Nomad's message; a lost
-`EnforceIndex` race `HashiConflict`. The token travels in `X-Nomad-Token`
+"error occurred", facts N2) `HashiBadRequest` with Nomad's message; a lost
+`EnforceIndex` race (facts N3) `HashiConflict`. The token travels in `X-Nomad-Token`
 only and never appears in logs or messages.
 """
 

@@ -7,7 +7,8 @@
     async for entries in watch:          # each new result (coalesced: the latest only)
         snapshot = build(entries)        # consumers re-read full state
 
-It follows Consul's rules for blocking clients (api-docs/features/blocking):
+It follows Consul's rules for blocking clients (facts C4; Nomad's blocking
+queries work the same way, facts N16):
 a return is no proof of change (results are delivered when the index
 moves); an index that goes backwards resets the loop to 0 (a fresh read);
 an index of 0 after a read is treated as 1 so the server blocks; the loop

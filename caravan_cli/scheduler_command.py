@@ -56,7 +56,10 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "--leader-ttl-s",
         type=float,
         default=15.0,
-        help="session TTL of the leader lock; a dead leader is replaced within about this long",
+        help=(
+            "session TTL of the leader lock (Consul accepts 10 s to 24 h); a crashed leader "
+            "is replaced within 2 x TTL + lock-delay (default 15)"
+        ),
     )
     parser.add_argument(
         "--leader-lock-delay-s",

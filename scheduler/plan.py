@@ -12,8 +12,10 @@ are not draining:
    replicas are registered one at a time until each sibling has a node, so
    the anti-affinity of the next one knows where the others landed.
 2. More than D live: drain the replicas that cost least to lose (outdated
-   first, then not ready, then fewest in-flight requests when known, else
-   the newest), but never a ready one if that leaves fewer than D ready.
+   first, then not ready, then fewest in-flight requests when known, then
+   the highest replica index), but never a ready one if that leaves fewer
+   than D ready. The highest index is not always the newest replica: new
+   replicas take the lowest free index.
 3. Exactly D live and some outdated (their spec hash differs from the
    profile's): surge one new replica; rule 2 then drains an outdated one once
    the new one is ready. A model never drops below its ready count during an
@@ -196,7 +198,7 @@ def _free_indices(used: set[int], count: int) -> list[int]:
 
 def _victim_order(replica: ObservedReplica, outdated: bool, ready: bool) -> tuple[Any, ...]:
     # Cheapest to lose first: outdated, then not ready, then fewest in-flight
-    # requests (unknown counts as busy), then the newest.
+    # requests (unknown counts as busy), then the highest replica index.
     inflight = replica.inflight if replica.inflight is not None else math.inf
     return (not outdated, ready, inflight, -replica.replica)
 

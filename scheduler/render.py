@@ -3,10 +3,10 @@
 `render(profile, replica, hints, config)` is pure and deterministic: the same
 inputs give byte-identical JSON. The result is the body of `PUT /v1/jobs`
 (`{"Job": {...}}`) and satisfies what a real Nomad accepts (see
-`nomad-consul-facts.md`): durations are integer nanoseconds, every constraint
-has an explicit `Operand`, the service name is valid per RFC 1123, check
-intervals and timeouts are at least one second, and host-mode raw_exec ports
-carry no `To`.
+`docs/nomad-consul-facts.md`, facts N5, N8, N18): durations are integer
+nanoseconds, every constraint has an explicit `Operand`, the service name is
+valid per RFC 1123, check intervals and timeouts are at least one second, and
+host-mode raw_exec ports carry no `To`.
 
 The job's `Meta` carries a spec hash: a hash of everything rendered except the
 placement hints. The scheduler compares hashes, never Nomad's canonicalised
@@ -73,7 +73,7 @@ class PlacementHints:
     """Where the model's other replicas run now (Nomad node IDs).
 
     Nomad's `spread` and `distinct_hosts` only see allocations of the same job
-    (facts A.10), and caravan runs one job per replica, so the scheduler
+    (facts N14), and caravan runs one job per replica, so the scheduler
     passes the nodes of sibling replicas here and rendering turns them into an
     anti-affinity. It is soft on purpose: a replica is never pinned, so Nomad
     can still reschedule it on its own when its node dies.

@@ -1,8 +1,8 @@
 """Defaults and implied constraints Nomad adds to a job before validating it.
 
 `canonicalize_job` is `api.Job.Canonicalize` plus the server's own
-`structs.Job.Canonicalize` (facts A.4); `add_implied_constraints` is the
-`jobImpliedConstraints` admission mutator (kill signals, Consul services).
+`structs.Job.Canonicalize` (facts N6); `add_implied_constraints` is the
+`jobImpliedConstraints` admission mutator (kill signals, Consul services; facts N7).
 Both are visible when the job is read back, as on a real cluster.
 """
 

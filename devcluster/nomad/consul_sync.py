@@ -1,4 +1,4 @@
-"""How a Nomad client talks to its local Consul agent (facts B.6), over HTTP.
+"""How a Nomad client talks to its local Consul agent (facts N19), over HTTP.
 
 Each simulated node is a Consul node of the devcluster Consul
 (`PUT /v1/devcluster/node/register`, `/fail`, `/recover`); the services of its

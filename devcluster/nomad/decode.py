@@ -1,4 +1,4 @@
-"""Decode request bodies the way Nomad's HTTP agent does (facts A.1).
+"""Decode request bodies the way Nomad's HTTP agent does (facts N1).
 
 Nomad decodes with Go's `encoding/json` into its `api` structs, so:
 

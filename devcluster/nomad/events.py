@@ -1,4 +1,4 @@
-"""Nomad's event stream (facts A.13): one frame per state index, kept in a ring.
+"""Nomad's event stream (facts N17): one frame per state index, kept in a ring.
 
 Each committed state change publishes one frame `{"Index": n, "Events": [...]}`
 whose events carry the message type of the change (`JobRegistered`,

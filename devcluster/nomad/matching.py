@@ -1,4 +1,4 @@
-"""Constraint and affinity matching, as Nomad's scheduler does it (facts A.3, A.9).
+"""Constraint and affinity matching, as Nomad's scheduler does it (facts N5, N13).
 
 Node targets resolve to strings (`${node.unique.id}`, `${attr.*}`, `${meta.*}`);
 device targets resolve to typed attributes with units, so `"40 GiB"` compares

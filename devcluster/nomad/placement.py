@@ -15,7 +15,7 @@ The pipeline is Nomad's generic stack, in its order:
 4. the limit iterator (visit about log2(n) fitting nodes, skipping up to 3
    that score <= 0) and the best score wins.
 
-Scope caveat kept from Nomad (facts A.10): `distinct_hosts`, `distinct_property`,
+Scope caveat kept from Nomad (facts N14): `distinct_hosts`, `distinct_property`,
 spread and job anti-affinity only look at allocations of the same job.
 """
 

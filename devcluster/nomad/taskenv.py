@@ -1,4 +1,4 @@
-"""The environment Nomad gives a task and its `${...}` interpolation (facts A.14).
+"""The environment Nomad gives a task and its `${...}` interpolation (facts N18).
 
 `task_environment` builds the variables of `client/taskenv` (ports, alloc and
 job identity, limits, `NOMAD_META_*`, device visibility); `interpolate`

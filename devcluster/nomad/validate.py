@@ -1,4 +1,4 @@
-"""Nomad's job validation, with its messages and nesting (facts A.5).
+"""Nomad's job validation, with its messages and nesting (facts N2, N8).
 
 `validate_job` returns the top-level errors of the `jobValidate` admission
 validator for a canonicalized job; Nomad answers a register with HTTP 500 and

@@ -71,7 +71,7 @@ class LlamaCppAdapter:
         if self.driver(profile, config) is Driver.DOCKER:
             return config.llamacpp.container_port
         # raw_exec shares the host network: setting `To` would tell the process
-        # a port that was never reserved (facts A.14).
+        # a port that was never reserved (facts N18).
         return None
 
     def threads(self, profile: ModelProfile) -> int:

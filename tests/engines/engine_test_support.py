@@ -7,9 +7,9 @@ import contextlib
 import json
 import os
 import socket
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 
@@ -17,6 +17,8 @@ from devcluster.engine.server import RunningEngine
 from scheduler.cluster_config import ClusterConfig, LlamaCppSettings
 from scheduler.profiles import load_profile
 from scheduler.render import render
+
+T = TypeVar("T")
 
 
 class StartEngine(Protocol):
@@ -122,17 +124,31 @@ async def llama_server_process(
                 await process.wait()
 
 
+async def eventually(
+    check: Callable[[], Awaitable[T]], *, timeout_s: float, what: str, every_s: float = 0.02
+) -> T:
+    """Poll `check` until it returns something truthy and return that; fail naming `what`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        last = await check()
+        if last:
+            return last
+        if loop.time() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s} s (last: {last!r})")
+        await asyncio.sleep(every_s)
+
+
 async def wait_healthy(
     session: aiohttp.ClientSession, base_url: str, timeout_s: float = 20
 ) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while asyncio.get_running_loop().time() < deadline:
+    async def healthy() -> bool:
         with contextlib.suppress(aiohttp.ClientError):
             async with session.get(base_url + "/health") as response:
-                if response.status == 200:
-                    return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{base_url} did not become healthy in {timeout_s} s")
+                return response.status == 200
+        return False
+
+    await eventually(healthy, timeout_s=timeout_s, what=f"{base_url} healthy")
 
 
 def exposition_types(text: str) -> dict[str, str]:

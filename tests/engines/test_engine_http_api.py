@@ -7,7 +7,7 @@ import time
 
 import aiohttp
 import pytest
-from engine_test_support import StartEngine, chat_text, parse_sse, post_json
+from engine_test_support import StartEngine, chat_text, eventually, parse_sse, post_json
 
 CHAT = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 5}
 
@@ -275,9 +275,13 @@ async def test_llamacpp_slots_show_busy_slots_and_fail_on_no_slot(
     streams = [
         asyncio.create_task(post_json(http, url + "/v1/chat/completions", long)) for _ in range(3)
     ]
-    await asyncio.sleep(0.3)
-    async with http.get(url + "/slots") as response:
-        slots = await response.json()
+
+    async def both_slots_busy() -> list[dict[str, object]] | None:
+        async with http.get(url + "/slots") as response:
+            slots: list[dict[str, object]] = await response.json()
+        return slots if all(slot["is_processing"] for slot in slots) else None
+
+    slots = await eventually(both_slots_busy, timeout_s=10, what="both slots processing")
     async with http.get(url + "/slots?fail_on_no_slot=1") as response:
         busy_status, busy_body = response.status, await response.json()
     async with http.get(url + "/props") as response:

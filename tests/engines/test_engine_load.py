@@ -7,7 +7,7 @@ import time
 
 import aiohttp
 import pytest
-from engine_test_support import StartEngine, post_json
+from engine_test_support import StartEngine, eventually, post_json
 from prometheus_client.parser import text_string_to_metric_families
 
 SCRAPE_INTERVAL_S = 0.25
@@ -52,6 +52,8 @@ async def test_vllm_metrics_show_running_capped_and_waiting_growing_under_load(
     load = [asyncio.create_task(stream_one(http, url, body)) for _ in range(32)]
     scrapes = []
     while not all(task.done() for task in load):
+        # Not a wait for a condition: sampling once per scrape interval is what the
+        # acceptance is about ("shows the other 24 within one scrape interval").
         await asyncio.sleep(SCRAPE_INTERVAL_S)
         scrapes.append(await scrape(http, engine.base_url))
     received = await asyncio.gather(*load)
@@ -89,8 +91,13 @@ async def test_llamacpp_burst_keeps_processing_at_parallel_and_defers_the_rest(
     body = {"messages": [{"role": "user", "content": "burst"}], "max_tokens": 15}
 
     load = [asyncio.create_task(stream_one(http, url, body)) for _ in range(6)]
-    await asyncio.sleep(0.1)
-    during = await scrape(http, engine.base_url)
+
+    async def all_six_arrived() -> dict[str, tuple[str, float]] | None:
+        sample = await scrape(http, engine.base_url)
+        processing = sample["llamacpp:requests_processing"][1]
+        return sample if processing + sample["llamacpp:requests_deferred"][1] == 6 else None
+
+    during = await eventually(all_six_arrived, timeout_s=10, what="the burst admitted")
     await asyncio.gather(*load)
     after = await scrape(http, engine.base_url)
 
@@ -163,8 +170,14 @@ async def test_kv_cache_usage_rises_with_running_sequences_and_falls_back(
     request = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 20}
 
     task = asyncio.create_task(post_json(http, engine.base_url + "/v1/chat/completions", request))
-    await asyncio.sleep(0.2)
-    during = await scrape(http, engine.base_url)
+
+    async def blocks_held() -> dict[str, tuple[str, float]] | None:
+        sample = await scrape(http, engine.base_url)
+        return sample if sample["vllm:kv_cache_usage_perc"][1] > 0 else None
+
+    # Prefill takes every block of the prompt at once, so the first reading above 0 is the
+    # request's whole prompt.
+    during = await eventually(blocks_held, timeout_s=10, what="KV blocks held")
     await task
     after = await scrape(http, engine.base_url)
 

@@ -504,6 +504,7 @@ class FakeEngine:
                 if self.mode == "stall" and index == self.events - 1:
                     await asyncio.Event().wait()
                 if self.mode == "die" and index == self.events - 1:
+                    # Behaviour, not a wait: the last event leaves before the connection dies.
                     await asyncio.sleep(0.01)
                     if request.transport is not None:
                         request.transport.abort()

@@ -112,7 +112,18 @@ async def test_shutdown_leaves_consul_first_and_lets_streams_finish(
             async with http.get(router.url + "/health") as response:
                 health_status = response.status
             cleanup = asyncio.create_task(router.runner.cleanup())
-            await asyncio.sleep(0.1)
+
+            async def stopped_accepting() -> bool:
+                try:
+                    _, writer = await asyncio.open_connection("127.0.0.1", port)
+                except OSError:
+                    return True
+                writer.close()
+                await writer.wait_closed()
+                return False
+
+            # The stream is released only once shutdown is under way.
+            await wait_until(stopped_accepting, timeout_s=5, what="the listener closed")
             engine.release.set()
             response = await stream
             text, _, done = await read_stream(response)

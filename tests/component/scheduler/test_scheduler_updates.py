@@ -46,6 +46,7 @@ async def test_profile_change_rolls_without_losing_ready_capacity(stack: LocalSt
         ]
         if len(live) == 2 and len(current) == 2 and len(ready) == 2:
             break
+        # A sampling interval, not a wait: every sample's ready count is checked.
         await asyncio.sleep(0.3)
     else:
         raise AssertionError(f"the update did not finish: {len(current)} of {len(live)} current")
@@ -128,7 +129,16 @@ async def test_scale_down_drains_the_replica_with_fewest_inflight_requests(tmp_p
                 for _ in range(2)
             ]
             try:
-                await asyncio.sleep(4)  # the autoscaler's scrape sees the load
+                autoscaler = stack.scheduler.autoscaler
+                assert autoscaler is not None
+
+                async def load_seen() -> bool:
+                    # What the planner picks by: the autoscaler's last scrape of each replica.
+                    seen = autoscaler.inflight_by_alloc
+                    busy_seen = all((seen.get(e.meta["alloc_id"]) or 0) >= 2 for e in busy)
+                    return busy_seen and seen.get(jobs[idle_job].meta["alloc_id"]) == 0
+
+                await eventually(load_seen, timeout_s=20, interval_s=0.2)
                 await store_of(stack).scale(profile.name, 2)
 
                 async def drained() -> list[str]:

@@ -131,13 +131,13 @@ async def test_kv_blocking_get(client: ConsulClient, unique):
     await client.kv_put(key, b"v1")
     index, _ = await client.kv_get(key)
 
-    async def change():
-        await asyncio.sleep(0.2)
-        await client.kv_put(key, b"v2")
-
-    writer = asyncio.create_task(change())
-    new_index, entry = await client.kv_get(key, index=index, wait_s=5)
-    await writer
+    reader = asyncio.create_task(client.kv_get(key, index=index, wait_s=5))
+    # Not a wait: with nothing written for 0.2 s the read must still be blocked.
+    await asyncio.sleep(0.2)
+    blocked = not reader.done()
+    await client.kv_put(key, b"v2")
+    new_index, entry = await reader
+    assert blocked
     assert entry is not None
     assert b"v2" == entry.value
     assert new_index > index
@@ -179,13 +179,13 @@ async def test_catalog_services_blocks(client: ConsulClient, unique):
     """catalog_services returns names with tags and blocks until the catalog changes."""
     index, before = await client.catalog_services()
 
-    async def register():
-        await asyncio.sleep(0.2)
-        await client.agent_service_register(ServiceRegistration(name=f"ccs-{unique}", tags=("t",)))
-
-    writer = asyncio.create_task(register())
-    new_index, after = await client.catalog_services(index=index, wait_s=5)
-    await writer
+    reader = asyncio.create_task(client.catalog_services(index=index, wait_s=5))
+    # Not a wait: with nothing written for 0.2 s the read must still be blocked.
+    await asyncio.sleep(0.2)
+    blocked = not reader.done()
+    await client.agent_service_register(ServiceRegistration(name=f"ccs-{unique}", tags=("t",)))
+    new_index, after = await reader
+    assert blocked
     assert "consul" in before
     assert ("t",) == after[f"ccs-{unique}"]
     assert new_index > index

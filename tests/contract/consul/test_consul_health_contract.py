@@ -115,6 +115,7 @@ async def test_blocking_health_query_returns_within_100ms_of_a_check_passing(aio
         return result
 
     task = asyncio.create_task(blocked())
+    # Not a wait: with the check still critical for 0.3 s the call must still be blocked.
     await asyncio.sleep(0.3)
     assert not task.done()
     turned_passing_at = time.monotonic()
@@ -207,13 +208,13 @@ async def test_catalog_services_blocks_until_a_service_registers(aio, unique):
     index, services = await aio.catalog.services()
     name = f"new-{unique}"
 
-    async def register_later():
-        await asyncio.sleep(0.2)
-        await aio.agent.service.register(name, tags=["fresh"])
-
-    writer = asyncio.create_task(register_later())
-    new_index, new_services = await aio.catalog.services(index=index, wait="5s")
-    await writer
+    reader = asyncio.create_task(aio.catalog.services(index=index, wait="5s"))
+    # Not a wait: with nothing written for 0.2 s the read must still be blocked.
+    await asyncio.sleep(0.2)
+    blocked = not reader.done()
+    await aio.agent.service.register(name, tags=["fresh"])
+    new_index, new_services = await reader
+    assert blocked
     assert name not in services
     assert ["fresh"] == new_services[name]
     assert int(new_index) > int(index)

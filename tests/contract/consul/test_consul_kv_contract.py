@@ -92,13 +92,13 @@ async def test_blocking_get_wakes_on_create_and_on_delete(aio, unique):
     key = f"t/{unique}/wake"
     index, missing = await aio.kv.get(key)
 
-    async def write_soon():
-        await asyncio.sleep(0.2)
-        await aio.kv.put(key, "now")
-
-    writer = asyncio.create_task(write_soon())
-    created_index, created = await aio.kv.get(key, index=index, wait="5s")
-    await writer
+    reader = asyncio.create_task(aio.kv.get(key, index=index, wait="5s"))
+    # Not a wait: with nothing written for 0.2 s the read must still be blocked.
+    await asyncio.sleep(0.2)
+    blocked = not reader.done()
+    await aio.kv.put(key, "now")
+    created_index, created = await reader
+    assert blocked
     list_index, _ = await aio.kv.get(f"t/{unique}/", recurse=True)
     deleter = asyncio.create_task(aio.kv.delete(key))
     deleted_index, after = await aio.kv.get(
@@ -174,12 +174,15 @@ async def test_destroyed_session_releases_its_lock_and_lock_delay_applies(
     other = await _session(target, Name="other", LockDelay="0s")
     await aio.kv.put(key, "h", acquire=holder)
     await aio.session.destroy(holder)
+    destroyed_at = time.monotonic()
     _, released = await aio.kv.get(key)
     during_delay = await aio.kv.put(key, "o", acquire=other)
-    await asyncio.sleep(1.2)
-    after_delay = await aio.kv.put(key, "o", acquire=other)
+    after_delay = await eventually(lambda: aio.kv.put(key, "o", acquire=other), timeout_s=5)
+    waited = time.monotonic() - destroyed_at
     assert "Session" not in released
     assert (False, True) == (during_delay, after_delay)
+    # The 1 s lock-delay, counted from just after the destroy (margin for a loaded machine).
+    assert waited >= 0.7
 
 
 async def test_session_ttl_expiry_releases_or_deletes(aio, target: Target, unique):
@@ -243,6 +246,7 @@ async def test_leader_election_takes_over_when_the_holder_stops_renewing(
         started = time.monotonic()
         runner = asyncio.create_task(election.run())
         try:
+            # Not a wait: while the old holder's session lives, nobody else may lead.
             await asyncio.sleep(0.3)
             was_leader_early = election.is_leader
             await asyncio.wait_for(election.elected.wait(), timeout=2 * ttl + 5)

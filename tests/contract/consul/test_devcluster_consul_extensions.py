@@ -110,6 +110,8 @@ async def test_http_checks_of_a_failed_node_stop_running(target: Target, aio, he
     assert "passing" == await eventually(lambda: _is(service_check_status, "passing"), timeout_s=5)
     server.fail_node("n5")
     health_target.status = 500
+    # Not a wait: for longer than one check interval (1 s) the failed node's check
+    # must keep its last status although its target now answers 500.
     await asyncio.sleep(1.5)
     frozen = await service_check_status()
     server.recover_node("n5")

@@ -28,7 +28,7 @@ PORTS = (AllocatedPort("http", 23456, 8000, "127.0.0.3"),)
 
 
 def test_task_environment_has_nomads_variables() -> None:
-    """Ports, identity, limits and meta as `client/taskenv` sets them (facts A.14)."""
+    """Ports, identity, limits and meta as `client/taskenv` sets them (facts N18)."""
     job = cpu_job(Meta={"caravan_model": "qwen"})
     node = make_node(2)
     alloc = make_alloc(job, node, alloc_id="0123456789abcdef")

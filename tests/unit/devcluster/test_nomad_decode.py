@@ -1,4 +1,4 @@
-"""Decoding, canonicalization and implied constraints of the Nomad stand-in (facts A.1, A.4)."""
+"""Decoding, canonicalization and implied constraints of the Nomad stand-in (facts N1, N6, N7)."""
 
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def test_free_form_config_keeps_numbers_as_numbers() -> None:
 
 
 def test_canonicalize_fills_nomads_defaults() -> None:
-    """A bare job gets the defaults of `Job.Canonicalize` (facts A.4)."""
+    """A bare job gets the defaults of `Job.Canonicalize` (facts N6)."""
     job = canonicalize_job(minimal_job())
     group = job["TaskGroups"][0]
     task = group["Tasks"][0]

@@ -163,7 +163,7 @@ def test_distinct_hosts_fills_each_node_once_per_job() -> None:
 
 
 def test_distinct_hosts_is_scoped_to_the_job() -> None:
-    """Another job's allocations do not count (facts A.10)."""
+    """Another job's allocations do not count (facts N14)."""
     other = make_alloc(cpu_job("other"), cluster()[0])
     job = cpu_job(Constraints=[{"Operand": "distinct_hosts"}])
     assert "node-1" == placed(place(job, cluster()[:1], [other])).node.name

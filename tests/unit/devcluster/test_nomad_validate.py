@@ -1,4 +1,4 @@
-"""Nomad's job validation messages and their go-multierror nesting (facts A.5)."""
+"""Nomad's job validation messages and their go-multierror nesting (facts N2, N8)."""
 
 from __future__ import annotations
 

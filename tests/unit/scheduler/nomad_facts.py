@@ -1,6 +1,6 @@
 """Checks that a rendered job meets the facts a real Nomad enforces.
 
-Each rule names its source in `nomad-consul-facts.md`. The checker returns a
+Each rule names its source in `docs/nomad-consul-facts.md`. The checker returns a
 list of violations so a failing test says every problem at once.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-# Duration fields of the structs caravan renders (facts A.3): Go
+# Duration fields of the structs caravan renders (facts N5): Go
 # time.Duration, so integer nanoseconds in JSON.
 DURATION_KEYS = frozenset(
     {
@@ -81,7 +81,7 @@ def _walk(node: Any, path: str, problems: list[str]) -> None:
 def _check_constraint(item: dict[str, Any], where: str, problems: list[str]) -> None:
     operand = item.get("Operand")
     if not operand:
-        problems.append(f"{where}: Missing constraint operand (A.3: JSON has no default)")
+        problems.append(f"{where}: Missing constraint operand (facts N5: JSON has no default)")
     elif operand not in VALID_OPERANDS:
         problems.append(f"{where}: Unknown constraint type {operand!r}")
     ltarget = item.get("LTarget", "")
@@ -114,7 +114,7 @@ def nomad_fact_violations(body: dict[str, Any]) -> list[str]:
         if "raw_exec" in drivers or "exec" in drivers:
             for label, port in labels.items():
                 if port.get("To"):
-                    problems.append(f"port {label}: no To on host-mode ports for raw_exec (A.14)")
+                    problems.append(f"port {label}: no To on raw_exec host ports (facts N18)")
         for service in group.get("Services", []):
             name = service.get("Name", "")
             if not SERVICE_NAME.fullmatch(name):
