@@ -37,15 +37,9 @@ SOURCE_HOSTS = (
     "https://github.com/criteo/py-consul",
 )
 
-# Citations in the old numbering that another branch owns the files of; the
-# lead rewrites them at merge (each old id maps through the "Earlier
-# numbering" table). Nothing else may cite the old numbering.
-PENDING_OLD_CITATIONS = frozenset(
-    {
-        "tests/contract/nomad/test_nomad_jobs_contract.py",
-        "tests/contract/nomad/test_nomad_runtime_contract.py",
-    }
-)
+# Files allowed to cite the old numbering (each old id maps through the
+# "Earlier numbering" table): none any more.
+PENDING_OLD_CITATIONS: frozenset[str] = frozenset()
 
 
 def facts_text() -> str:

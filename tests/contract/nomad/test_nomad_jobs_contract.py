@@ -1,4 +1,4 @@
-"""Jobs API contract: register, read, list, plan, validate, deregister (facts A.1-A.6, A.11)."""
+"""Jobs API contract: register, read, list, plan, validate, deregister (facts N1-N10, N15)."""
 
 from __future__ import annotations
 
@@ -232,7 +232,7 @@ async def test_plan_of_unplaceable_gpu_job_says_why(target: NomadTarget, unique:
 async def test_deregister_unknown_job_is_200_with_zero_fields(
     target: NomadTarget, unique: str
 ) -> None:
-    """Stopping a job that does not exist is not an error (facts A.11)."""
+    """Stopping a job that does not exist is not an error (facts N15)."""
     client = target.python_nomad()
     result = await asyncio.to_thread(client.job.deregister_job, f"ghost-{unique}", purge=True)
     assert ("", 0) == (result["EvalID"], result["JobModifyIndex"])

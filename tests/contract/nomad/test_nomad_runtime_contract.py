@@ -1,4 +1,4 @@
-"""Allocations, nodes, drains, blocking queries and the event stream (facts A.7-A.13)."""
+"""Allocations, nodes, drains, blocking queries and the event stream (facts N11-N17)."""
 
 from __future__ import annotations
 
