@@ -37,6 +37,7 @@ from caravan.nomad_api import (
 )
 from scheduler.cluster_config import ClusterConfig
 from scheduler.metrics import SchedulerMetrics
+from scheduler.model_failure import failure_updates, model_failures, publish_failures
 from scheduler.model_store import DesiredState, ModelStore
 from scheduler.plan import (
     Action,
@@ -219,6 +220,8 @@ class Controller:
         self.last_plan: Plan | None = None
         self._reported_models: set[str] = set()
         self._unplaced: set[str] = set()
+        # The last Nomad readout and Consul health, for the failure record.
+        self._last_readout: tuple[NomadReadout, dict[str, bool]] | None = None
 
     async def observe(self, desired: DesiredState) -> Observation:
         """Read Nomad (jobs, allocations, nodes) and Consul health into one snapshot."""
@@ -244,6 +247,7 @@ class Controller:
             _, entries = await self.health.health_service(model_service_name(model))
             passing.update(_passing_by_alloc(entries))
         replicas = {job_id: _with_health(r, passing) for job_id, r in replicas.items()}
+        self._last_readout = (readout, passing)
         nodes = {str(stub["ID"]): node_from_stub(stub) for stub in readout.node_stubs}
         return Observation(
             replicas=replicas, nodes=nodes, draining=desired.draining, taken_at=self.clock()
@@ -315,6 +319,7 @@ class Controller:
             # Leadership can be lost while we read: never write after that.
             return ReconcileResult(requeue_after_s=None, plan=result, skipped="lost leadership")
         applied, failed = await self.apply(result.actions)
+        await self._record_failures(desired, now)
         self.metrics.reconcile_passes.labels(outcome="ok" if not failed else "error").inc()
         requeue = result.requeue_after_s
         if failed:
@@ -356,6 +361,18 @@ class Controller:
         for name, problem in result.errors.items():
             self.metrics.errors.labels(kind="render").inc()
             log.error("profile_unrenderable", extra={"model": name, "problem": problem})
+
+    async def _record_failures(self, desired: DesiredState, now: float) -> None:
+        """Publish which models failed for good (scheduler/model_failure.py), on change only."""
+        if self._last_readout is None:
+            return
+        readout, passing = self._last_readout
+        found = model_failures(
+            readout.job_stubs, readout.allocs_by_job, passing, frozenset(desired.profiles)
+        )
+        for name in desired.profiles:
+            self.metrics.model_failed.labels(model=name).set(1 if name in found else 0)
+        await publish_failures(self.store, failure_updates(found, desired.failures, now))
 
     async def apply(self, actions: tuple[Action, ...]) -> tuple[int, int]:
         """Apply actions with bounded concurrency; returns (applied, failed)."""

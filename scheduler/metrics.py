@@ -24,6 +24,8 @@ class SchedulerMetrics:
     autoscale_current: Gauge
     signal_age: Gauge
     cold_start: Histogram
+    autoscale_overridden: Gauge
+    model_failed: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> SchedulerMetrics:
@@ -115,6 +117,18 @@ class SchedulerMetrics:
                 "Time from a router's demand signal to the model's first ready replica.",
                 ["model"],
                 buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200),
+                registry=registry,
+            ),
+            autoscale_overridden=Gauge(
+                "caravan_scheduler_autoscale_overridden",
+                "1 while a manual `caravan scale` override holds the model's count, else 0.",
+                ["model"],
+                registry=registry,
+            ),
+            model_failed=Gauge(
+                "caravan_scheduler_model_failed",
+                "1 while every replica of the model has failed for good (KV failed/<name>).",
+                ["model"],
                 registry=registry,
             ),
         )

@@ -45,6 +45,7 @@ def test_delete_and_scale_are_conditioned_on_the_profile_read():
         TxnDelete("caravan/desired/m"),
         TxnDelete("caravan/demand/m"),
         TxnDelete("caravan/state/m"),
+        TxnDelete("caravan/override/m"),
     ] == delete_ops("m", 9, LAYOUT)
     assert [
         TxnCheckIndex("caravan/models/m", 9),
