@@ -37,8 +37,14 @@ from caravan.nomad_api import (
 )
 from scheduler.cluster_config import ClusterConfig
 from scheduler.metrics import SchedulerMetrics
-from scheduler.model_failure import failure_updates, model_failures, publish_failures
+from scheduler.model_failure import (
+    failure_updates,
+    impossible_placement,
+    model_failures,
+    publish_failures,
+)
 from scheduler.model_store import DesiredState, ModelStore
+from scheduler.placement_explain import ReplicaAsk
 from scheduler.plan import (
     Action,
     ClearDrainMarker,
@@ -51,6 +57,7 @@ from scheduler.plan import (
     drain_record_for,
     plan,
 )
+from scheduler.render import RenderError, render
 from scheduler.world import (
     NS_PER_S,
     DesiredModel,
@@ -368,11 +375,49 @@ class Controller:
             return
         readout, passing = self._last_readout
         found = model_failures(
-            readout.job_stubs, readout.allocs_by_job, passing, frozenset(desired.profiles)
+            readout.job_stubs,
+            readout.allocs_by_job,
+            passing,
+            frozenset(desired.profiles),
+            await self._unplaceable(desired, readout),
         )
         for name in desired.profiles:
             self.metrics.model_failed.labels(model=name).set(1 if name in found else 0)
         await publish_failures(self.store, failure_updates(found, desired.failures, now))
+
+    async def _unplaceable(self, desired: DesiredState, readout: NomadReadout) -> dict[str, str]:
+        """Replica jobs without any allocation that no freed capacity would place, with why."""
+        found: dict[str, str] = {}
+        now = self.clock()
+        for stub in readout.job_stubs:
+            replica = replica_from_job_stub(stub)
+            if (
+                replica is None
+                or replica.stopped
+                or replica.model not in desired.profiles
+                or readout.allocs_by_job.get(replica.job_id)
+                # Nomad evaluates a new job in a moment: not news yet.
+                or now - replica.submit_time_ns / NS_PER_S < UNPLACED_LOG_AFTER_S
+            ):
+                continue
+            try:
+                evaluations = (await self.nomad.job_evaluations(replica.job_id)).value
+                profile = desired.profiles[replica.model]
+                job = render(profile, replica.replica, config=self.config)["Job"]
+            except (HashiError, RenderError) as exc:
+                # Only the failure record waits for the next pass; reconciling goes on.
+                log.debug(
+                    "placement_check_skipped", extra={"job_id": replica.job_id, "error": str(exc)}
+                )
+                continue
+            latest = max(evaluations, key=lambda e: e.create_index, default=None)
+            if latest is None:
+                continue
+            ask = ReplicaAsk.from_job(job, profile.gpu.gpu_class if profile.gpu else "")
+            reason = impossible_placement(latest.failed_tg_allocs, ask)
+            if reason is not None:
+                found[replica.job_id] = reason
+        return found
 
     async def apply(self, actions: tuple[Action, ...]) -> tuple[int, int]:
         """Apply actions with bounded concurrency; returns (applied, failed)."""

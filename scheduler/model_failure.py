@@ -8,6 +8,13 @@ running and passing. Nomad's reschedule policy still places new attempts
 with a growing delay, but the same spec fails the same way: it takes a
 change to recover.
 
+A replica also has failed for good when it cannot be placed and no freed
+capacity would change that: it has no allocation, and every failed
+placement of its latest evaluation was filtered out by constraints (no node
+with its GPU class, its driver, its volume...) rather than by resources in
+use (`DimensionExhausted`), which Nomad places as soon as they free up.
+It takes a change to recover: a new node, or a new profile.
+
 A model has failed when every one of its replica jobs (at least one) has.
 The reconcile loop publishes that as a `ModelFailure` at KV `failed/<name>`
 (routers answer the model's requests with a 503 naming the reason; the
@@ -19,8 +26,7 @@ autoscaler stops scaling it up) and deletes it when it no longer holds:
   replicas make "every replica" false;
 - a replica passing its check.
 
-Placement that can never succeed and prefetch failures are not detected
-here yet (see docs/operations.md).
+Prefetch failures are not detected here yet (there is no prefetch).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Any, Protocol
 
 from caravan.contract import MAX_FAILURE_REASON_CHARS, ModelFailure
 from caravan.errors import HashiError
+from scheduler.placement_explain import ReplicaAsk, explain_failed_placement
 from scheduler.world import replica_from_job_stub
 
 log = logging.getLogger(__name__)
@@ -78,20 +85,47 @@ def replica_failure(
     return words
 
 
+def impossible_placement(failed_tg_allocs: Mapping[str, Any] | None, ask: ReplicaAsk) -> str | None:
+    """Why a replica can never be placed as it is, in `caravan status`'s words; else None.
+
+    None when nothing failed, or when some node was only short of resources
+    in use (Nomad places the replica when they free up).
+    """
+    if not failed_tg_allocs:
+        return None
+    metrics = [metric for _, metric in sorted(failed_tg_allocs.items())]
+    if any((metric or {}).get("DimensionExhausted") for metric in metrics):
+        return None
+    if any((metric or {}).get("QuotaExhausted") for metric in metrics):
+        return None
+    sentence = "; ".join(explain_failed_placement(metric or {}, ask) for metric in metrics)
+    return f"cannot be placed: {sentence}"
+
+
 def model_failures(
     job_stubs: Sequence[Mapping[str, Any]],
     allocs_by_job: Mapping[str, Sequence[Mapping[str, Any]]],
     passing_by_alloc: Mapping[str, bool],
     models: frozenset[str],
+    unplaceable: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The models of `models` whose every live replica job failed for good, with the reason."""
+    """The models of `models` whose every live replica job failed for good, with the reason.
+
+    `unplaceable` holds, by job id, the `impossible_placement` reason of
+    replica jobs that have no allocation.
+    """
     passing = frozenset(alloc for alloc, ok in passing_by_alloc.items() if ok)
     by_model: dict[str, list[tuple[int, str | None]]] = {}
     for stub in job_stubs:
         replica = replica_from_job_stub(stub)
         if replica is None or replica.stopped or replica.model not in models:
             continue
-        reason = replica_failure(stub, allocs_by_job.get(replica.job_id, ()), passing)
+        allocs = allocs_by_job.get(replica.job_id, ())
+        reason = (
+            replica_failure(stub, allocs, passing)
+            if allocs
+            else (unplaceable or {}).get(replica.job_id)
+        )
         by_model.setdefault(replica.model, []).append((replica.replica, reason))
     result: dict[str, str] = {}
     for model, replicas in by_model.items():

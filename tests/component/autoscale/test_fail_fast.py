@@ -85,7 +85,7 @@ async def chat(stack: LocalStack) -> tuple[int, dict[str, str], dict[str, Any], 
         return response.status, dict(response.headers), document, time.monotonic() - started
 
 
-async def router_lists_the_model(stack: LocalStack) -> None:
+async def router_lists_the_model(stack: LocalStack, name: str) -> None:
     """Wait until the router has read the profile (it then holds requests for a cold start)."""
     assert stack.router is not None
     deadline = time.monotonic() + 30
@@ -93,7 +93,7 @@ async def router_lists_the_model(stack: LocalStack) -> None:
         while time.monotonic() < deadline:
             async with session.get(f"{stack.router.base_url}/v1/models") as response:
                 listed = await response.json(content_type=None)
-            if NAME in [model.get("id") for model in listed.get("data", [])]:
+            if name in [model.get("id") for model in listed.get("data", [])]:
                 return
             await asyncio.sleep(0.2)
     pytest.fail("the router never listed the model")
@@ -124,7 +124,7 @@ async def test_bad_model_path_at_min_zero_answers_503_naming_the_failure_within_
 ):
     """The held request gets 503 model_unavailable with the reason; the next one at once."""
     await ModelStore(stack.scheduler.consul, KVLayout()).submit([bad_path_profile()])
-    await router_lists_the_model(stack)
+    await router_lists_the_model(stack, NAME)
 
     status, headers, document, took_s = await chat(stack)
 

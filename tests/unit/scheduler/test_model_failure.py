@@ -5,7 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from caravan.contract import JobMetaKey, ModelFailure
-from scheduler.model_failure import FailureUpdate, failure_updates, model_failures
+from scheduler.model_failure import (
+    FailureUpdate,
+    failure_updates,
+    impossible_placement,
+    model_failures,
+)
+from scheduler.placement_explain import ReplicaAsk
 
 NOT_RESTARTING = 'Exceeded allowed attempts 2 in interval 30m0s and mode is "fail"'
 
@@ -104,3 +110,44 @@ def test_updates_write_new_reasons_keep_since_and_delete_what_cleared():
         FailureUpdate("fresh", ModelFailure(reason="x", since=99.0)),
         FailureUpdate("gone", None),
     ] == updates
+
+
+GPU_ASK = ReplicaAsk(gpu_count=1, gpu_class="l4")
+
+
+def test_no_node_with_the_gpu_class_is_a_placement_that_needs_a_change():
+    """Every node filtered by a constraint: no freed capacity helps; said as status says it."""
+    failed = {"engine": {"NodesEvaluated": 5, "ConstraintFiltered": {"missing devices": 5}}}
+
+    reason = impossible_placement(failed, GPU_ASK)
+
+    assert (
+        "cannot be placed: no node has 1 free L4 (5 nodes have no matching GPU; 5 nodes evaluated)"
+        == reason
+    )
+
+
+def test_a_full_cluster_is_waited_for_not_failed():
+    """Resources in use free up: Nomad places the replica then, so it is no failure."""
+    failed = {
+        "engine": {
+            "NodesEvaluated": 5,
+            "ConstraintFiltered": {"missing devices": 3},
+            "DimensionExhausted": {"devices: nvidia/gpu": 2},
+        }
+    }
+
+    assert impossible_placement(failed, GPU_ASK) is None
+    assert impossible_placement(None, GPU_ASK) is None
+
+
+def test_an_unplaceable_replica_without_allocations_fails_its_model():
+    """A job with no allocation counts as failed when its placement is impossible."""
+    stubs = [job("gpu", 0)]
+
+    found = model_failures(
+        stubs, {}, {}, frozenset({"gpu"}), {"caravan-gpu-0": "cannot be placed: x"}
+    )
+    waiting = model_failures(stubs, {}, {}, frozenset({"gpu"}), {})
+
+    assert ({"gpu": "replica 0: cannot be placed: x"}, {}) == (found, waiting)
