@@ -218,6 +218,10 @@ def scale_ops(
     ]
     if override is not None:
         ops.append(TxnSet(layout.override_key(name), override.encode()))
+    else:
+        # A model without autoscaling keeps any count; a hold left from when it
+        # had autoscaling would only be shown, so it goes.
+        ops.append(TxnDelete(layout.override_key(name)))
     return ops
 
 

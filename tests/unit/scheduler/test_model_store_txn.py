@@ -50,6 +50,7 @@ def test_delete_and_scale_are_conditioned_on_the_profile_read():
     assert [
         TxnCheckIndex("caravan/models/m", 9),
         TxnSet("caravan/desired/m", b"3"),
+        TxnDelete("caravan/override/m"),
     ] == scale_ops("m", 3, 9, LAYOUT)
 
 
