@@ -409,6 +409,11 @@ async def _wait_ready(models: Models, names: list[str], timeout_s: float) -> int
                 last[name] = line
             if model["status"] != "ready" or model["ready"] < model["desired"]:
                 done = False
+            failure = model.get("failure")
+            if failure:
+                # Waiting on longer cannot help: it takes a change (caravan status says which).
+                print(f"{name} failed: {failure['reason']}", file=sys.stderr)
+                return 1
         if done:
             print("all replicas ready")
             return 0

@@ -10,6 +10,7 @@ from test_model_formatting import model
 
 from caravan_cli.model_commands import (
     CommandError,
+    _wait_ready,
     add_commands,
     format_list,
     format_status,
@@ -89,3 +90,24 @@ def test_api_scale_bodies(body: object, parsed: object):
         assert result.startswith(parsed)
     else:
         assert parsed == result
+
+
+class FailedModels:
+    """A model the scheduler recorded as failed, as `describe` returns it."""
+
+    async def describe(self, name: str) -> dict[str, object]:
+        return model(
+            name=name,
+            status="failed",
+            ready=0,
+            desired=1,
+            failure={"reason": "replica 0: exit 1", "since": UNTIL},
+        )
+
+
+async def test_submit_wait_stops_at_once_on_a_failed_model(capsys: pytest.CaptureFixture[str]):
+    """`submit --wait` gives up with the reason instead of waiting out its timeout."""
+    code = await _wait_ready(FailedModels(), ["bad"], timeout_s=600)  # type: ignore[arg-type]
+
+    assert 1 == code
+    assert "bad failed: replica 0: exit 1" in capsys.readouterr().err
