@@ -229,6 +229,7 @@ class Controller:
         self._unplaced: set[str] = set()
         # The last Nomad readout and Consul health, for the failure record.
         self._last_readout: tuple[NomadReadout, dict[str, bool]] | None = None
+        self._failure_gauges: set[str] = set()
 
     async def observe(self, desired: DesiredState) -> Observation:
         """Read Nomad (jobs, allocations, nodes) and Consul health into one snapshot."""
@@ -383,6 +384,11 @@ class Controller:
         )
         for name in desired.profiles:
             self.metrics.model_failed.labels(model=name).set(1 if name in found else 0)
+        for gone in self._failure_gauges - set(desired.profiles):
+            # A deleted model must not stay "failed" on a dashboard.
+            with contextlib.suppress(KeyError):
+                self.metrics.model_failed.remove(gone)
+        self._failure_gauges = set(desired.profiles)
         await publish_failures(self.store, failure_updates(found, desired.failures, now))
 
     async def _unplaceable(self, desired: DesiredState, readout: NomadReadout) -> dict[str, str]:
