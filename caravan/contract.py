@@ -9,9 +9,11 @@ follow.
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
@@ -174,6 +176,22 @@ class KVLayout:
         """
         return f"{self.placements}{name}"
 
+    @property
+    def overrides(self) -> str:
+        return f"{self.prefix}override/"
+
+    @property
+    def failures(self) -> str:
+        return f"{self.prefix}failed/"
+
+    def override_key(self, name: str) -> str:
+        """A manual count that the autoscaler holds until it expires (JSON `ScaleOverride`)."""
+        return f"{self.overrides}{name}"
+
+    def failure_key(self, name: str) -> str:
+        """Why every replica of a model failed for good (JSON `ModelFailure`; scheduler-written)."""
+        return f"{self.failures}{name}"
+
 
 # -- placements (contract 5): what the scheduler placed, so routers can verify endpoints ----
 
@@ -280,3 +298,101 @@ def replica_key_path(job_id: str) -> str:
     """The copy in a replica job's own path, which its task reads with no ACL policy
     (Nomad's implicit workload access to `nomad/jobs/<job_id>`)."""
     return f"nomad/jobs/{job_id}"
+
+
+class ContractDecodeError(ValueError):
+    """A KV document of the contract could not be read; says which field is wrong."""
+
+
+def _json_object(raw: bytes | str, what: str) -> dict[str, Any]:
+    try:
+        document = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ContractDecodeError(f"{what}: not JSON ({exc})") from None
+    if not isinstance(document, dict):
+        raise ContractDecodeError(f"{what}: not a JSON object")
+    return document
+
+
+def _number(document: dict[str, Any], key: str, what: str) -> float:
+    value = document.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ContractDecodeError(f"{what}: {key} must be a finite number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleOverride:
+    """`caravan scale NAME N` on an autoscaled model: hold `count` until `until`.
+
+    Times are wall-clock Unix seconds: the override is written by the CLI or
+    the API and read by whichever scheduler leads, possibly on another host.
+    """
+
+    count: int
+    until: float
+    set_at: float
+
+    def __post_init__(self) -> None:
+        if self.count < 0:
+            raise ValueError(f"count must be >= 0, got {self.count}")
+        if not self.until >= self.set_at:
+            raise ValueError(f"until ({self.until}) must not be before set_at ({self.set_at})")
+
+    def in_force(self, now: float) -> bool:
+        return now < self.until
+
+    def encode(self) -> bytes:
+        document = {"count": self.count, "until": self.until, "set_at": self.set_at}
+        return json.dumps(document, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> ScaleOverride:
+        what = "scale override"
+        document = _json_object(raw, what)
+        count = document.get("count")
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise ContractDecodeError(f"{what}: count must be an integer, got {count!r}")
+        try:
+            return cls(
+                count=count,
+                until=_number(document, "until", what),
+                set_at=_number(document, "set_at", what),
+            )
+        except ValueError as exc:
+            raise ContractDecodeError(f"{what}: {exc}") from None
+
+
+# A failure reason is shown to API clients and in `caravan status`; a bound
+# keeps one odd task event from making the document large.
+MAX_FAILURE_REASON_CHARS = 500
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFailure:
+    """Every replica of a model failed in a way that needs a change to recover.
+
+    The scheduler writes it (it observes Nomad) and deletes it when a change
+    clears it; routers answer requests for the model with a 503 naming
+    `reason` instead of holding them. `since` is wall-clock Unix seconds.
+    """
+
+    reason: str
+    since: float
+
+    def __post_init__(self) -> None:
+        if not self.reason:
+            raise ValueError("reason must not be empty")
+
+    def encode(self) -> bytes:
+        reason = self.reason[:MAX_FAILURE_REASON_CHARS]
+        return json.dumps({"reason": reason, "since": self.since}, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> ModelFailure:
+        what = "model failure"
+        document = _json_object(raw, what)
+        reason = document.get("reason")
+        if not isinstance(reason, str) or not reason:
+            raise ContractDecodeError(f"{what}: reason must be a non-empty string")
+        return cls(reason=reason[:MAX_FAILURE_REASON_CHARS], since=_number(document, "since", what))

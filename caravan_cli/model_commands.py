@@ -29,10 +29,13 @@ from scheduler.app import scheduler_clients
 from scheduler.cluster_config import ClusterConfigError, load_cluster_config
 from scheduler.model_service import ModelService, SubmissionRejectedError
 from scheduler.model_store import (
+    DEFAULT_OVERRIDE_S,
+    MAX_OVERRIDE_S,
     ModelStore,
     ScaleOutOfBoundsError,
     UnknownModelError,
     WriteConflictError,
+    hold_seconds,
 )
 from scheduler.profiles import ProfileError
 from scheduler.status import InvalidStoredProfileError, StatusReader
@@ -102,9 +105,33 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     delete.add_argument("name")
     delete.set_defaults(handler=_runner(_delete))
 
-    scale = subparsers.add_parser("scale", parents=[common], help="set a model's replica count")
+    scale = subparsers.add_parser(
+        "scale",
+        parents=[common],
+        help="set a model's replica count (held against its autoscaler)",
+        description=(
+            "Set a model's desired replica count. On an autoscaled model the count is an "
+            "override the autoscaler does not change: it holds for --for (default "
+            f"{_duration_words(DEFAULT_OVERRIDE_S)}) or until `caravan scale NAME --auto`."
+        ),
+    )
     scale.add_argument("name")
-    scale.add_argument("replicas", type=int)
+    scale.add_argument("replicas", type=int, nargs="?", help="the replica count")
+    scale.add_argument(
+        "--for",
+        dest="hold",
+        metavar="DURATION",
+        help=(
+            "autoscaled models: hold the count this long, like 90s, 30m, 2h, 1h30m or 1d "
+            f"(default {_duration_words(DEFAULT_OVERRIDE_S)}, at most "
+            f"{_duration_words(MAX_OVERRIDE_S)})"
+        ),
+    )
+    scale.add_argument(
+        "--auto",
+        action="store_true",
+        help="end a hold: the autoscaler decides the count again",
+    )
     scale.set_defaults(handler=_runner(_scale))
 
 
@@ -115,7 +142,11 @@ class Models(Protocol):
     async def list(self) -> list[dict[str, Any]]: ...
     async def describe(self, name: str) -> dict[str, Any]: ...
     async def delete(self, name: str) -> None: ...
-    async def scale(self, name: str, count: int) -> None: ...
+    async def scale(self, name: str, count: int, hold_s: float | None) -> float | None:
+        """Set the count; returns how long it is held against the autoscaler (None: not)."""
+        ...
+
+    async def release(self, name: str) -> None: ...
 
 
 class DirectModels:
@@ -136,8 +167,12 @@ class DirectModels:
     async def delete(self, name: str) -> None:
         await self.service.delete(name)
 
-    async def scale(self, name: str, count: int) -> None:
-        await self.service.scale(name, count)
+    async def scale(self, name: str, count: int, hold_s: float | None) -> float | None:
+        profile = await self.service.scale(name, count, hold_s=hold_s)
+        return hold_seconds(profile, hold_s)
+
+    async def release(self, name: str) -> None:
+        await self.service.release(name)
 
 
 class RemoteModels:
@@ -197,8 +232,16 @@ class RemoteModels:
     async def delete(self, name: str) -> None:
         await self._call("DELETE", f"/v1/models/{name}")
 
-    async def scale(self, name: str, count: int) -> None:
-        await self._call("POST", f"/v1/models/{name}/scale", json={"replicas": count})
+    async def scale(self, name: str, count: int, hold_s: float | None) -> float | None:
+        payload: dict[str, Any] = {"replicas": count}
+        if hold_s is not None:
+            payload["hold_s"] = hold_s
+        body = await self._call("POST", f"/v1/models/{name}/scale", json=payload)
+        held = body.get("hold_s") if isinstance(body, dict) else None
+        return float(held) if isinstance(held, int | float) else None
+
+    async def release(self, name: str) -> None:
+        await self._call("POST", f"/v1/models/{name}/scale", json={"auto": True})
 
 
 @asynccontextmanager
@@ -289,12 +332,27 @@ def _table(rows: list[list[str]]) -> str:
     )
 
 
+def _hold_and_failure(model: dict[str, Any]) -> str:
+    """What `caravan list` adds to the status: the hold and its expiry, the failure."""
+    words = ""
+    override = model.get("override")
+    if override:
+        words += f"; held at {override['count']} until {_when(float(override['until']))}"
+    failure = model.get("failure")
+    if failure and model.get("status") != "failed":
+        words += "; failed"
+    if failure:
+        words += f": {failure['reason']}"
+    return words
+
+
 def format_list(models: list[dict[str, Any]]) -> str:
     if not models:
         return "no models (submit one with `caravan submit PROFILE.yaml`)"
     rows = [["NAME", "ENGINE", "GPU", "READY/DESIRED", "STATUS"]]
     for m in models:
         status = m["status"] if not m.get("problem") else f"{m['status']}: {m['problem']}"
+        status += _hold_and_failure(m)
         rows.append([m["name"], m["engine"], m["gpu"], f"{m['ready']}/{m['desired']}", status])
     return _table(rows)
 
@@ -306,6 +364,19 @@ def format_status(model: dict[str, Any], now: float) -> str:
         f"replicas {model['min']}..{model['max']}"
     )
     lines = [header]
+    override = model.get("override")
+    if override:
+        lines.append(
+            f"held at {override['count']} by `caravan scale` until "
+            f"{_when(float(override['until']))} ({_age(float(override['until']) - now)} left); "
+            f"`caravan scale {model['name']} --auto` hands it back to the autoscaler"
+        )
+    failure = model.get("failure")
+    if failure:
+        lines.append(
+            f"failed {_age(now - float(failure['since']))} ago: {failure['reason']}; "
+            "requests get 503 until a change (new profile, `caravan scale`, a passing replica)"
+        )
     replicas = model.get("replicas") or []
     if replicas:
         rows = [["REPLICA", "JOB", "ALLOC", "NODE", "STATE", "HEALTH", "SINCE", "LAST EVENT"]]
@@ -380,6 +451,11 @@ async def _wait_ready(models: Models, names: list[str], timeout_s: float) -> int
                 last[name] = line
             if model["status"] != "ready" or model["ready"] < model["desired"]:
                 done = False
+            failure = model.get("failure")
+            if failure:
+                # Waiting on longer cannot help: it takes a change (caravan status says which).
+                print(f"{name} failed: {failure['reason']}", file=sys.stderr)
+                return 1
         if done:
             print("all replicas ready")
             return 0
@@ -419,7 +495,53 @@ async def _delete(args: argparse.Namespace, models: Models) -> int:
     return 0
 
 
+_DURATION = re.compile(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
+_UNIT_S = (86400, 3600, 60, 1)
+
+
+def parse_duration(text: str) -> float:
+    """`90s`, `30m`, `2h`, `1h30m`, `1d` in seconds; CommandError names the bad value."""
+    match = _DURATION.fullmatch(text.strip())
+    if not text.strip() or match is None or not any(match.groups()):
+        raise CommandError(
+            f"--for: {text!r} is not a duration (use a number with s, m, h or d: 90s, 30m, 1h30m)"
+        )
+    seconds = sum(int(part or 0) * unit for part, unit in zip(match.groups(), _UNIT_S, strict=True))
+    if seconds <= 0:
+        raise CommandError(f"--for: {text!r} must be longer than 0s")
+    return float(seconds)
+
+
+def _duration_words(seconds: float) -> str:
+    whole = int(seconds)
+    parts = []
+    for unit, suffix in zip(_UNIT_S, "dhms", strict=True):
+        if whole >= unit:
+            parts.append(f"{whole // unit}{suffix}")
+            whole %= unit
+    return "".join(parts) or "0s"
+
+
+def _when(at: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at))
+
+
 async def _scale(args: argparse.Namespace, models: Models) -> int:
-    await models.scale(args.name, args.replicas)
+    if args.auto:
+        if args.replicas is not None or args.hold is not None:
+            raise CommandError("--auto takes no replica count and no --for")
+        await models.release(args.name)
+        print(f"{args.name}: the autoscaler decides the count again")
+        return 0
+    if args.replicas is None:
+        raise CommandError("give a replica count (caravan scale NAME N) or --auto")
+    hold_s = parse_duration(args.hold) if args.hold is not None else None
+    held = await models.scale(args.name, args.replicas, hold_s)
     print(f"scaled {args.name} to {args.replicas} replicas")
+    if held is not None:
+        print(
+            f"held against the autoscaler for {_duration_words(held)} "
+            f"(until about {_when(time.time() + held)}); "
+            f"`caravan scale {args.name} --auto` ends it sooner"
+        )
     return 0

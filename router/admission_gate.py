@@ -20,6 +20,12 @@ and that finds every endpoint already tried is held the same way, for the
 replacement the scheduler rebuilds (`router.replacement`): while it waits, a
 tried endpoint that Consul reports critical or that left the catalog stops
 being excluded, so a replica restarted in place is taken again once it passes.
+
+Fail fast: when the scheduler has recorded that every replica of a declared
+model failed for good (`ModelFailures`, KV `failed/<name>`), a request that
+finds no routable endpoint is answered at once with `ModelUnavailable` (503,
+the reason, `Retry-After`) instead of being held, and requests already held
+for that model get the same answer as soon as the record arrives.
 """
 
 from __future__ import annotations
@@ -57,9 +63,16 @@ from router.balancer import (
     pick,
 )
 from router.endpoints import Endpoint
-from router.errors import ModelNotFound, NoHealthyEndpoint, QueueTimeout, ReplacementTimeout
+from router.errors import (
+    ModelNotFound,
+    ModelUnavailable,
+    NoHealthyEndpoint,
+    QueueTimeout,
+    ReplacementTimeout,
+)
 from router.live_state import Lease, Outcome, finish_request, start_request
 from router.metrics import OTHER_MODEL, RouterMetrics
+from router.model_failures import ModelFailures
 from router.replacement import still_excluded
 from router.routing_state import KnownModel, RoutingState
 
@@ -70,6 +83,8 @@ Hold = Callable[[], Awaitable[None]]
 # reading, so it goes before everything that has not started yet.
 CONTINUATION_PRIORITY = -(2**31)
 _TICK_S = 0.25
+# No endpoint at all, or none routable: what a failed model looks like.
+_NO_ROUTABLE = frozenset({NoEndpointReason.NO_ENDPOINTS, NoEndpointReason.NONE_HEALTHY})
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +184,7 @@ class AdmissionGate:
         cold_start_keepalive_s: float,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        failures: ModelFailures | None = None,
     ) -> None:
         self._state = state
         self._policy = policy
@@ -181,7 +197,9 @@ class AdmissionGate:
         self._memory = PickerMemory(rng=rng or random.Random())
         self._queues = AdmissionQueues(admission.max_queue_per_model)
         self._waiters: dict[int, _Waiter] = {}
+        self._failures = failures if failures is not None else ModelFailures()
         state.subscribe(self.capacity_changed)
+        self._failures.subscribe(self.failures_changed)
 
     # -- the request path ------------------------------------------------------------
 
@@ -216,6 +234,9 @@ class AdmissionGate:
             # Capacity exists but others were first: wait behind them.
             result = NotPicked(NoEndpointReason.AT_CAPACITY)
         declared = model in state.view.profiles
+        unavailable = self._unavailable(model)
+        if unavailable is not None and result.reason in _NO_ROUTABLE:
+            raise unavailable
         if declared and result.reason is NoEndpointReason.NONE_HEALTHY:
             # Every replica is starting, failed or draining: no routable replica,
             # which for the scheduler is the same as none at all (cold start).
@@ -263,6 +284,29 @@ class AdmissionGate:
         now = self._clock()
         for model in list(self._queues.depths()):
             self._drain(model, now)
+
+    def failures_changed(self) -> None:
+        """A failure record arrived: answer the requests held for that model now."""
+        for waiter in list(self._waiters.values()):
+            if waiter.future.done():
+                continue
+            unavailable = self._unavailable(waiter.ticket.model)
+            if unavailable is None:
+                continue
+            result = self._pick(waiter.features, self._clock())
+            if isinstance(result, NotPicked) and result.reason in _NO_ROUTABLE:
+                waiter.future.set_exception(unavailable)
+
+    def _unavailable(self, model: str) -> ModelUnavailable | None:
+        """The error to answer a request for `model` with, when it failed for good."""
+        known = self._state.view.profiles.get(model)
+        failure = self._failures.get(known.name) if known is not None else None
+        if failure is None:
+            return None
+        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(failure.since))
+        return ModelUnavailable(
+            model, failure.reason, since, self._admission.cold_start_retry_after_s
+        )
 
     def queue_depths(self) -> dict[str, int]:
         return self._queues.depths()

@@ -45,6 +45,7 @@ from router.engine_keys import EngineKeys, VariableReader
 from router.http_limits import ConnectionGuard, GuardedAppRunner, default_connection_limit
 from router.load_scraper import LoadScraper
 from router.metrics import EndpointGauge, RouterMetrics, RouterStateView
+from router.model_failures import ModelFailures, watch_failures
 from router.proxy import Proxy, RequestLog, log_request
 from router.request_guard import RequestGuard, current_key_name
 from router.routing_state import RoutingState
@@ -123,6 +124,7 @@ class RouterRuntime:
             clock=clock,
             wall_clock=wall_clock,
         )
+        self.failures = ModelFailures()
         self.gate = AdmissionGate(
             self.state,
             policy=settings.policy,
@@ -132,6 +134,7 @@ class RouterRuntime:
             metrics=self.metrics,
             cold_start_keepalive_s=settings.cold_start_keepalive_s,
             clock=clock,
+            failures=self.failures,
         )
         self.discovery = Discovery(
             consul,
@@ -215,6 +218,16 @@ class RouterRuntime:
                 group.create_task(scraper.run(), name="router-load-scraper")
                 group.create_task(self.gate.run(), name="router-admission-tick")
                 group.create_task(self.demand.run(), name="router-demand-writer")
+                group.create_task(
+                    watch_failures(
+                        self.consul,
+                        self.settings.kv_layout,
+                        self.failures,
+                        wait_s=self.settings.consul_wait_s,
+                        clock=self.clock,
+                    ),
+                    name="router-model-failures",
+                )
         except asyncio.CancelledError:
             raise
         except BaseException:

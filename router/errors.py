@@ -14,6 +14,7 @@
     ├── TooManyConnections        503  the router is at its connection cap (retryable)
     ├── ModelNotFound             404  no endpoint serves the model and none is declared
     ├── NoHealthyEndpoint         503  endpoints exist, none can take the request   (retryable)
+    │   └── ModelUnavailable      503  every replica failed for good (the scheduler's record)
     ├── AdmissionRejected         429/503 with Retry-After                          (retryable)
     │   ├── QueueFull             429  the model's queue is at its bound
     │   └── QueueTimeout          503  queued past its deadline (capacity or cold start)
@@ -184,6 +185,26 @@ class NoHealthyEndpoint(RouterError):
         self.model = model
         self.reason = reason
         self.retry_after_s = retry_after_s
+
+
+class ModelUnavailable(NoHealthyEndpoint):
+    """Every replica of the model failed in a way that needs a change; answered at once.
+
+    Not retryable on another endpoint (there is none), but `Retry-After` is
+    sent: the scheduler clears the record as soon as a change fixes it.
+    """
+
+    retryable = False
+    code = "model_unavailable"
+
+    def __init__(self, model: str, reason: str, since_utc: str, retry_after_s: int) -> None:
+        super().__init__(model, reason, retry_after_s)
+        self.message = (
+            f"Model '{model}' is unavailable: {reason} (since {since_utc}). "
+            "Requests fail at once until the model is changed (new profile, `caravan scale`) "
+            "or a replica passes; `caravan status` shows the same."
+        )
+        self.args = (self.message,)
 
 
 class AdmissionRejected(RouterError):

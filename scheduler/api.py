@@ -6,7 +6,10 @@
     GET    /v1/models/{name}          one model, replica by replica
     PUT    /v1/models/{name}          submit a profile (JSON or YAML body)
     DELETE /v1/models/{name}          remove a model (its replicas drain and stop)
-    POST   /v1/models/{name}/scale    {"replicas": N}: set the desired count
+    POST   /v1/models/{name}/scale    {"replicas": N}: set the desired count; on an
+                                      autoscaled model also hold it against the
+                                      autoscaler for "hold_s" seconds (default 3600);
+                                      {"auto": true}: end the hold
     GET    /health                    200 while the process runs; says if it leads
     GET    /metrics                   Prometheus exposition
 
@@ -32,7 +35,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from caravan.errors import HashiError
 from scheduler.api_auth import AuthOutcome, TokenSource, check_authorization
 from scheduler.model_service import ModelService, SubmissionRejectedError
-from scheduler.model_store import ScaleOutOfBoundsError, UnknownModelError, WriteConflictError
+from scheduler.model_store import (
+    ScaleOutOfBoundsError,
+    UnknownModelError,
+    WriteConflictError,
+    hold_seconds,
+)
 from scheduler.profiles import ProfileError
 from scheduler.status import InvalidStoredProfileError
 
@@ -175,17 +183,45 @@ async def delete_model(request: web.Request) -> web.Response:
     return web.json_response({"name": name, "deleted": True})
 
 
+_SCALE_SHAPE = (
+    'body must be JSON like {"replicas": 2}, {"replicas": 2, "hold_s": 3600} or {"auto": true}'
+)
+
+
+def _scale_request(body: Any) -> tuple[int | None, float | None] | str:
+    """(count, hold_s) of a scale body, count None for `auto`; or the problem (pure)."""
+    if not isinstance(body, dict) or not body or set(body) - {"replicas", "hold_s", "auto"}:
+        return _SCALE_SHAPE
+    if "auto" in body:
+        if body["auto"] is not True or set(body) != {"auto"}:
+            return 'auto: give {"auto": true} alone to hand the count back to the autoscaler'
+        return None, None
+    count = body.get("replicas")
+    if not isinstance(count, int) or isinstance(count, bool):
+        return f"replicas must be an integer, got {count!r}"
+    hold = body.get("hold_s")
+    if hold is not None and (isinstance(hold, bool) or not isinstance(hold, int | float)):
+        return f"hold_s must be a number of seconds, got {hold!r}"
+    return count, None if hold is None else float(hold)
+
+
 async def scale_model(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     try:
         body = await request.json()
-        count = body["replicas"]
-    except (ValueError, KeyError, TypeError):
-        return _error(400, 'body must be JSON like {"replicas": 2}', "invalid_request")
-    if not isinstance(count, int) or isinstance(count, bool):
-        return _error(400, "replicas must be an integer", "invalid_request")
-    await request.app[SERVICE_KEY].scale(name, count)
-    return web.json_response({"name": name, "replicas": count})
+    except (ValueError, RecursionError):
+        body = None
+    parsed = _scale_request(body)
+    if isinstance(parsed, str):
+        return _error(400, parsed, "invalid_request")
+    count, hold_s = parsed
+    service = request.app[SERVICE_KEY]
+    if count is None:
+        await service.release(name)
+        return web.json_response({"name": name, "auto": True})
+    profile = await service.scale(name, count, hold_s=hold_s)
+    held = hold_seconds(profile, hold_s)
+    return web.json_response({"name": name, "replicas": count, "hold_s": held})
 
 
 async def health(request: web.Request) -> web.Response:

@@ -58,7 +58,14 @@ from caravan.nomad_api import (
 from scheduler.cluster_config import ClusterConfig
 from scheduler.engine_keys import EngineKeys
 from scheduler.metrics import SchedulerMetrics
+from scheduler.model_failure import (
+    failure_updates,
+    impossible_placement,
+    model_failures,
+    publish_failures,
+)
 from scheduler.model_store import DesiredState, ModelStore
+from scheduler.placement_explain import ReplicaAsk
 from scheduler.plan import (
     Action,
     ClearDrainMarker,
@@ -71,6 +78,7 @@ from scheduler.plan import (
     drain_record_for,
     plan,
 )
+from scheduler.render import RenderError, render
 from scheduler.world import (
     NS_PER_S,
     DesiredModel,
@@ -312,6 +320,9 @@ class Controller:
         # None until read from KV, which a new leader does once.
         self._published: dict[str, str] | None = None
         self._engines: dict[str, AllocEngine] = {}
+        # The last Nomad readout and Consul health, for the failure record.
+        self._last_readout: tuple[NomadReadout, dict[str, bool]] | None = None
+        self._failure_gauges: set[str] = set()
 
     async def observe(self, desired: DesiredState) -> Observation:
         """Read Nomad (jobs, allocations, nodes) and Consul health into one snapshot."""
@@ -338,6 +349,7 @@ class Controller:
             _, entries = await self.health.health_service(model_service_name(model))
             passing.update(_passing_by_alloc(entries))
         replicas = {job_id: _with_health(r, passing) for job_id, r in replicas.items()}
+        self._last_readout = (readout, passing)
         nodes = {str(stub["ID"]): node_from_stub(stub) for stub in readout.node_stubs}
         return Observation(
             replicas=replicas, nodes=nodes, draining=desired.draining, taken_at=self.clock()
@@ -413,6 +425,7 @@ class Controller:
             return ReconcileResult(requeue_after_s=None, plan=result, skipped="lost leadership")
         await self.publish_placements(placements_of(observed.replicas, self._engines))
         applied, failed = await self.apply(result.actions)
+        await self._record_failures(desired, now)
         self.metrics.reconcile_passes.labels(outcome="ok" if not failed else "error").inc()
         requeue = result.requeue_after_s
         if failed:
@@ -488,6 +501,61 @@ class Controller:
             # Counted by class like every failed Nomad or Consul call (the alerts read these).
             self.metrics.errors.labels(kind=type(exc).__name__).inc()
             log.warning("placements_publish_failed", extra={"error": str(exc)})
+
+    async def _record_failures(self, desired: DesiredState, now: float) -> None:
+        """Publish which models failed for good (scheduler/model_failure.py), on change only."""
+        if self._last_readout is None:
+            return
+        readout, passing = self._last_readout
+        found = model_failures(
+            readout.job_stubs,
+            readout.allocs_by_job,
+            passing,
+            frozenset(desired.profiles),
+            await self._unplaceable(desired, readout),
+        )
+        for name in desired.profiles:
+            self.metrics.model_failed.labels(model=name).set(1 if name in found else 0)
+        for gone in self._failure_gauges - set(desired.profiles):
+            # A deleted model must not stay "failed" on a dashboard.
+            with contextlib.suppress(KeyError):
+                self.metrics.model_failed.remove(gone)
+        self._failure_gauges = set(desired.profiles)
+        await publish_failures(self.store, failure_updates(found, desired.failures, now))
+
+    async def _unplaceable(self, desired: DesiredState, readout: NomadReadout) -> dict[str, str]:
+        """Replica jobs without any allocation that no freed capacity would place, with why."""
+        found: dict[str, str] = {}
+        now = self.clock()
+        for stub in readout.job_stubs:
+            replica = replica_from_job_stub(stub)
+            if (
+                replica is None
+                or replica.stopped
+                or replica.model not in desired.profiles
+                or readout.allocs_by_job.get(replica.job_id)
+                # Nomad evaluates a new job in a moment: not news yet.
+                or now - replica.submit_time_ns / NS_PER_S < UNPLACED_LOG_AFTER_S
+            ):
+                continue
+            try:
+                evaluations = (await self.nomad.job_evaluations(replica.job_id)).value
+                profile = desired.profiles[replica.model]
+                job = render(profile, replica.replica, config=self.config)["Job"]
+            except (HashiError, RenderError) as exc:
+                # Only the failure record waits for the next pass; reconciling goes on.
+                log.debug(
+                    "placement_check_skipped", extra={"job_id": replica.job_id, "error": str(exc)}
+                )
+                continue
+            latest = max(evaluations, key=lambda e: e.create_index, default=None)
+            if latest is None:
+                continue
+            ask = ReplicaAsk.from_job(job, profile.gpu.gpu_class if profile.gpu else "")
+            reason = impossible_placement(latest.failed_tg_allocs, ask)
+            if reason is not None:
+                found[replica.job_id] = reason
+        return found
 
     async def apply(self, actions: tuple[Action, ...]) -> tuple[int, int]:
         """Apply actions with bounded concurrency; returns (applied, failed)."""

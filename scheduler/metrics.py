@@ -25,6 +25,8 @@ class SchedulerMetrics:
     signal_age: Gauge
     cold_start: Histogram
     api_auth_failures: Counter
+    autoscale_overridden: Gauge
+    model_failed: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> SchedulerMetrics:
@@ -123,6 +125,18 @@ class SchedulerMetrics:
                 "API requests refused for their credentials, by reason "
                 "(missing, malformed: 401; invalid: 403).",
                 ["reason"],
+                registry=registry,
+            ),
+            autoscale_overridden=Gauge(
+                "caravan_scheduler_autoscale_overridden",
+                "1 while a manual `caravan scale` override holds the model's count, else 0.",
+                ["model"],
+                registry=registry,
+            ),
+            model_failed=Gauge(
+                "caravan_scheduler_model_failed",
+                "1 while every replica of the model has failed for good (KV failed/<name>).",
+                ["model"],
                 registry=registry,
             ),
         )

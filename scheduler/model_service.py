@@ -189,5 +189,10 @@ class ModelService:
     async def delete(self, name: str) -> None:
         await self.store.delete(name)
 
-    async def scale(self, name: str, count: int) -> ModelProfile:
-        return await self.store.scale(name, count)
+    async def scale(self, name: str, count: int, *, hold_s: float | None = None) -> ModelProfile:
+        """Set the count; on an autoscaled model also hold it for `hold_s` (default 1 h)."""
+        return await self.store.scale(name, count, hold_s=hold_s)
+
+    async def release(self, name: str) -> ModelProfile:
+        """`caravan scale NAME --auto`: end the hold, the autoscaler decides again."""
+        return await self.store.release_override(name)

@@ -7,6 +7,8 @@ Layout (contract 2, under a configurable prefix, default `caravan/`):
     draining/<job-id>  a replica being drained (JSON DrainRecord)
     demand/<name>      a router's cold-start demand signal (JSON)
     state/<name>       the autoscaler's memory (JSON)
+    override/<name>    a manual count the autoscaler holds until it expires (JSON ScaleOverride)
+    failed/<name>      why every replica failed for good (JSON ModelFailure, scheduler-written)
 
     models-revision    a counter every caravan write of models/ bumps (check-and-set)
 
@@ -27,7 +29,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+import math
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,7 +46,7 @@ from caravan.consul_api import (
     TxnOp,
     TxnSet,
 )
-from caravan.contract import KVLayout
+from caravan.contract import ContractDecodeError, KVLayout, ModelFailure, ScaleOverride
 from scheduler.cluster_config import ClusterConfig
 from scheduler.profile_policy import policy_problems
 from scheduler.profiles import ModelProfile, ProfileError, parse_profile_text, profile_to_json
@@ -98,7 +102,14 @@ class UnknownModelError(KeyError):
 
 
 class ScaleOutOfBoundsError(ValueError):
-    """A manual scale outside the profile's replicas.min..max."""
+    """A manual scale the model refuses: outside replicas.min..max, or a bad option."""
+
+
+# How long `caravan scale` holds the count of an autoscaled model when no
+# duration is given, and the longest hold it accepts (a forgotten override
+# must not pin a model for ever: `--auto` or a new count ends one sooner).
+DEFAULT_OVERRIDE_S = 3600.0
+MAX_OVERRIDE_S = 7 * 24 * 3600.0
 
 
 class WriteConflictError(Exception):
@@ -175,21 +186,83 @@ def submit_ops(profiles: list[ModelProfile], stored: StoredModels, layout: KVLay
 
 
 def delete_ops(name: str, model_index: int, layout: KVLayout) -> list[TxnOp]:
-    """Remove a model and its desired count, demand signal and autoscaler memory, at once."""
+    """Remove a model and its desired count, demand signal, autoscaler memory and hold, at once.
+
+    Its failure record (`failed/`, the scheduler's to write) is removed by the
+    scheduler's next pass, which records failures of existing models only.
+    """
     return [
         TxnDeleteCas(layout.model_key(name), model_index),
         TxnDelete(layout.desired_key(name)),
         TxnDelete(layout.demand_key(name)),
         TxnDelete(layout.state_key(name)),
+        TxnDelete(layout.override_key(name)),
     ]
 
 
-def scale_ops(name: str, count: int, model_index: int, layout: KVLayout) -> list[TxnOp]:
-    """Set the desired count, only if the profile whose bounds were checked is unchanged."""
-    return [
+def scale_ops(
+    name: str,
+    count: int,
+    model_index: int,
+    layout: KVLayout,
+    override: ScaleOverride | None = None,
+) -> list[TxnOp]:
+    """Set the desired count, only if the profile whose bounds were checked is unchanged.
+
+    With an `override` (an autoscaled model) the hold is written in the same
+    transaction, so the autoscaler never sees the count without it.
+    """
+    ops: list[TxnOp] = [
         TxnCheckIndex(layout.model_key(name), model_index),
         TxnSet(layout.desired_key(name), str(count).encode()),
     ]
+    if override is not None:
+        ops.append(TxnSet(layout.override_key(name), override.encode()))
+    else:
+        # A model without autoscaling keeps any count; a hold left from when it
+        # had autoscaling would only be shown, so it goes.
+        ops.append(TxnDelete(layout.override_key(name)))
+    return ops
+
+
+def release_ops(name: str, model_index: int, layout: KVLayout) -> list[TxnOp]:
+    """Hand the count back to the autoscaler (`caravan scale NAME --auto`)."""
+    return [
+        TxnCheckIndex(layout.model_key(name), model_index),
+        TxnDelete(layout.override_key(name)),
+    ]
+
+
+def hold_seconds(profile: ModelProfile, hold_s: float | None) -> float | None:
+    """How long a manual scale holds against the autoscaler: None when it has none (pure)."""
+    if profile.autoscaling is None or not profile.autoscaling.enabled:
+        return None
+    return DEFAULT_OVERRIDE_S if hold_s is None else hold_s
+
+
+def scale_override_for(
+    profile: ModelProfile, count: int, hold_s: float | None, now: float
+) -> ScaleOverride | None:
+    """The override a manual scale writes (pure); raises ScaleOutOfBoundsError on a bad ask.
+
+    An autoscaled model is held for `hold_s` (default `DEFAULT_OVERRIDE_S`);
+    a model without autoscaling keeps any count until it is changed, so a
+    duration means nothing there and is refused rather than ignored.
+    """
+    autoscaled = profile.autoscaling is not None and profile.autoscaling.enabled
+    if not autoscaled:
+        if hold_s is not None:
+            raise ScaleOutOfBoundsError(
+                f"{profile.name}: hold duration: the model has no autoscaling, so its count "
+                "holds until changed; a duration applies to autoscaled models only"
+            )
+        return None
+    duration = DEFAULT_OVERRIDE_S if hold_s is None else hold_s
+    if not math.isfinite(duration) or not 0 < duration <= MAX_OVERRIDE_S:
+        raise ScaleOutOfBoundsError(
+            f"{profile.name}: hold duration: {duration:g}s is not within 0..{MAX_OVERRIDE_S:g}s"
+        )
+    return ScaleOverride(count=count, until=now + duration, set_at=now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +285,10 @@ class DesiredState:
     demand: Mapping[str, DemandSignal]
     index: int = 0
     autoscaler_state: Mapping[str, bytes] = field(default_factory=dict)
+    # Manual counts held against the autoscaler (expired ones included).
+    overrides: Mapping[str, ScaleOverride] = field(default_factory=dict)
+    # Models whose every replica failed for good, as the scheduler recorded it.
+    failures: Mapping[str, ModelFailure] = field(default_factory=dict)
     # The cluster config the leading scheduler renders with, when it published one.
     cluster_config: ClusterConfig | None = None
 
@@ -257,6 +334,8 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
     draining: dict[str, DrainRecord] = {}
     demand: dict[str, DemandSignal] = {}
     state: dict[str, bytes] = {}
+    overrides: dict[str, ScaleOverride] = {}
+    failures: dict[str, ModelFailure] = {}
     cluster_config: ClusterConfig | None = None
     for entry in entries:
         if entry.key == layout.cluster_config:
@@ -291,6 +370,19 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
                 demand[_suffix(entry, layout.demand)] = signal
         elif entry.key.startswith(layout.state):
             state[_suffix(entry, layout.state)] = entry.value
+        elif entry.key.startswith(layout.overrides):
+            try:
+                overrides[_suffix(entry, layout.overrides)] = ScaleOverride.decode(entry.value)
+            except ContractDecodeError as exc:
+                # Unreadable: the autoscaler acts as if there were none.
+                log.warning(
+                    "scale_override_unreadable", extra={"key": entry.key, "error": str(exc)}
+                )
+        elif entry.key.startswith(layout.failures):
+            try:
+                failures[_suffix(entry, layout.failures)] = ModelFailure.decode(entry.value)
+            except ContractDecodeError as exc:
+                log.warning("model_failure_unreadable", extra={"key": entry.key, "error": str(exc)})
     # Profiles written around caravan (Terraform, `consul kv put`) skipped the
     # submit-time policy check: the scheduler refuses them here too, so they
     # are left alone (their running replicas, if any, stay as they are).
@@ -310,6 +402,8 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
         demand=demand,
         index=index,
         autoscaler_state=state,
+        overrides=overrides,
+        failures=failures,
         cluster_config=cluster_config,
     )
 
@@ -387,8 +481,20 @@ class ModelStore:
             return
         raise WriteConflictError(f"delete {name}", WRITE_ATTEMPTS)
 
-    async def scale(self, name: str, count: int) -> ModelProfile:
-        """Set the desired count of a model, within its replicas.min..max."""
+    async def scale(
+        self,
+        name: str,
+        count: int,
+        *,
+        hold_s: float | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> ModelProfile:
+        """Set the desired count of a model, within its replicas.min..max.
+
+        On an autoscaled model the count is also an override the autoscaler
+        holds for `hold_s` (default `DEFAULT_OVERRIDE_S`), written in the same
+        transaction.
+        """
         for _ in range(WRITE_ATTEMPTS):
             _, entry = await self.kv.kv_get(self.layout.model_key(name))
             if entry is None:
@@ -400,12 +506,38 @@ class ModelStore:
                     f"{name}: {count} replicas is outside replicas.min..max "
                     f"({bounds.min}..{bounds.max})"
                 )
+            override = scale_override_for(profile, count, hold_s, clock())
             try:
-                await self.kv.txn(scale_ops(name, count, entry.modify_index, self.layout))
+                await self.kv.txn(scale_ops(name, count, entry.modify_index, self.layout, override))
             except TxnConflictError:
                 continue
             return profile
         raise WriteConflictError(f"scale {name}", WRITE_ATTEMPTS)
+
+    async def release_override(self, name: str) -> ModelProfile:
+        """End a manual hold: the autoscaler decides the count again from its next evaluation."""
+        for _ in range(WRITE_ATTEMPTS):
+            _, entry = await self.kv.kv_get(self.layout.model_key(name))
+            if entry is None:
+                raise UnknownModelError(name)
+            profile = parse_profile_text(entry.value.decode("utf-8", "replace"), entry.key)
+            if profile.autoscaling is None or not profile.autoscaling.enabled:
+                raise ScaleOutOfBoundsError(
+                    f"{name}: --auto: the model has no enabled autoscaling to hand the count to"
+                )
+            try:
+                await self.kv.txn(release_ops(name, entry.modify_index, self.layout))
+            except TxnConflictError:
+                continue
+            return profile
+        raise WriteConflictError(f"scale {name} --auto", WRITE_ATTEMPTS)
+
+    async def record_failure(self, name: str, failure: ModelFailure | None) -> None:
+        """Publish (or clear, with None) why every replica of a model failed; scheduler only."""
+        if failure is None:
+            await self.kv.kv_delete(self.layout.failure_key(name))
+        else:
+            await self.kv.kv_put(self.layout.failure_key(name), failure.encode())
 
     async def set_desired(self, name: str, count: int) -> None:
         """Write a desired count as the autoscaler decided it (bounds already applied)."""

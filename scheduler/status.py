@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from caravan.contract import ServiceMetaKey, model_service_name
+from caravan.contract import ModelFailure, ScaleOverride, ServiceMetaKey, model_service_name
 from scheduler.cluster_config import ClusterConfig
 from scheduler.controller import HealthSource, NomadReads, read_nomad
 from scheduler.model_store import DesiredState, ModelStore, UnknownModelError
@@ -57,6 +57,10 @@ class ModelStatus:
     replicas: tuple[ReplicaStatus, ...] = ()
     problem: str | None = None
     autoscaler: Mapping[str, Any] | None = None
+    # A `caravan scale` hold in force: {"count": N, "until": unix seconds}.
+    override: Mapping[str, Any] | None = None
+    # Why every replica failed for good: {"reason": ..., "since": unix seconds}.
+    failure: Mapping[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -155,10 +159,19 @@ def summarise_model(
     desired: int,
     replicas: Sequence[ReplicaStatus],
     autoscaler: Mapping[str, Any] | None = None,
+    *,
+    override: ScaleOverride | None = None,
+    failure: ModelFailure | None = None,
 ) -> ModelStatus:
-    """The model's line for `caravan list` and the header of `caravan status` (pure)."""
+    """The model's line for `caravan list` and the header of `caravan status` (pure).
+
+    `override` is a hold in force (the caller checks its expiry); `failure`
+    is the scheduler's record that every replica failed for good.
+    """
     ready = sum(1 for r in replicas if r.state == "ready")
-    if desired == 0 and not replicas:
+    if failure is not None and ready == 0:
+        status = "failed"
+    elif desired == 0 and not replicas:
         status = "scaled to zero"
     elif ready >= desired and all(r.current for r in replicas if not r.draining):
         status = "ready"
@@ -182,6 +195,8 @@ def summarise_model(
         status=status,
         replicas=tuple(replicas),
         autoscaler=autoscaler,
+        override=None if override is None else {"count": override.count, "until": override.until},
+        failure=None if failure is None else {"reason": failure.reason, "since": failure.since},
     )
 
 
@@ -293,4 +308,13 @@ class StatusReader:
                 autoscaler = json.loads(raw_state)
             except ValueError:
                 autoscaler = {"error": "autoscaler state in KV is unreadable"}
-        return summarise_model(name, profile, state.desired_count(name), replicas, autoscaler)
+        override = state.overrides.get(name)
+        return summarise_model(
+            name,
+            profile,
+            state.desired_count(name),
+            replicas,
+            autoscaler,
+            override=override if override is not None and override.in_force(now) else None,
+            failure=state.failures.get(name),
+        )

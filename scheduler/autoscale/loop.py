@@ -7,7 +7,10 @@ each model with an enabled `autoscaling` block:
    names in their service Meta), and so are the routers' queue metrics;
 2. `decide()` (pure) gets the signals, the current desired count and the
    memory stored in KV `state/<name>`;
-3. a changed count is written to KV `desired/<name>`, which wakes the
+3. `override.constrain()` (pure) applies what outranks the load: a manual
+   `caravan scale` override in force holds the count, and a model whose
+   every replica failed for good is not scaled up;
+4. a changed count is written to KV `desired/<name>`, which wakes the
    reconcile loop; the memory is written back every tick so a restart or a
    leader change resumes the windows instead of forgetting them.
 
@@ -27,10 +30,17 @@ from dataclasses import dataclass, field, replace
 import aiohttp
 
 from caravan.consul_api import HealthEntry
-from caravan.contract import ROUTER_SERVICE, ServiceMetaKey, model_service_name
+from caravan.contract import (
+    ROUTER_SERVICE,
+    ModelFailure,
+    ScaleOverride,
+    ServiceMetaKey,
+    model_service_name,
+)
 from caravan.engine_metrics import resolve_metric_names
 from caravan.errors import HashiError
 from scheduler.autoscale.memory import Direction, Memory, memory_from_json, memory_to_json
+from scheduler.autoscale.override import constrain, override_in_force
 from scheduler.autoscale.policy import ScaleDecision, decide
 from scheduler.autoscale.scrape import (
     ReplicaScrape,
@@ -188,9 +198,15 @@ class Autoscaler:
                 "autoscaler_memory_reset", extra={"model": name, "why": memory.load_warning}
             )
         current = state.desired_count(name)
-        decision, memory = decide(
+        decided, after = decide(
             signals, current, profile.autoscaling, profile.replicas, memory, now
         )
+        override = override_in_force(state.overrides.get(name), now)
+        failure = state.failures.get(name)
+        decision, memory = constrain(
+            decided, memory, after, current=current, override=override, failure=failure, now=now
+        )
+        self.metrics.autoscale_overridden.labels(model=name).set(1 if override else 0)
         self.last_decisions[name] = decision
         self._observe(name, decision, current, len(entries), scrapes_age(signals, self.clock()))
         await self._cold_start(
@@ -213,7 +229,14 @@ class Autoscaler:
             )
             await self.store.set_desired(name, decision.target)
         await self.store.put_autoscaler_state(
-            name, state_document(memory, decision, self.last_cold_start_s.get(name))
+            name,
+            state_document(
+                memory,
+                decision,
+                self.last_cold_start_s.get(name),
+                override=override,
+                failure=failure,
+            ),
         )
 
     def _observe(
@@ -254,11 +277,19 @@ class Autoscaler:
         return None
 
 
-def state_document(memory: Memory, decision: ScaleDecision, cold_start_s: float | None) -> str:
+def state_document(
+    memory: Memory,
+    decision: ScaleDecision,
+    cold_start_s: float | None,
+    *,
+    override: ScaleOverride | None = None,
+    failure: ModelFailure | None = None,
+) -> str:
     """What goes to KV `state/<name>`: the memory, plus what `caravan status` shows.
 
     The memory reader ignores keys it does not know, so the signals of the
-    last decision and the last cold start ride along in the same document.
+    last decision, the last cold start, the override in force and the
+    failure it held for ride along in the same document.
     """
     document = json.loads(memory_to_json(memory))
     document["last_signals"] = {
@@ -267,6 +298,10 @@ def state_document(memory: Memory, decision: ScaleDecision, cold_start_s: float 
     }
     if cold_start_s is not None:
         document["last_cold_start_s"] = cold_start_s
+    if override is not None:
+        document["overridden"] = {"count": override.count, "until": override.until}
+    if failure is not None:
+        document["failure"] = {"reason": failure.reason, "since": failure.since}
     return json.dumps(document, separators=(",", ":"), allow_nan=False)
 
 

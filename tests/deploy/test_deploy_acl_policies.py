@@ -107,7 +107,13 @@ def test_operator_declares_models_but_cannot_forge_control_plane_records():
     assert allows(rules, "key", layout.model_key("m"), "write")
     assert allows(rules, "key", layout.desired_key("m"), "write")
     assert allows(rules, "key", layout.models_revision, "write")
-    for key in [layout.leader, layout.draining_key("j"), layout.cluster_config]:
+    assert allows(rules, "key", layout.override_key("m"), "write")
+    for key in [
+        layout.leader,
+        layout.draining_key("j"),
+        layout.cluster_config,
+        layout.failure_key("m"),
+    ]:
         assert not allows(rules, "key", key, "write"), key
 
 

@@ -8,7 +8,9 @@ fails here.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+import shlex
 from typing import Any
 
 import yaml
@@ -23,7 +25,8 @@ from test_grafana_dashboard import (
     unknown_metric_names,
 )
 
-from caravan.contract import KVLayout
+from caravan.contract import KVLayout, ModelFailure, ScaleOverride
+from caravan_cli.main import build_parser
 from router.metrics import EndpointGauge, RouterMetrics, RouterStateCollector, RouterStateView
 from scheduler.metrics import SchedulerMetrics
 
@@ -184,6 +187,52 @@ def test_kv_reference_names_every_key_of_the_layout():
         layout.draining_key("<job-id>"),
         layout.leader,
         layout.cluster_config,
+        layout.override_key("<name>"),
+        layout.failure_key("<name>"),
     ]
     text = doc_text()
     assert [] == [key for key in keys if f"| `{key}` |" not in text]
+
+
+_SH_FENCE = re.compile(r"^```sh\n(.*?)^```", re.DOTALL | re.MULTILINE)
+# Placeholders the runbook uses in commands, and a value of the right kind for each.
+_PLACEHOLDERS = {"NAME": "qwen2-5-7b", "N+k": "3", "<node-id>": "node-1"}
+
+
+def runbook_caravan_commands() -> list[list[str]]:
+    """Each `caravan ...` line of the runbook's sh blocks, as argv, placeholders filled in."""
+    commands = []
+    for block in _SH_FENCE.findall(doc_text()):
+        for raw in block.splitlines():
+            line = raw.split("  #")[0].strip().rstrip("\\").strip()
+            if not line.startswith("caravan "):
+                continue
+            for placeholder, value in _PLACEHOLDERS.items():
+                line = line.replace(placeholder, value)
+            commands.append(shlex.split(line.split("|")[0])[1:])
+    return commands
+
+
+def test_every_caravan_command_of_the_runbook_is_one_the_cli_takes():
+    """The CLI parses each command line the runbook tells operators to run, flags included."""
+    commands = runbook_caravan_commands()
+    refused = []
+    for argv in commands:
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit:
+            refused.append(" ".join(argv))
+    assert ["scale", "qwen2-5-7b", "--auto"] in commands
+    assert [] == refused
+
+
+def test_the_scale_hold_fields_the_runbook_names_are_the_codecs():
+    """The override and failure documents shown in the KV table are what the codecs write."""
+    text = doc_text()
+    override = json.loads(ScaleOverride(count=3, until=2.0, set_at=1.0).encode())
+    failure = json.loads(ModelFailure(reason="r", since=1.0).encode())
+    for document in (override, failure):
+        shown = ", ".join(f'"{key}": ' for key in document)
+        assert all(f'"{key}": ' in text for key in document), shown
+    assert '`{"count": 3, "until": <unix time>, "set_at": <unix time>}`' in text
+    assert '`{"reason": "...", "since": <unix time>}`' in text

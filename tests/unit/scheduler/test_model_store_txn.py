@@ -45,10 +45,12 @@ def test_delete_and_scale_are_conditioned_on_the_profile_read():
         TxnDelete("caravan/desired/m"),
         TxnDelete("caravan/demand/m"),
         TxnDelete("caravan/state/m"),
+        TxnDelete("caravan/override/m"),
     ] == delete_ops("m", 9, LAYOUT)
     assert [
         TxnCheckIndex("caravan/models/m", 9),
         TxnSet("caravan/desired/m", b"3"),
+        TxnDelete("caravan/override/m"),
     ] == scale_ops("m", 3, 9, LAYOUT)
 
 

@@ -1,0 +1,179 @@
+"""When has a model failed for good, and in what words (pure), and publishing it (I/O).
+
+A replica has failed for good when Nomad gave up restarting its engine: the
+latest failed allocation of the job's current version carries a
+`Not Restarting` task event (the restart policy's attempts are used up, or
+the driver said the error is unrecoverable), and no allocation of the job is
+running and passing. Nomad's reschedule policy still places new attempts
+with a growing delay, but the same spec fails the same way: it takes a
+change to recover.
+
+A replica also has failed for good when it cannot be placed and no freed
+capacity would change that: it has no allocation, and every failed
+placement of its latest evaluation was filtered out by constraints (no node
+with its GPU class, its driver, its volume...) rather than by resources in
+use (`DimensionExhausted`), which Nomad places as soon as they free up.
+It takes a change to recover: a new node, or a new profile.
+
+A model has failed when every one of its replica jobs (at least one) has.
+The reconcile loop publishes that as a `ModelFailure` at KV `failed/<name>`
+(routers answer the model's requests with a 503 naming the reason; the
+autoscaler stops scaling it up) and deletes it when it no longer holds:
+
+- a new profile version: the jobs are registered again with a new version,
+  whose allocations have not failed;
+- `caravan scale`: it deletes the record in its transaction, and new
+  replicas make "every replica" false;
+- a replica passing its check.
+
+Prefetch failures are not detected here yet (there is no prefetch).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from caravan.contract import MAX_FAILURE_REASON_CHARS, ModelFailure
+from caravan.errors import HashiError
+from scheduler.placement_explain import ReplicaAsk, explain_failed_placement
+from scheduler.world import replica_from_job_stub
+
+log = logging.getLogger(__name__)
+
+NOT_RESTARTING = "Not Restarting"
+# Events that say what the task died of, newest first wins.
+_CAUSE_EVENTS = frozenset({"Terminated", "Driver Failure", "Setup Failure", "Killed"})
+
+
+def _events(alloc: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    states = alloc.get("TaskStates") or {}
+    found = [event for state in states.values() for event in (state.get("Events") or [])]
+    return sorted(found, key=lambda e: int(e.get("Time") or 0))
+
+
+def _words(event: Mapping[str, Any]) -> str:
+    message = event.get("DisplayMessage") or event.get("Message") or ""
+    kind = str(event.get("Type", ""))
+    return f"{kind}: {message}" if message else kind
+
+
+def replica_failure(
+    job_stub: Mapping[str, Any],
+    allocs: Sequence[Mapping[str, Any]],
+    passing_allocs: frozenset[str],
+) -> str | None:
+    """Why this replica failed for good, in `caravan status`'s words; None when it has not."""
+    if any(a.get("ClientStatus") == "running" and a.get("ID") in passing_allocs for a in allocs):
+        return None
+    version = job_stub.get("Version")
+    current = [a for a in allocs if version is None or a.get("JobVersion") in {None, version}]
+    failed = [a for a in current if a.get("ClientStatus") == "failed"]
+    if not failed:
+        return None
+    latest = max(failed, key=lambda a: (int(a.get("ModifyTime") or 0), str(a.get("ID"))))
+    events = _events(latest)
+    given_up = [e for e in events if e.get("Type") == NOT_RESTARTING]
+    if not given_up:
+        return None
+    causes = [e for e in events if e.get("Type") in _CAUSE_EVENTS]
+    words = f"the engine failed and Nomad stopped restarting it ({_words(given_up[-1])})"
+    if causes:
+        words += f"; last: {_words(causes[-1])}"
+    return words
+
+
+def impossible_placement(failed_tg_allocs: Mapping[str, Any] | None, ask: ReplicaAsk) -> str | None:
+    """Why a replica can never be placed as it is, in `caravan status`'s words; else None.
+
+    None when nothing failed, or when some node was only short of resources
+    in use (Nomad places the replica when they free up).
+    """
+    if not failed_tg_allocs:
+        return None
+    metrics = [metric for _, metric in sorted(failed_tg_allocs.items())]
+    if any((metric or {}).get("DimensionExhausted") for metric in metrics):
+        return None
+    if any((metric or {}).get("QuotaExhausted") for metric in metrics):
+        return None
+    sentence = "; ".join(explain_failed_placement(metric or {}, ask) for metric in metrics)
+    return f"cannot be placed: {sentence}"
+
+
+def model_failures(
+    job_stubs: Sequence[Mapping[str, Any]],
+    allocs_by_job: Mapping[str, Sequence[Mapping[str, Any]]],
+    passing_by_alloc: Mapping[str, bool],
+    models: frozenset[str],
+    unplaceable: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The models of `models` whose every live replica job failed for good, with the reason.
+
+    `unplaceable` holds, by job id, the `impossible_placement` reason of
+    replica jobs that have no allocation.
+    """
+    passing = frozenset(alloc for alloc, ok in passing_by_alloc.items() if ok)
+    by_model: dict[str, list[tuple[int, str | None]]] = {}
+    for stub in job_stubs:
+        replica = replica_from_job_stub(stub)
+        if replica is None or replica.stopped or replica.model not in models:
+            continue
+        allocs = allocs_by_job.get(replica.job_id, ())
+        reason = (
+            replica_failure(stub, allocs, passing)
+            if allocs
+            else (unplaceable or {}).get(replica.job_id)
+        )
+        by_model.setdefault(replica.model, []).append((replica.replica, reason))
+    result: dict[str, str] = {}
+    for model, replicas in by_model.items():
+        if replicas and all(reason is not None for _, reason in replicas):
+            index, reason = min(replicas, key=lambda item: item[0])
+            more = f" (and the other {len(replicas) - 1})" if len(replicas) > 1 else ""
+            result[model] = f"replica {index}{more}: {reason}"
+    return result
+
+
+@dataclass(frozen=True, slots=True)
+class FailureUpdate:
+    """One KV change: publish `failure` for `model`, or delete its record (None)."""
+
+    model: str
+    failure: ModelFailure | None
+
+
+def failure_updates(
+    found: Mapping[str, str], stored: Mapping[str, ModelFailure], now: float
+) -> list[FailureUpdate]:
+    """The writes that make KV say `found` (pure); an unchanged reason keeps its `since`."""
+    updates = [
+        FailureUpdate(model, ModelFailure(reason=reason, since=now))
+        for model, reason in sorted(found.items())
+        if model not in stored or stored[model].reason != reason[:MAX_FAILURE_REASON_CHARS]
+    ]
+    updates += [FailureUpdate(model, None) for model in sorted(set(stored) - set(found))]
+    return updates
+
+
+class FailureStore(Protocol):
+    async def record_failure(self, name: str, failure: ModelFailure | None) -> None: ...
+
+
+async def publish_failures(store: FailureStore, updates: Sequence[FailureUpdate]) -> None:
+    """Write the updates; a failed write is logged and tried again on the next pass."""
+    for update in updates:
+        try:
+            await store.record_failure(update.model, update.failure)
+        except HashiError as exc:
+            log.warning(
+                "model_failure_not_written", extra={"model": update.model, "error": str(exc)}
+            )
+            continue
+        if update.failure is None:
+            log.info("model_failure_cleared", extra={"model": update.model})
+        else:
+            log.error(
+                "model_failed", extra={"model": update.model, "reason": update.failure.reason}
+            )
