@@ -31,6 +31,19 @@ from caravan.contract import MODEL_NAME_MAX_LEN, MODEL_NAME_PATTERN, RESERVED_MO
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Nomad's rule for node pool names (nomad/structs/node_pool.go).
+_NODE_POOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
+
+
+def check_node_pool_name(name: str) -> str:
+    """A Nomad node pool name, as Nomad accepts it; ValueError naming the value otherwise."""
+    if not _NODE_POOL_NAME.fullmatch(name):
+        raise ValueError(
+            f"{name!r} is not a valid Nomad node pool name: use 1 to 128 letters, "
+            "digits, '-' or '_' (for example 'gpu')"
+        )
+    return name
+
 
 # Flags caravan renders itself: a profile may not set them through
 # `engine_args`, because two values for one flag would make the engine's
@@ -208,6 +221,8 @@ class ModelProfile(BaseModel):
     drain_s: int = Field(default=10, ge=0, le=3600)
     driver: Driver | None = None
     image: str | None = Field(default=None, min_length=1)
+    # Nomad node pool of the replicas (Nomad 1.6+); default from the cluster config.
+    node_pool: str | None = None
     engine_args: tuple[str, ...] = ()
     env: dict[str, str] = Field(default_factory=dict)
     autoscaling: Autoscaling | None = None
@@ -224,6 +239,11 @@ class ModelProfile(BaseModel):
         if name in RESERVED_MODEL_NAMES:
             raise ValueError(f"{name!r} is reserved for caravan's own services")
         return name
+
+    @field_validator("node_pool")
+    @classmethod
+    def _node_pool_is_valid(cls, node_pool: str | None) -> str | None:
+        return None if node_pool is None else check_node_pool_name(node_pool)
 
     @field_validator("env")
     @classmethod
