@@ -31,19 +31,6 @@ from caravan.contract import MODEL_NAME_MAX_LEN, MODEL_NAME_PATTERN, RESERVED_MO
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# Nomad's rule for node pool names (nomad/structs/node_pool.go).
-_NODE_POOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
-
-
-def check_node_pool_name(name: str) -> str:
-    """A Nomad node pool name, as Nomad accepts it; ValueError naming the value otherwise."""
-    if not _NODE_POOL_NAME.fullmatch(name):
-        raise ValueError(
-            f"{name!r} is not a valid Nomad node pool name: use 1 to 128 letters, "
-            "digits, '-' or '_' (for example 'gpu')"
-        )
-    return name
-
 
 # Flags caravan renders itself: a profile may not set them through
 # `engine_args`, because two values for one flag would make the engine's
@@ -88,6 +75,20 @@ class Engine(StrEnum):
 class Driver(StrEnum):
     DOCKER = "docker"
     RAW_EXEC = "raw_exec"
+
+
+# Nomad's rule for node pool names (nomad/structs/node_pool.go).
+_NODE_POOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
+
+
+def check_node_pool_name(name: str) -> str:
+    """A Nomad node pool name, as Nomad accepts it; ValueError naming the value otherwise."""
+    if not _NODE_POOL_NAME.fullmatch(name):
+        raise ValueError(
+            f"{name!r} is not a valid Nomad node pool name: use 1 to 128 letters, "
+            "digits, '-' or '_' (for example 'gpu')"
+        )
+    return name
 
 
 class GpuRequest(BaseModel):
