@@ -66,6 +66,9 @@ class StackOptions:
     gpu_nodes: int = 2
     gpus_per_node: int = 8
     gpu_model: str = "NVIDIA H100 80GB HBM3"
+    # GPU nodes in their own Nomad node pool, as docs/deploy.md asks of a real
+    # cluster, so CPU replicas (pool `default`) never land on them.
+    gpu_node_pool: str = "gpu"
     # Failure detection as on a real cluster (Nomad's heartbeat_grace and
     # min_heartbeat_ttl: a dead node is down 10-30 s later; Consul's serf keeps
     # memberlist's defaults). Tests about something else may shorten them.
@@ -278,6 +281,7 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                     gpu_nodes=options.gpu_nodes,
                     gpus_per_node=options.gpus_per_node,
                     gpu_model=options.gpu_model,
+                    gpu_node_pool=options.gpu_node_pool,
                 ),
                 heartbeat_grace_s=options.heartbeat_grace_s,
                 min_heartbeat_ttl_s=options.min_heartbeat_ttl_s,

@@ -13,18 +13,26 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from scheduler.gpu_classes import GpuClass, merge_gpu_classes
 from scheduler.profile_policy import ProfilePolicy
-from scheduler.profiles import Driver, describe_validation_error
+from scheduler.profiles import Driver, check_node_pool_name, describe_validation_error
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 # Pinned so a cluster never silently changes engine versions under a profile.
 DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
-DEFAULT_LLAMACPP_IMAGE = "ghcr.io/ggml-org/llama.cpp:server"
-DEFAULT_LLAMACPP_CUDA_IMAGE = "ghcr.io/ggml-org/llama.cpp:server-cuda"
+# llama.cpp publishes `server-b<build>` (CPU) and `server-cuda-b<build>` (CUDA)
+# for every release; `server` and `server-cuda` float. Both pins name one
+# build, so a model behaves the same on CPU and GPU nodes.
+LLAMACPP_BUILD = "b11429"
+DEFAULT_LLAMACPP_IMAGE = f"ghcr.io/ggml-org/llama.cpp:server-{LLAMACPP_BUILD}"
+DEFAULT_LLAMACPP_CUDA_IMAGE = f"ghcr.io/ggml-org/llama.cpp:server-cuda-{LLAMACPP_BUILD}"
+# Nomad's built-in node pools: `default` holds every node whose client config
+# names no pool, `all` is every node of the cluster.
+NODE_POOL_DEFAULT = "default"
+NODE_POOL_ALL = "all"
 
 
 class VllmSettings(BaseModel):
@@ -46,6 +54,28 @@ class LlamaCppSettings(BaseModel):
     container_port: int = Field(default=8080, ge=1, le=65535)
 
 
+class NodePools(BaseModel):
+    """The Nomad node pool replica jobs run in when their profile names none.
+
+    Nomad cannot tell from a job constraint whether a node has GPUs (the
+    device plugin adds no node attributes, and `${device.*}` is only read
+    inside a `device` block), so the separation is by pool: put GPU nodes in
+    their own pool (`client { node_pool = "gpu" }`) and CPU replicas, which
+    run in `cpu`, never land there. GPU replicas find their GPUs through their
+    device request, so `gpu` defaults to every pool.
+    """
+
+    model_config = _FROZEN
+
+    cpu: str = NODE_POOL_DEFAULT
+    gpu: str = NODE_POOL_ALL
+
+    @field_validator("cpu", "gpu")
+    @classmethod
+    def _is_a_pool_name(cls, name: str) -> str:
+        return check_node_pool_name(name)
+
+
 class ClusterConfig(BaseModel):
     """Settings shared by every replica job of one cluster."""
 
@@ -59,6 +89,8 @@ class ClusterConfig(BaseModel):
     vllm: VllmSettings = Field(default_factory=VllmSettings)
     llamacpp: LlamaCppSettings = Field(default_factory=LlamaCppSettings)
     gpu_classes: dict[str, GpuClass] = Field(default_factory=dict)
+    # Node pools of replicas whose profile sets no `node_pool`.
+    node_pools: NodePools = Field(default_factory=NodePools)
     # First delay before Nomad reschedules a failed replica (Nomad's minimum is 5 s).
     reschedule_delay_s: int = Field(default=30, ge=5)
     check_interval_s: int = Field(default=5, ge=1)

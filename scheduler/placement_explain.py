@@ -4,7 +4,10 @@ Nomad explains a failed placement with an AllocMetric (`FailedTGAllocs` of a
 blocked evaluation or a plan): counts of nodes filtered by each constraint
 and of nodes exhausted in each resource dimension. `explain_failed_placement`
 turns that, plus what the replica asked for, into one sentence a user can act
-on, such as "no node has 2 free H100 (5 nodes have no matching GPU)".
+on, such as "no node has 2 free H100 (5 nodes have no matching GPU)". A
+replica restricted to a node pool (every one but pool `all`) names it, since
+Nomad considers no node outside it: "every matching node in node pool
+"default" is full (...)".
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ class ReplicaAsk:
     cores: int | None = None
     memory_mb: int | None = None
     driver: str = ""
+    # The job's Nomad node pool; "" or "all" when it is not restricted to one.
+    node_pool: str = ""
 
     @classmethod
     def from_job(cls, job: Mapping[str, Any], gpu_class: str = "") -> ReplicaAsk:
@@ -37,7 +42,15 @@ class ReplicaAsk:
             cores=resources.get("Cores"),
             memory_mb=resources.get("MemoryMB"),
             driver=str(task.get("Driver", "")),
+            node_pool=str(job.get("NodePool") or ""),
         )
+
+    @property
+    def pool_words(self) -> str:
+        """' in node pool "x"' when the replica is kept to a pool, else ''."""
+        if self.node_pool in {"", "all"}:
+            return ""
+        return f' in node pool "{self.node_pool}"'
 
 
 def _plural(count: int, word: str) -> str:
@@ -96,14 +109,20 @@ def explain_failed_placement(metric: Mapping[str, Any], ask: ReplicaAsk) -> str:
         for dim, count in sorted(dimension.items(), key=lambda kv: (-int(kv[1]), kv[0]))
     ]
     gpu_short = "missing devices" in constraint or any(d.startswith("devices") for d in dimension)
+    pool = ask.pool_words
     if ask.gpu_count and gpu_short:
-        headline = f"no node has {_gpu_words(ask)}"
+        headline = f"no node{pool} has {_gpu_words(ask)}"
+    elif evaluated == 0 and pool and not metric.get("NodesInPool"):
+        headline = (
+            f"no client node is ready{pool} (the profile's node_pool or the cluster "
+            "config's node_pools keeps the replica there)"
+        )
     elif evaluated == 0 and not metric.get("NodesAvailable"):
         headline = "no client node is available (none registered, all down or ineligible)"
     elif dimension and not constraint:
-        headline = "every matching node is full"
+        headline = f"every matching node{pool} is full"
     else:
-        headline = "no node satisfies the replica's requirements"
+        headline = f"no node{pool} satisfies the replica's requirements"
     if metric.get("QuotaExhausted"):
         details.append("the namespace quota is exhausted")
     if evaluated:

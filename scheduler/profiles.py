@@ -123,6 +123,20 @@ class Driver(StrEnum):
     RAW_EXEC = "raw_exec"
 
 
+# Nomad's rule for node pool names (nomad/structs/node_pool.go).
+_NODE_POOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
+
+
+def check_node_pool_name(name: str) -> str:
+    """A Nomad node pool name, as Nomad accepts it; ValueError naming the value otherwise."""
+    if not _NODE_POOL_NAME.fullmatch(name):
+        raise ValueError(
+            f"{name!r} is not a valid Nomad node pool name: use 1 to 128 letters, "
+            "digits, '-' or '_' (for example 'gpu')"
+        )
+    return name
+
+
 class GpuRequest(BaseModel):
     """GPUs per replica, by class from the GPU class catalog."""
 
@@ -254,6 +268,8 @@ class ModelProfile(BaseModel):
     drain_s: int = Field(default=10, ge=0, le=3600)
     driver: Driver | None = None
     image: str | None = Field(default=None, min_length=1)
+    # Nomad node pool of the replicas (Nomad 1.6+); default from the cluster config.
+    node_pool: str | None = None
     engine_args: tuple[str, ...] = ()
     env: dict[str, str] = Field(default_factory=dict)
     # Environment variables filled from Nomad Variables at task start:
@@ -273,6 +289,11 @@ class ModelProfile(BaseModel):
         if name in RESERVED_MODEL_NAMES:
             raise ValueError(f"{name!r} is reserved for caravan's own services")
         return name
+
+    @field_validator("node_pool")
+    @classmethod
+    def _node_pool_is_valid(cls, node_pool: str | None) -> str | None:
+        return None if node_pool is None else check_node_pool_name(node_pool)
 
     @field_validator("env")
     @classmethod

@@ -266,6 +266,13 @@ def _network(
     return {"Mode": "host", "DynamicPorts": [port]}
 
 
+def node_pool(profile: ModelProfile, config: ClusterConfig) -> str:
+    """The Nomad node pool a replica runs in: the profile's, else the cluster's for its kind."""
+    if profile.node_pool is not None:
+        return profile.node_pool
+    return config.node_pools.gpu if profile.uses_gpu else config.node_pools.cpu
+
+
 def _job_without_hash(profile: ModelProfile, replica: int, config: ClusterConfig) -> dict[str, Any]:
     if replica < 0:
         raise RenderError("replica", f"replica index must be >= 0, got {replica}")
@@ -286,6 +293,8 @@ def _job_without_hash(profile: ModelProfile, replica: int, config: ClusterConfig
         "Namespace": config.namespace,
         "Priority": config.priority,
         "Datacenters": list(config.datacenters),
+        # CPU replicas stay out of the GPU nodes' pool (cluster_config.NodePools).
+        "NodePool": node_pool(profile, config),
         "Meta": {
             JobMetaKey.MODEL: profile.name,
             JobMetaKey.REPLICA: str(replica),

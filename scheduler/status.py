@@ -83,6 +83,33 @@ def _gpu_words(profile: ModelProfile) -> str:
     return f"{profile.gpu.count}x {profile.gpu.gpu_class}"
 
 
+def _alive(alloc: Mapping[str, Any]) -> bool:
+    """An allocation that runs or will: wanted running and not lost, failed or complete."""
+    return alloc.get("DesiredStatus") == "run" and alloc.get("ClientStatus") not in {
+        "lost",
+        "failed",
+        "complete",
+    }
+
+
+def _blocked_reason(
+    profile: ModelProfile | None,
+    config: ClusterConfig,
+    index: int,
+    evaluations: Sequence[Mapping[str, Any]],
+) -> str | None:
+    """Why Nomad still waits to place the replica: its newest blocked evaluation, in words."""
+    blocked = [e for e in evaluations if e.get("Status") == "blocked"]
+    if not blocked or profile is None:
+        return None
+    latest = max(blocked, key=lambda e: int(e.get("CreateIndex") or 0))
+    ask = ReplicaAsk.from_job(
+        render(profile, max(index, 0), config=config)["Job"],
+        profile.gpu.gpu_class if profile.gpu else "",
+    )
+    return explain_failed_groups(latest.get("FailedTGAllocs"), ask)
+
+
 def replica_status(
     *,
     profile: ModelProfile | None,
@@ -127,6 +154,19 @@ def replica_status(
             draining=draining,
             pending_reason=reason,
         )
+    if not any(_alive(a) for a in allocs):
+        # Every allocation is stopped or lost (its node died) and Nomad could not
+        # place the replacement: its blocked evaluation says why it waits.
+        waiting = _blocked_reason(profile, config, index, evaluations)
+        if waiting is not None:
+            return ReplicaStatus(
+                job_id=job_id,
+                replica=index,
+                state="pending placement",
+                current=current,
+                draining=draining,
+                pending_reason=waiting,
+            )
     alloc_id = str(chosen.get("ID"))
     node_id = str(chosen.get("NodeID", ""))
     health = health_by_alloc.get(alloc_id)
@@ -283,7 +323,7 @@ class StatusReader:
                 continue
             allocs = allocs_by_job.get(replica.job_id, [])
             evaluations: list[dict[str, Any]] = []
-            if detailed and not allocs:
+            if detailed and not any(_alive(a) for a in allocs):
                 found = await self.nomad.job_evaluations(replica.job_id)
                 evaluations = [dict(e.raw) for e in found.value]
             replicas.append(

@@ -16,8 +16,9 @@ import random
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from devcluster.nomad.canonicalize import DEFAULT_REGION as REGION
 from devcluster.nomad.canonicalize import add_implied_constraints, canonicalize_job
-from devcluster.nomad.gotext import go_time
+from devcluster.nomad.gotext import go_time, multierror
 from devcluster.nomad.heartbeat import HeartbeatSettings, heartbeat_ttl_s
 from devcluster.nomad.model import (
     Allocation,
@@ -26,6 +27,14 @@ from devcluster.nomad.model import (
     Evaluation,
     Node,
     task_groups,
+)
+from devcluster.nomad.node_pools import (
+    NODE_POOL_ALL,
+    NODE_POOL_DEFAULT,
+    NodePool,
+    nodes_in_pool,
+    pool_from_body,
+    pool_problems,
 )
 from devcluster.nomad.state import SERVER_JOB_FIELDS, ClusterState, EnforceIndexError, job_spec
 from devcluster.nomad.validate import (
@@ -177,7 +186,8 @@ class Endpoints:
         job = dict(decoded_job)
         job["Namespace"] = _namespace_for(job, query_namespace)
         job = add_implied_constraints(canonicalize_job(job))
-        errors = validate_job(job)
+        # Nomad's node pool hook runs before jobValidate; their errors are one multierror.
+        errors = [*self._node_pool_problems(job), *validate_job(job)]
         if errors:
             raise ApiError(500, validation_failure_text(errors))
         if job["Namespace"] not in NAMESPACES:
@@ -185,6 +195,69 @@ class Endpoints:
                 500, f'job "{job["ID"]}" is in nonexistent namespace "{job["Namespace"]}"'
             )
         return job, job_warnings(job)
+
+    def _node_pool_problems(self, job: Json) -> list[str]:
+        pool = str(job.get("NodePool") or NODE_POOL_DEFAULT)
+        if pool in self.state.node_pools:
+            return []
+        return [f'job "{job["ID"]}" is in nonexistent node pool "{pool}"']
+
+    # -- node pools -----------------------------------------------------------
+
+    def node_pool(self, name: str) -> NodePool:
+        pool = self.state.node_pools.get(name)
+        if pool is None:
+            raise ApiError(404, "node pool not found")
+        return pool
+
+    def upsert_node_pool(self, body: Json, path_name: str | None) -> int:
+        pool = pool_from_body(body)
+        if path_name is not None and pool.name != path_name:
+            raise ApiError(400, "Node pool name does not match request path")
+        problems = pool_problems(pool)
+        if problems:
+            raise ApiError(400, f'invalid node pool "{pool.name}": {multierror(problems)}')
+        if pool.built_in:
+            raise ApiError(400, f'modifying node pool "{pool.name}" is not allowed')
+        return self.state.upsert_node_pool(pool)
+
+    def delete_node_pool(self, name: str) -> int:
+        if not name:
+            raise ApiError(400, "node pool name is empty")
+        in_use = []
+        jobs = [
+            job
+            for job in self.state.jobs.values()
+            if str(job.get("NodePool") or NODE_POOL_DEFAULT) == name and job.get("Status") != "dead"
+        ]
+        if jobs:
+            in_use.append(f'node pool "{name}" has non-terminal jobs in regions: [{REGION}]')
+        if name != NODE_POOL_ALL and any(n.node_pool == name for n in self.state.nodes.values()):
+            in_use.append(f'node pool "{name}" has nodes in regions: [{REGION}]')
+        if in_use:
+            raise ApiError(500, multierror(in_use))
+        pool = self.state.node_pools.get(name)
+        if pool is None:
+            raise ApiError(500, f"node pool {name} not found")
+        if pool.built_in:
+            raise ApiError(500, f'deleting node pool "{name}" is not allowed')
+        return self.state.delete_node_pool(name)
+
+    def node_pool_nodes(self, name: str) -> list[Node]:
+        """The pool's nodes by ID (Nomad's memdb order); none for an unknown pool."""
+        if name not in self.state.node_pools:
+            return []
+        pools = {node.id: node.node_pool for node in self.state.nodes.values()}
+        return [self.state.nodes[i] for i in sorted(nodes_in_pool(name, pools))]
+
+    def node_pool_jobs(self, name: str) -> list[Json]:
+        if name not in self.state.node_pools:
+            return []
+        return [
+            job
+            for _, job in sorted(self.state.jobs.items())
+            if name == NODE_POOL_ALL or str(job.get("NodePool") or NODE_POOL_DEFAULT) == name
+        ]
 
     @staticmethod
     def _require_job(request: Json, path_job_id: str | None, *, plan: bool = False) -> Json:

@@ -408,6 +408,71 @@ async def node_allocations(request: web.Request) -> web.Response:
     return _json_response(body, index=index)
 
 
+async def list_node_pools(request: web.Request) -> web.Response:
+    index = await _block(request, ("node_pools",))
+    prefix = request.query.get("prefix", "")
+    pools = _server(request).state.node_pools
+    body = [pools[name].to_api() for name in sorted(pools) if name.startswith(prefix)]
+    return _json_response(body, index=index)
+
+
+async def get_node_pool(request: web.Request) -> web.Response:
+    index = await _block(request, ("node_pools",))
+    pool = _server(request).endpoints.node_pool(request.match_info["pool"])
+    return _json_response(pool.to_api(), index=index)
+
+
+async def _pool_body(request: web.Request) -> Json:
+    try:
+        body = json.loads(await request.read() or b"null")
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "json: cannot unmarshal into Go value of type structs.NodePool")
+    return body
+
+
+async def upsert_node_pool(request: web.Request) -> web.Response:
+    body = await _pool_body(request)
+    path_name = request.match_info.get("pool")
+    index = _server(request).endpoints.upsert_node_pool(body, path_name)
+    # Nomad's write handlers return no object here: an empty 200 with the index.
+    return web.Response(headers={"X-Nomad-Index": str(index)})
+
+
+async def delete_node_pool(request: web.Request) -> web.Response:
+    index = _server(request).endpoints.delete_node_pool(request.match_info["pool"])
+    # Nomad's write handlers return no object here: an empty 200 with the index.
+    return web.Response(headers={"X-Nomad-Index": str(index)})
+
+
+def _no_prefix(request: web.Request) -> None:
+    # `prefix` is ambiguous here (pool name or node/job IDs), so Nomad refuses it.
+    if request.query.get("prefix"):
+        raise ApiError(400, "prefix argument not allowed")
+
+
+async def node_pool_nodes(request: web.Request) -> web.Response:
+    _no_prefix(request)
+    fields_error = "Failed to parse node list fields: "
+    resources = _bool_param(request, "resources", status=400, prefix=fields_error)
+    with_os = _bool_param(request, "os", status=400, prefix=fields_error)
+    index = await _block(request, ("nodes",))
+    nodes = _server(request).endpoints.node_pool_nodes(request.match_info["pool"])
+    body = [node.to_stub(resources=resources, with_os=with_os) for node in nodes]
+    return _json_response(body, index=index)
+
+
+async def node_pool_jobs(request: web.Request) -> web.Response:
+    _no_prefix(request)
+    with_meta = _bool_param(request, "meta")
+    index = await _block(request, ("jobs",))
+    server = _server(request)
+    jobs = server.endpoints.node_pool_jobs(request.match_info["pool"])
+    body = [_job_stub(server, job, with_meta=with_meta) for job in jobs]
+    return _json_response(body, index=index)
+
+
 async def drain_node(request: web.Request) -> web.Response:
     server = _server(request)
     node_id = server.endpoints.node(request.match_info["node_id"]).id
@@ -679,6 +744,15 @@ def build_app(server: NomadServer) -> web.Application:
     app = web.Application(middlewares=[_middleware])
     app[SERVER_KEY] = server
     route = app.router
+    # Before `/v1/node/{node_id}`: aiohttp tries resources in the order they are added.
+    route.add_get("/v1/node/pools", list_node_pools)
+    route.add_get("/v1/node/pool/{pool}/nodes", node_pool_nodes)
+    route.add_get("/v1/node/pool/{pool}/jobs", node_pool_jobs)
+    route.add_get("/v1/node/pool/{pool}", get_node_pool)
+    route.add_delete("/v1/node/pool/{pool}", delete_node_pool)
+    for method in ("PUT", "POST"):
+        route.add_route(method, "/v1/node/pools", upsert_node_pool)
+        route.add_route(method, "/v1/node/pool/{pool}", upsert_node_pool)
     for method in ("PUT", "POST"):
         route.add_route(method, "/v1/jobs", register_job)
         route.add_route(method, "/v1/job/{job_id}", register_job)

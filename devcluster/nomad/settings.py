@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_pascal
 
 from devcluster.nomad.gotext import NS_PER_S, parse_go_duration
+from devcluster.nomad.node_pools import NODE_POOL_ALL, name_problem
 
 DEFAULT_GPU_MODEL = "NVIDIA H100 80GB HBM3"
 # MiB NVML reports for common models (what `${device.attr.memory}` compares against).
@@ -61,6 +62,17 @@ class NodeSpec(BaseModel):
     gpu_memory_mib: int | None = Field(default=None, ge=1)
     drivers: tuple[str, ...] = ("raw_exec", "exec", "docker")
 
+    @field_validator("node_pool")
+    @classmethod
+    def _pool_a_node_may_join(cls, pool: str) -> str:
+        # Node.Validate: a valid pool name, and never the built-in `all`.
+        problem = name_problem(pool)
+        if problem is not None:
+            raise ValueError(problem)
+        if pool == NODE_POOL_ALL:
+            raise ValueError(f'node is not allowed to register in node pool "{NODE_POOL_ALL}"')
+        return pool
+
     @property
     def gpu_memory(self) -> int:
         return (
@@ -101,8 +113,9 @@ def default_nodes(
     cpu_mhz: int = 9600,
     memory_mb: int = 16384,
     gpu_node_memory_mb: int = 262144,
+    gpu_node_pool: str = "default",
 ) -> tuple[NodeSpec, ...]:
-    """`cpu_nodes` plain nodes, then `gpu_nodes` with `gpus_per_node` GPUs each."""
+    """`cpu_nodes` plain nodes, then `gpu_nodes` GPU nodes (in `gpu_node_pool`)."""
     per_core = max(cpu_mhz // cores, 1)
     plain = [
         NodeSpec(cpu_cores=cores, cpu_mhz_per_core=per_core, memory_mb=memory_mb)
@@ -111,6 +124,7 @@ def default_nodes(
     gpu = [
         NodeSpec(
             node_class="gpu",
+            node_pool=gpu_node_pool,
             cpu_cores=cores,
             cpu_mhz_per_core=per_core,
             memory_mb=gpu_node_memory_mb,
@@ -153,6 +167,11 @@ def add_nomad_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--node-memory-mb", type=int, default=16384, help="memory of a CPU node")
     group.add_argument(
         "--gpu-node-memory-mb", type=int, default=262144, help="memory of a GPU node"
+    )
+    group.add_argument(
+        "--gpu-node-pool",
+        default="default",
+        help="Nomad node pool of the GPU nodes (CPU nodes are in `default`)",
     )
     group.add_argument("--nomad-port", type=int, default=4646, help="HTTP port (0 = any free)")
     group.add_argument(
@@ -224,5 +243,6 @@ def settings_from_args(args: argparse.Namespace, *, host: str = "127.0.0.1") -> 
             cpu_mhz=args.node_cpu_mhz,
             memory_mb=args.node_memory_mb,
             gpu_node_memory_mb=args.gpu_node_memory_mb,
+            gpu_node_pool=args.gpu_node_pool,
         ),
     )

@@ -24,10 +24,11 @@ from devcluster.nomad.model import (
     Node,
     task_groups,
 )
+from devcluster.nomad.node_pools import NodePool, built_in_pools
 
 Json = dict[str, Any]
 
-TABLES = ("jobs", "allocs", "evals", "deployment", "nodes", "job_summary")
+TABLES = ("jobs", "allocs", "evals", "deployment", "nodes", "job_summary", "node_pools")
 # Server-set job fields that do not make a new version (`Job.SpecChanged`).
 SERVER_JOB_FIELDS = frozenset(
     {
@@ -148,6 +149,7 @@ class ClusterState:
         self.evals: dict[str, Evaluation] = {}
         self.deployments: dict[str, Deployment] = {}
         self.nodes: dict[str, Node] = {}
+        self.node_pools: dict[str, NodePool] = built_in_pools()
         self.broker = EventBroker()
         self._changed = asyncio.Event()
 
@@ -553,8 +555,34 @@ class ClusterState:
             modify_index=index,
         )
         self.nodes[node.id] = stored
-        self._finish(index, ["nodes"], [_node_event(stored, kind)])
+        tables = ["nodes"]
+        if node.node_pool not in self.node_pools:
+            # A node naming a pool that does not exist creates it (fetchOrCreateNodePoolTxn).
+            self.node_pools[node.node_pool] = NodePool(
+                name=node.node_pool, create_index=index, modify_index=index
+            )
+            tables.append("node_pools")
+        self._finish(index, tables, [_node_event(stored, kind)])
         return stored
+
+    # -- node pools ---------------------------------------------------------
+
+    def upsert_node_pool(self, pool: NodePool) -> int:
+        index = self._next()
+        previous = self.node_pools.get(pool.name)
+        self.node_pools[pool.name] = dataclasses.replace(
+            pool,
+            create_index=previous.create_index if previous else index,
+            modify_index=index,
+        )
+        self._finish(index, ["node_pools"], [])
+        return index
+
+    def delete_node_pool(self, name: str) -> int:
+        index = self._next()
+        del self.node_pools[name]
+        self._finish(index, ["node_pools"], [])
+        return index
 
     # -- deployments --------------------------------------------------------
 

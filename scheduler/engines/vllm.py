@@ -20,9 +20,13 @@ if TYPE_CHECKING:
 # vLLM's own default for --max-num-seqs.
 DEFAULT_MAX_NUM_SEQS = 256
 GIB = 1024**3
-# Tensor-parallel workers exchange tensors through /dev/shm (NCCL); Docker's
-# 64 MB default makes them fail, so every replica gets a shared-memory segment
-# sized by its number of ranks.
+# Tensor-parallel workers exchange tensors through /dev/shm (PyTorch, NCCL);
+# Docker's 64 MB default makes them fail. vLLM's docker docs allow either
+# `--ipc=host` or `--shm-size`; caravan sets the docker driver's `shm_size`
+# (bytes): a private /dev/shm sized by the number of ranks, which needs no
+# docker plugin setting (`ipc_mode = "host"` can be refused by the plugin's
+# `allowed_modes`) and does not share the node's IPC namespace with the
+# container.
 SHM_BYTES_PER_RANK = 4 * GIB
 SHM_BYTES_MIN = 2 * GIB
 

@@ -29,7 +29,7 @@ def test_exhausted_memory_names_the_request():
     job = render(make_llamacpp(resources={"memory_mb": 4096}), 0)["Job"]
     metric = {"NodesEvaluated": 3, "DimensionExhausted": {"memory": 3}}
     assert explain_failed_placement(metric, ReplicaAsk.from_job(job)) == (
-        "every matching node is full "
+        'every matching node in node pool "default" is full '
         "(3 nodes have less than 4096 MB memory free; 3 nodes evaluated)"
     )
 
@@ -58,3 +58,31 @@ def test_groups_none_when_nothing_failed():
     """No failed groups means no explanation."""
     assert explain_failed_groups(None, ReplicaAsk()) is None
     assert explain_failed_groups({}, ReplicaAsk()) is None
+
+
+def test_cpu_replica_with_full_cpu_pool_names_the_pool():
+    """A CPU replica whose pool is full says which pool it is kept to."""
+    job = render(make_llamacpp(resources={"cpu_mhz": 4000}), 0)["Job"]
+    metric = {"NodesEvaluated": 2, "NodesInPool": 2, "DimensionExhausted": {"cpu": 2}}
+    assert explain_failed_placement(metric, ReplicaAsk.from_job(job)) == (
+        'every matching node in node pool "default" is full '
+        "(2 nodes have less than 4000 MHz CPU free; 2 nodes evaluated)"
+    )
+
+
+def test_empty_pool_names_the_pool_and_the_setting():
+    """A pool with no ready node is named, with the settings that chose it."""
+    job = render(make_vllm(node_pool="h100-team"), 0)["Job"]
+    metric = {"NodesEvaluated": 0, "NodesInPool": 0, "NodesAvailable": {}}
+    explained = explain_failed_placement(metric, ReplicaAsk.from_job(job, gpu_class="h100"))
+    assert explained.startswith('no client node is ready in node pool "h100-team"')
+    assert "node_pool" in explained
+
+
+def test_gpu_replica_in_pool_all_names_no_pool():
+    """Pool `all` restricts nothing, so a GPU shortage reads as before."""
+    job = render(make_vllm(), 0)["Job"]
+    assert job["NodePool"] == "all"
+    metric = {"NodesEvaluated": 1, "ConstraintFiltered": {"missing devices": 1}}
+    explained = explain_failed_placement(metric, ReplicaAsk.from_job(job, gpu_class="h100"))
+    assert explained.startswith("no node has 1 free H100")

@@ -139,7 +139,7 @@ def test_llamacpp_gpu_on_docker_offloads_layers():
     body = render(profile, 0)
     task = task_of(body)
     assert task["Driver"] == "docker"
-    assert task["Config"]["image"].endswith("server-cuda")
+    assert task["Config"]["image"] == ClusterConfig().llamacpp.cuda_image
     assert task["Config"]["volumes"] == ["/models:/models:ro"]
     assert "-ngl" in task["Config"]["args"]
     assert task["Resources"]["Devices"][0]["Name"] == "nvidia/gpu"
@@ -267,3 +267,48 @@ def test_rendering_is_deterministic_json():
 def test_rendered_jobs_meet_nomad_facts(profile):
     """Rendered jobs satisfy every rule of the facts sheet that applies."""
     assert nomad_fact_violations(render(profile, 0, PlacementHints(frozenset({"x"})))) == []
+
+
+def test_cpu_replicas_run_in_the_default_pool_and_gpu_replicas_in_any():
+    """CPU replicas stay in Nomad's `default` pool; GPU replicas may use every pool."""
+    assert render(make_llamacpp(), 0)["Job"]["NodePool"] == "default"
+    assert render(make_vllm(), 0)["Job"]["NodePool"] == "all"
+
+
+def test_cluster_config_and_profile_choose_the_node_pool():
+    """The cluster config sets each kind's pool; a profile's `node_pool` wins."""
+    config = ClusterConfig.model_validate({"node_pools": {"cpu": "cpu", "gpu": "gpu"}})
+    assert render(make_llamacpp(), 0, config=config)["Job"]["NodePool"] == "cpu"
+    assert render(make_vllm(), 0, config=config)["Job"]["NodePool"] == "gpu"
+    kept = make_vllm(node_pool="h100-team")
+    assert render(kept, 0, config=config)["Job"]["NodePool"] == "h100-team"
+    assert spec_hash(kept, 0) != spec_hash(make_vllm(), 0)
+
+
+@pytest.mark.parametrize("name", ["", "gpu pool", "gpu/a", "x" * 129])
+def test_invalid_node_pool_names_are_refused_by_name(name: str):
+    """A pool name Nomad would refuse is an error that names the value."""
+    with pytest.raises(ValueError, match="node pool name"):
+        make_vllm(node_pool=name)
+    with pytest.raises(ValueError, match="node pool name"):
+        ClusterConfig.model_validate({"node_pools": {"gpu": name}})
+
+
+def test_default_engine_images_are_pinned_builds():
+    """Every default engine image names a version, never a floating tag."""
+    config = ClusterConfig()
+    assert config.vllm.image.startswith("vllm/vllm-openai:v")
+    cpu, cuda = config.llamacpp.image, config.llamacpp.cuda_image
+    assert cpu.startswith("ghcr.io/ggml-org/llama.cpp:server-b")
+    assert cuda.startswith("ghcr.io/ggml-org/llama.cpp:server-cuda-b")
+    # One llama.cpp build for CPU and GPU replicas.
+    assert cpu.rsplit("-", 1)[1] == cuda.rsplit("-", 1)[1]
+
+
+def test_llamacpp_docker_picks_the_cpu_or_cuda_image():
+    """llama.cpp on docker runs the CPU image without a GPU and the CUDA image with one."""
+    config = ClusterConfig()
+    cpu = task_of(render(make_llamacpp(driver="docker"), 0, config=config))
+    gpu = task_of(render(make_llamacpp(driver="docker", gpu={"class": "l4"}), 0, config=config))
+    assert cpu["Config"]["image"] == config.llamacpp.image
+    assert gpu["Config"]["image"] == config.llamacpp.cuda_image
