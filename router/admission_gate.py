@@ -19,7 +19,6 @@ comment every `cold_start_keepalive_s` through the `hold` callback.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
@@ -27,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Protocol, assert_never
 
-from caravan.contract import KVLayout
+from caravan.contract import DemandRecord, KVLayout, encode_demand
 from caravan.errors import HashiError
 from router.admission import (
     AdmissionPolicy,
@@ -131,8 +130,8 @@ class DemandSignal:
                 await self._write(model, waiting)
 
     async def _write(self, model: KnownModel, waiting: int) -> None:
-        value = json.dumps(
-            {"at": round(self._wall_clock(), 3), "router": self.router_id, "waiting": waiting}
+        value = encode_demand(
+            DemandRecord(at=round(self._wall_clock(), 3), router=self.router_id, waiting=waiting)
         )
         try:
             await self._store.kv_put(self._layout.demand_key(model.name), value)
