@@ -10,10 +10,13 @@ follow.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+from caravan.engine_metrics import MetricNames, resolve_metric_names
 
 # Every model service carries this tag; the router discovers models by it.
 SERVICE_TAG = "caravan"
@@ -267,6 +270,9 @@ def decode_placements(raw: bytes | str, *, key: str, model: str) -> Placements:
 #   cluster-config       a `JsonCodec` of `scheduler.cluster_config.ClusterConfig`
 #   placements/<name>    `encode_placements` / `decode_placements` (above)
 #   models-revision      `encode_models_revision` / `decode_models_revision`
+#
+# and, in each replica's Consul service Meta, its metric names:
+# `encode_metric_names` (render) / `decode_metric_names` (router, autoscaler).
 
 
 class ContractError(ValueError):
@@ -443,3 +449,39 @@ def encode_drain(record: DrainRecord) -> str:
 def decode_drain(raw: bytes | str, *, key: str) -> DrainRecord:
     """Raises ContractError naming the key and the first field in error."""
     return _DRAIN.decode(raw, key=key)
+
+
+# -- service Meta: a replica's metric names ---------------------------------------------------
+
+
+def encode_metric_names(names: MetricNames) -> dict[str, str]:
+    """The service Meta entries stating a replica's metric names ("" = not exposed).
+
+    The scheduler renders them complete (engine defaults and the profile's
+    override already applied), so a reader finds every name stated.
+    """
+    return {
+        ServiceMetaKey.METRIC_RUNNING: names.running or "",
+        ServiceMetaKey.METRIC_WAITING: names.waiting or "",
+        ServiceMetaKey.METRIC_KV_CACHE: names.kv_cache_usage or "",
+    }
+
+
+def decode_metric_names(meta: Mapping[str, object]) -> MetricNames:
+    """The metric names a replica's Meta states, read the same by the router and the autoscaler.
+
+    Absent, empty or non-string values count as absent. A Meta that states no
+    running metric (a service registered around caravan) gets the one
+    defaulting rule, `caravan.engine_metrics.resolve_metric_names`, applied here
+    and nowhere else on the read side.
+    """
+
+    def text(key: str) -> str | None:
+        value = meta.get(key)
+        return value if isinstance(value, str) and value else None
+
+    return resolve_metric_names(
+        running=text(ServiceMetaKey.METRIC_RUNNING),
+        waiting=text(ServiceMetaKey.METRIC_WAITING),
+        kv_cache_usage=text(ServiceMetaKey.METRIC_KV_CACHE),
+    )

@@ -18,14 +18,17 @@ from caravan.contract import (
     decode_demand,
     decode_desired_count,
     decode_drain,
+    decode_metric_names,
     decode_model_view,
     decode_models_revision,
     encode_demand,
     encode_desired_count,
     encode_drain,
+    encode_metric_names,
     encode_models_revision,
     served_name_of,
 )
+from caravan.engine_metrics import VLLM_METRIC_NAMES, MetricNames
 
 KEY = "caravan/some/key"
 finite = st.floats(allow_nan=False, allow_infinity=False)
@@ -157,3 +160,21 @@ def test_a_json_codec_names_the_field_in_error() -> None:
     assert view == codec.decode(codec.encode(view), key=KEY)
     with pytest.raises(ContractError, match=f"^{KEY}: name: "):
         codec.decode('{"name": "Not A Name"}', key=KEY)
+
+
+metric_name = st.from_regex(r"[a-z_:][a-z0-9_:]{0,30}", fullmatch=True)
+
+
+@given(metric_name, st.none() | metric_name, st.none() | metric_name)
+def test_stated_metric_names_round_trip(
+    running: str, waiting: str | None, kv_cache_usage: str | None
+) -> None:
+    """Names rendered into Meta (running always stated) decode unchanged, blanks as None."""
+    names = MetricNames(running=running, waiting=waiting, kv_cache_usage=kv_cache_usage)
+    assert names == decode_metric_names(encode_metric_names(names))
+
+
+def test_meta_without_metric_names_gets_the_one_default() -> None:
+    """A service registered around caravan (no names in Meta) reads vLLM's names, by the rule."""
+    assert VLLM_METRIC_NAMES == decode_metric_names({})
+    assert VLLM_METRIC_NAMES == decode_metric_names({"metric_running": "", "metric_waiting": 3})

@@ -10,14 +10,17 @@ from caravan.contract import (
     DemandRecord,
     DrainRecord,
     KVLayout,
+    decode_metric_names,
     decode_model_view,
     encode_demand,
     encode_desired_count,
     encode_drain,
 )
+from caravan.engine_metrics import LLAMACPP_METRIC_NAMES, VLLM_METRIC_NAMES, MetricNames
 from scheduler.cluster_config import CLUSTER_CONFIG_CODEC, ClusterConfig
 from scheduler.model_store import parse_desired_state
 from scheduler.profiles import ModelProfile, profile_to_json
+from scheduler.render import render
 
 LAYOUT = KVLayout()
 
@@ -82,3 +85,23 @@ def test_unreadable_documents_are_left_out_not_guessed() -> None:
         dict(state.demand),
         dict(state.draining),
     )
+
+
+@pytest.mark.parametrize(
+    ("profile", "expected"),
+    [
+        (make_vllm(), VLLM_METRIC_NAMES),
+        (make_llamacpp(), LLAMACPP_METRIC_NAMES),
+        (
+            make_llamacpp(metrics={"running": "my_running"}),
+            MetricNames(running="my_running", waiting=None, kv_cache_usage=None),
+        ),
+    ],
+    ids=["vllm", "llamacpp", "override"],
+)
+def test_readers_decode_the_metric_names_render_resolved(
+    profile: ModelProfile, expected: MetricNames
+) -> None:
+    """The router and the autoscaler read from rendered Meta exactly the names render resolved."""
+    [service] = render(profile, 0)["Job"]["TaskGroups"][0]["Services"]
+    assert expected == decode_metric_names(service["Meta"])
