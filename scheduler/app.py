@@ -5,7 +5,8 @@ API); `SchedulerProcess.run()` only starts and stops them, in order, so tests
 reach every part through the built object. `scheduler/server.py` owns the
 process around it (clients, signals, exit codes).
 
-Everything long-lived runs in one TaskGroup on one event loop:
+Everything long-lived runs on one event loop, the loops in one TaskGroup and
+the election beside it (so it resigns only after the loops have stopped):
 
 - the leader election (Consul session + KV lock on `<prefix>leader`);
 - watches that only signal: Consul KV under the prefix, Nomad jobs,
