@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
+import sys
 from pathlib import Path
 
 import aiohttp
@@ -76,3 +78,53 @@ async def test_serve_resigns_leadership_before_closing_its_api_on_stop(
         events = [record.getMessage() for record in caplog.records]
         order = ["leadership_released", "scheduler_stopped", "scheduler_clients_closed"]
         assert order == [event for event in events if event in order]
+
+
+async def test_python_m_scheduler_reads_the_environment_and_stops_cleanly_on_sigterm(
+    tmp_path: Path,
+) -> None:
+    """`python -m scheduler` configured by variables only (the KV prefix by its deprecated
+    alias) leads under that prefix; SIGTERM releases the lock and exits 0."""
+    options = StackOptions(
+        prefer_real_llama_server=False, run_scheduler=False, autoscale=False, work_dir=tmp_path
+    )
+    async with (
+        local_stack(options) as stack,
+        ConsulClient(ConsulSettings.from_env(stack.env)) as consul,
+    ):
+        port = _free_port()
+        environ = {
+            **stack.env,
+            "CARAVAN_KV_PREFIX": "other/",
+            "CARAVAN_SCHEDULER_HTTP_PORT": str(port),
+            "CARAVAN_SCHEDULER_INSTANCE_ID": "by-environment",
+            "CARAVAN_SCHEDULER_LEADER_TTL_S": "10",
+            "CARAVAN_SCHEDULER_LEADER_LOCK_DELAY_S": "1",
+            "CARAVAN_SCHEDULER_AUTOSCALE": "false",
+        }
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "scheduler",
+            env=environ,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+
+            async def holder() -> bytes | None:
+                _, entry = await consul.kv_get(KVLayout("other/").leader)
+                return entry.value if entry is not None and entry.session else None
+
+            assert b"by-environment" == await eventually(holder, timeout_s=60.0, interval_s=0.2)
+            process.send_signal(signal.SIGTERM)
+            stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=30.0)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+        assert 0 == process.returncode
+        assert await holder() is None
+        assert f"caravan scheduler listening on http://127.0.0.1:{port}" in stdout.decode()
+        assert "deprecated_setting" in stderr.decode()
