@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -28,8 +29,7 @@ TOKEN = "t" * 32
 
 @pytest.fixture(autouse=True)
 def _no_inherited_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os  # noqa: PLC0415
-
+    """Variables of the machine running the tests do not leak into these settings."""
     for name in list(os.environ):
         if name.startswith(("CARAVAN_SCHEDULER_", "CARAVAN_KV_PREFIX")):
             monkeypatch.delenv(name)
