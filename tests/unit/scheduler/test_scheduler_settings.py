@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 from pydantic import SecretStr, ValidationError
 
 from caravan.consul_api import ConsulClient, ConsulSettings
+from caravan.leader import ElectionSettings
 from caravan.nomad_api import NomadClient, NomadSettings
 from caravan.settings_help import env_names, setting_docs
 from router.settings import RouterSettings
@@ -213,3 +215,38 @@ def test_help_lists_every_setting(module: str, settings_cls: type[SchedulerSetti
     assert (0, "") == (done.returncode, done.stderr)
     missing = [doc.env[0] for doc in setting_docs(settings_cls) if doc.env[0] not in done.stdout]
     assert [] == missing
+
+
+def test_no_tunable_of_the_parts_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every field of ControllerSettings, PlanSettings, AutoscalerSettings and ElectionSettings
+    follows a SchedulerSettings field: with every variable set off its default, none of them
+    keeps its own default (a tunable added to a part without a setting fails here)."""
+    off_default = {
+        name: "0.125"
+        for name, info in SchedulerSettings.model_fields.items()
+        if info.annotation is float
+    }
+    more = {"apply_concurrency": "9", "kv_prefix": "x/", "instance_id": "me", "backoff_max_s": "9"}
+    for name, value in {**off_default, **more}.items():
+        monkeypatch.setenv(f"CARAVAN_SCHEDULER_{name.upper()}", value)
+    settings = SchedulerSettings()
+    built = {
+        "controller": settings.controller_settings(),
+        "plan": settings.plan_settings(),
+        "autoscaler": settings.autoscaler_settings(),
+        "election": settings.election_settings(),
+    }
+    defaults = {
+        "controller": ControllerSettings(),
+        "plan": PlanSettings(),
+        "autoscaler": AutoscalerSettings(),
+        "election": ElectionSettings(key="caravan/leader"),
+    }
+    unset = [
+        f"{part}.{field.name}"
+        for part, value in built.items()
+        for field in dataclasses.fields(value)
+        if field.name not in {"plan", "session_name"}
+        and getattr(value, field.name) == getattr(defaults[part], field.name)
+    ]
+    assert [] == unset
