@@ -12,10 +12,13 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+from caravan.engine_metrics import MetricNames, resolve_metric_names
 
 # Every model service carries this tag; the router discovers models by it.
 SERVICE_TAG = "caravan"
@@ -300,7 +303,240 @@ def replica_key_path(job_id: str) -> str:
     return f"nomad/jobs/{job_id}"
 
 
-class ContractDecodeError(ValueError):
+# -- one codec per document that crosses Consul (contract 6) ------------------------------
+#
+# Every document caravan keeps in Consul KV has its codec here, used by its writer
+# and by every reader, so the shape and each default live in one place:
+#
+#   models/<name>        the profile; readers outside the scheduler decode only the
+#                        `ModelView` (name, served name); the full profile is
+#                        `scheduler.profiles.ModelProfile`
+#   desired/<name>       `encode_desired_count` / `decode_desired_count`
+#   demand/<name>        `DemandRecord`, `encode_demand` / `decode_demand`
+#   draining/<job-id>    `DrainRecord`, `encode_drain` / `decode_drain`
+#   state/<name>         `encode_state` / `decode_state` over a `JsonCodec` of the
+#                        autoscaler's memory type (scheduler/autoscale/memory.py)
+#   cluster-config       a `JsonCodec` of `scheduler.cluster_config.ClusterConfig`
+#   placements/<name>    `encode_placements` / `decode_placements` (above)
+#   models-revision      `encode_models_revision` / `decode_models_revision`
+#
+# and, in each replica's Consul service Meta, its metric names:
+# `encode_metric_names` (render) / `decode_metric_names` (router, autoscaler).
+
+
+class ContractError(ValueError):
+    """A document read from Consul that does not decode; the message names the key and field.
+
+    Not retryable: the document stays wrong until its writer (or a person) replaces it.
+    """
+
+    retryable = False
+
+
+def _first_problem(key: str, exc: ValidationError) -> ContractError:
+    first = exc.errors()[0]
+    if first["type"] == "json_invalid":
+        return ContractError(f"{key}: not JSON ({first['msg']})")
+    where = ".".join(str(part) for part in first["loc"]) or "document"
+    return ContractError(f"{key}: {where}: {first['msg']}")
+
+
+Document = TypeVar("Document", bound=BaseModel)
+
+
+class JsonCodec(Generic[Document]):
+    """The JSON codec of one pydantic document type: `encode` (writer), `decode` (readers)."""
+
+    def __init__(self, document_type: type[Document]) -> None:
+        self.document_type = document_type
+
+    def encode(self, document: Document) -> str:
+        return document.model_dump_json()
+
+    def decode(self, raw: bytes | str, *, key: str) -> Document:
+        """Raises ContractError naming `key` and the first field in error."""
+        try:
+            return self.document_type.model_validate_json(raw)
+        except ValidationError as exc:
+            raise _first_problem(key, exc) from None
+
+
+# -- models/<name>: the part of a profile every reader shares ------------------------------
+
+
+def served_name_of(name: str, served_model_name: str | None) -> str:
+    """The OpenAI `model` value clients send for a profile: its `served_model_name`, else its name.
+
+    The one place this default lives; the scheduler's profile and the router's
+    view of it both call it.
+    """
+    return served_model_name or name
+
+
+class ModelView(BaseModel):
+    """What a reader outside the scheduler needs from `<prefix>models/<name>`.
+
+    The stored document is the whole profile (`scheduler.profiles.profile_to_json`);
+    every other field is the scheduler's and is ignored here.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    name: Annotated[str, StringConstraints(pattern=MODEL_NAME_PATTERN.pattern)]
+    served_model_name: str | None = None
+
+    @property
+    def served_name(self) -> str:
+        return served_name_of(self.name, self.served_model_name)
+
+
+def decode_model_view(raw: bytes | str, *, key: str, model: str) -> ModelView:
+    """The view of the profile stored at `key`, which must be that of `model`.
+
+    Raises ContractError naming the key and the first field in error.
+    """
+    try:
+        view = ModelView.model_validate_json(raw)
+    except ValidationError as exc:
+        raise _first_problem(key, exc) from None
+    if view.name != model:
+        raise ContractError(f"{key}: name {view.name!r} does not match its key")
+    return view
+
+
+# -- desired/<name> and models-revision: decimal counters ----------------------------------
+
+
+def _encode_count(value: int, what: str) -> bytes:
+    if value < 0:
+        raise ValueError(f"{what} must not be negative: {value}")
+    return str(value).encode()
+
+
+def _decode_count(raw: bytes | str, *, key: str, what: str) -> int:
+    text = (raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw).strip()
+    if not (text.isascii() and text.isdigit()):
+        raise ContractError(f"{key}: {what} is not a non-negative decimal integer")
+    return int(text)
+
+
+def encode_desired_count(count: int) -> bytes:
+    """The value of `<prefix>desired/<name>`: the replica count as decimal text."""
+    return _encode_count(count, "a desired count")
+
+
+def decode_desired_count(raw: bytes | str, *, key: str) -> int:
+    """Raises ContractError naming the key when the value is not a count."""
+    return _decode_count(raw, key=key, what="the desired count")
+
+
+def encode_models_revision(revision: int) -> bytes:
+    """The value of `<prefix>models-revision`: a counter as decimal text."""
+    return _encode_count(revision, "the models revision")
+
+
+def decode_models_revision(raw: bytes | str, *, key: str) -> int:
+    """Raises ContractError naming the key when the value is not a counter."""
+    return _decode_count(raw, key=key, what="the models revision")
+
+
+# -- demand/<name>: a router's cold-start demand --------------------------------------------
+
+
+class DemandRecord(BaseModel):
+    """A router saw requests for a model with no ready replica (written by routers)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    # Wall-clock time of the write (Unix seconds).
+    at: float = Field(allow_inf_nan=False)
+    # Requests waiting at that router when it wrote.
+    waiting: int = Field(default=1, ge=0)
+    # Which router wrote it ("" when the writer did not say).
+    router: str = ""
+
+
+_DEMAND = JsonCodec(DemandRecord)
+
+
+def encode_demand(record: DemandRecord) -> str:
+    return _DEMAND.encode(record)
+
+
+def decode_demand(raw: bytes | str, *, key: str) -> DemandRecord:
+    """Raises ContractError naming the key and the first field in error."""
+    return _DEMAND.decode(raw, key=key)
+
+
+# -- draining/<job-id>: a replica being drained ----------------------------------------------
+
+
+class DrainRecord(BaseModel):
+    """A replica being drained before its job is stopped (written by the leading scheduler).
+
+    Routers act on the key alone (no new requests to that job); the record says
+    why and until when, for the scheduler and for people.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    model: Annotated[str, StringConstraints(min_length=1)]
+    # Wall-clock time the drain began (Unix seconds).
+    since: float = Field(allow_inf_nan=False)
+    # How long in-flight requests may run on before the job is stopped.
+    drain_s: float = Field(ge=0, allow_inf_nan=False)
+    reason: str = ""
+
+
+_DRAIN = JsonCodec(DrainRecord)
+
+
+def encode_drain(record: DrainRecord) -> str:
+    return _DRAIN.encode(record)
+
+
+def decode_drain(raw: bytes | str, *, key: str) -> DrainRecord:
+    """Raises ContractError naming the key and the first field in error."""
+    return _DRAIN.decode(raw, key=key)
+
+
+# -- service Meta: a replica's metric names ---------------------------------------------------
+
+
+def encode_metric_names(names: MetricNames) -> dict[str, str]:
+    """The service Meta entries stating a replica's metric names ("" = not exposed).
+
+    The scheduler renders them complete (engine defaults and the profile's
+    override already applied), so a reader finds every name stated.
+    """
+    return {
+        ServiceMetaKey.METRIC_RUNNING: names.running or "",
+        ServiceMetaKey.METRIC_WAITING: names.waiting or "",
+        ServiceMetaKey.METRIC_KV_CACHE: names.kv_cache_usage or "",
+    }
+
+
+def decode_metric_names(meta: Mapping[str, object]) -> MetricNames:
+    """The metric names a replica's Meta states, read the same by the router and the autoscaler.
+
+    Absent, empty or non-string values count as absent. A Meta that states no
+    running metric (a service registered around caravan) gets the one
+    defaulting rule, `caravan.engine_metrics.resolve_metric_names`, applied here
+    and nowhere else on the read side.
+    """
+
+    def text(key: str) -> str | None:
+        value = meta.get(key)
+        return value if isinstance(value, str) and value else None
+
+    return resolve_metric_names(
+        running=text(ServiceMetaKey.METRIC_RUNNING),
+        waiting=text(ServiceMetaKey.METRIC_WAITING),
+        kv_cache_usage=text(ServiceMetaKey.METRIC_KV_CACHE),
+    )
+
+
+class ContractDecodeError(ContractError):
     """A KV document of the contract could not be read; says which field is wrong."""
 
 

@@ -31,17 +31,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import aiohttp
+from pydantic import SecretStr
 
 from caravan.contract import KVLayout
 from caravan.errors import HashiError
 from caravan_cli.example_profiles import example_profiles_dir
 from router.settings import RouterSettings
-from scheduler.api_auth import StaticTokens, TokenSet
-from scheduler.app import SchedulerOptions, SchedulerProcess, scheduler_clients
+from scheduler.app import build_scheduler, scheduler_clients
 from scheduler.cluster_config import ClusterConfig
 from scheduler.model_service import validate_submission
 from scheduler.model_store import ModelStore
 from scheduler.profiles import ModelProfile, load_profile, profile_to_json
+from scheduler.settings import SchedulerSettings
 from scheduler.status import ModelStatus, StatusReader
 
 if TYPE_CHECKING:
@@ -245,8 +246,8 @@ async def _real(router_settings: RouterSettings) -> AsyncIterator[Running]:
     config = ClusterConfig()
     token = new_secret()
     async with scheduler_clients(os.environ) as (consul, nomad):
-        scheduler = SchedulerProcess(
-            options=SchedulerOptions(http_port=0, api_tokens=StaticTokens(TokenSet.of([token]))),
+        scheduler = build_scheduler(
+            SchedulerSettings(http_port=0, api_tokens=SecretStr(token), api_tokens_file=None),
             config=config,
             consul=consul,
             nomad=nomad,

@@ -44,13 +44,10 @@ from devcluster.llama_server_build import find_llama_server
 from devcluster.nomad.settings import NomadServerSettings, default_nodes
 from router.app import RUNTIME, app_runner, create_app
 from router.settings import RouterSettings
-from scheduler.api_auth import StaticTokens, TokenSet
-from scheduler.app import SchedulerOptions, SchedulerProcess
-from scheduler.autoscale.loop import AutoscalerSettings
+from scheduler.app import SchedulerProcess, build_scheduler
 from scheduler.cluster_config import ClusterConfig, LlamaCppSettings
-from scheduler.controller import ControllerSettings
-from scheduler.plan import PlanSettings
 from scheduler.profiles import ModelProfile
+from scheduler.settings import SchedulerSettings
 
 # The Nomad Variables the example profiles' `secrets` name, with placeholder
 # values, written as an operator would (`nomad var put`) so the examples start
@@ -299,22 +296,20 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
             ):
                 for path, items in options.variables.items():
                     await nomad.put_variable(path, items)
-                scheduler = SchedulerProcess(
-                    options=SchedulerOptions(
+                scheduler = build_scheduler(
+                    SchedulerSettings(
                         http_port=0,
+                        kv_prefix="caravan/",
                         leader_ttl_s=options.leader_ttl_s,
                         leader_lock_delay_s=1.0,
                         autoscale=options.autoscale,
-                        autoscaler=AutoscalerSettings(tick_s=options.autoscale_tick_s),
-                        controller=ControllerSettings(
-                            resync_s=options.resync_s,
-                            plan=PlanSettings(
-                                replace_lost_after_s=options.replace_lost_after_s,
-                                orphan_confirm_s=options.orphan_confirm_s,
-                                requeue_s=1.0,
-                            ),
-                        ),
-                        api_tokens=None if token is None else StaticTokens(TokenSet.of([token])),
+                        autoscale_tick_s=options.autoscale_tick_s,
+                        resync_s=options.resync_s,
+                        replace_lost_after_s=options.replace_lost_after_s,
+                        orphan_confirm_s=options.orphan_confirm_s,
+                        requeue_s=1.0,
+                        api_tokens=None if token is None else SecretStr(token),
+                        api_tokens_file=None,
                     ),
                     config=config,
                     consul=consul,

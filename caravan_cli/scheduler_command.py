@@ -1,21 +1,21 @@
-"""`caravan scheduler`: run the control plane (reconcile loop, autoscaler, HTTP API)."""
+"""`caravan scheduler`: run the control plane (reconcile loop, autoscaler, HTTP API).
+
+Thin wiring over `python -m scheduler`: the same `SchedulerSettings`
+(`CARAVAN_SCHEDULER_*`), the flags below override their fields, and
+`scheduler.server.run` does the rest (signals, ordered shutdown).
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import os
-import signal
 import sys
 
-from caravan.consul_api import ConsulSettings
-from caravan.contract import KVLayout
-from caravan.log_format import configure_logging
-from caravan.nomad_api import NomadSettings
-from scheduler.api_auth import TOKENS_ENV, TOKENS_FILE_ENV, load_token_source
-from scheduler.app import SchedulerOptions, SchedulerProcess, scheduler_clients
-from scheduler.cluster_config import ClusterConfig, ClusterConfigError, load_cluster_config
+from pydantic import ValidationError
+
+from scheduler.api_auth import TOKENS_ENV, TOKENS_FILE_ENV
+from scheduler.server import run
+from scheduler.settings import SchedulerSettings, settings_errors
 
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -24,8 +24,10 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         help="run the scheduler (reconcile loop, autoscaler, HTTP API)",
         description=(
             "Keep one Nomad job per replica of every model in Consul KV. Several schedulers may "
-            "run; one leads (Consul session lock on <prefix>leader). Nomad and Consul are found "
-            "through NOMAD_ADDR, NOMAD_TOKEN, CONSUL_HTTP_ADDR, CONSUL_HTTP_TOKEN and friends. "
+            "run; one leads (Consul session lock on <prefix>leader). Settings come from "
+            "CARAVAN_SCHEDULER_* variables (`python -m scheduler --help` lists them all); these "
+            "flags override them. Nomad and Consul are found through NOMAD_ADDR, NOMAD_TOKEN, "
+            "CONSUL_HTTP_ADDR, CONSUL_HTTP_TOKEN and friends. "
             f"The HTTP API needs a bearer token from {TOKENS_ENV} (comma-separated) or "
             f"{TOKENS_FILE_ENV} (one per line, re-read when it changes); without one it "
             "listens on 127.0.0.1 only, whatever --http-host says."
@@ -33,29 +35,26 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     parser.add_argument(
         "--http-host",
-        default="127.0.0.1",
         help="API address (default 127.0.0.1; loopback only unless API tokens are set)",
     )
-    parser.add_argument("--http-port", type=int, default=8090, help="API port (default 8090)")
-    parser.add_argument(
-        "--kv-prefix",
-        default=os.environ.get("CARAVAN_KV_PREFIX", "caravan/"),
-        help="Consul KV prefix (default caravan/)",
-    )
+    parser.add_argument("--http-port", type=int, help="API port (default 8090)")
+    parser.add_argument("--kv-prefix", help="Consul KV prefix (default caravan/)")
     parser.add_argument(
         "--api-tokens-file",
-        default=os.environ.get(TOKENS_FILE_ENV) or None,
         metavar="FILE",
         help=f"API bearer tokens, one per line, re-read on change (default ${TOKENS_FILE_ENV})",
     )
     parser.add_argument("--cluster-config", help="cluster config YAML (GPU classes, images)")
     parser.add_argument(
-        "--no-autoscale", action="store_true", help="keep counts manual (caravan scale)"
+        "--no-autoscale",
+        action="store_const",
+        const=False,
+        dest="autoscale",
+        help="keep counts manual (caravan scale)",
     )
     parser.add_argument(
         "--leader-ttl-s",
         type=float,
-        default=15.0,
         help=(
             "session TTL of the leader lock (Consul accepts 10 s to 24 h); a crashed leader "
             "is replaced within 2 x TTL + lock-delay (default 15)"
@@ -64,59 +63,31 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     parser.add_argument(
         "--leader-lock-delay-s",
         type=float,
-        default=5.0,
         help="Consul lock-delay after a leader's session is invalidated (default 5)",
     )
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
-    parser.add_argument(
-        "--log-format", default="json", choices=["json", "text"], help="log lines on stderr"
-    )
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-format", choices=["json", "text"], help="log lines on stderr")
     parser.set_defaults(handler=run_scheduler)
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level, args.log_format)
-    try:
-        config = load_cluster_config(args.cluster_config)
-        KVLayout(args.kv_prefix)
-    except (ClusterConfigError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     # Tokens only through the environment or a file, never a flag, which `ps` shows.
-    # A bad one raises SettingsError: one line and exit 1 from caravan_cli.main.
-    api_tokens = load_token_source(os.environ.get(TOKENS_ENV), args.api_tokens_file)
-    # Read the Consul and Nomad variables now, so a bad TLS file is reported before anything starts.
-    ConsulSettings.from_env(os.environ)
-    NomadSettings.from_env(os.environ)
-    options = SchedulerOptions(
-        http_host=args.http_host,
-        http_port=args.http_port,
-        kv_prefix=args.kv_prefix,
-        autoscale=not args.no_autoscale,
-        leader_ttl_s=args.leader_ttl_s,
-        leader_lock_delay_s=args.leader_lock_delay_s,
-        api_tokens=api_tokens,
-    )
-    return asyncio.run(_serve(options, config))
-
-
-async def _serve(options: SchedulerOptions, config: ClusterConfig) -> int:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    async with scheduler_clients(os.environ) as (consul, nomad):
-        process = SchedulerProcess(options=options, config=config, consul=consul, nomad=nomad)
-        task = asyncio.create_task(process.run())
-        await process.ready.wait()
-        print(
-            f"caravan scheduler listening on http://{process.bound_host}:{process.bound_port}",
-            flush=True,
-        )
-        waiter = asyncio.create_task(stop.wait())
-        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        task.cancel()
-        waiter.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-    return 0
+    overrides = {
+        "http_host": args.http_host,
+        "http_port": args.http_port,
+        "kv_prefix": args.kv_prefix,
+        "api_tokens_file": args.api_tokens_file,
+        "cluster_config": args.cluster_config,
+        "autoscale": args.autoscale,
+        "leader_ttl_s": args.leader_ttl_s,
+        "leader_lock_delay_s": args.leader_lock_delay_s,
+        "log_level": args.log_level,
+        "log_format": args.log_format,
+    }
+    try:
+        settings = SchedulerSettings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        for line in settings_errors(exc):
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    return run(settings, os.environ)

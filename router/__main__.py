@@ -7,11 +7,24 @@ import sys
 
 from pydantic import ValidationError
 
+from caravan.settings_help import parse_process_args
 from router.server import run
 from router.settings import RouterSettings
 
+DESCRIPTION = (
+    "Run a caravan router: route OpenAI requests to the model replicas Consul reports ready. "
+    "Settings come from the environment only (router/README.md); Consul from "
+    "CONSUL_HTTP_ADDR, CONSUL_HTTP_TOKEN and friends."
+)
 
-def main() -> int:
+
+def main(argv: list[str] | None = None) -> int:
+    parse_process_args(
+        sys.argv[1:] if argv is None else argv,
+        prog="python -m router",
+        description=DESCRIPTION,
+        settings_cls=RouterSettings,
+    )
     try:
         settings = RouterSettings()
     except ValidationError as exc:

@@ -31,7 +31,6 @@ for that model get the same answer as soon as the record arrives.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
@@ -39,7 +38,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Protocol, assert_never
 
-from caravan.contract import KVLayout
+from caravan.contract import DemandRecord, KVLayout, encode_demand
 from caravan.errors import HashiError
 from router.admission import (
     AdmissionPolicy,
@@ -155,8 +154,8 @@ class DemandSignal:
                 await self._write(model, waiting)
 
     async def _write(self, model: KnownModel, waiting: int) -> None:
-        value = json.dumps(
-            {"at": round(self._wall_clock(), 3), "router": self.router_id, "waiting": waiting}
+        value = encode_demand(
+            DemandRecord(at=round(self._wall_clock(), 3), router=self.router_id, waiting=waiting)
         )
         try:
             await self._store.kv_put(self._layout.demand_key(model.name), value)

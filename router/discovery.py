@@ -30,7 +30,6 @@ is set (setups without Nomad); one still unverified after
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -40,10 +39,12 @@ from typing import Any, Protocol
 from caravan.consul_api import HealthEntry, KVEntry
 from caravan.contract import (
     SERVICE_TAG,
+    ContractError,
     KVLayout,
     Placements,
     PlacementsError,
     ServiceMetaKey,
+    decode_model_view,
     decode_placements,
     model_service_name,
     nomad_service_id,
@@ -152,7 +153,7 @@ def profiles_from_kv(
     """Declared models by served model name, and one problem line per profile left out.
 
     The profile name is the key under `<prefix>models/`; the served model name
-    is the profile's `served_model_name`, else its name (the scheduler's rule).
+    is the contract's (`caravan.contract.ModelView.served_name`).
     """
     models: dict[str, KnownModel] = {}
     problems: list[str] = []
@@ -161,16 +162,9 @@ def profiles_from_kv(
         if not name or "/" in name:
             continue
         try:
-            document = json.loads(entry.value)
-        except (ValueError, UnicodeDecodeError) as exc:
-            problems.append(f"{entry.key}: not JSON ({exc})")
-            continue
-        if not isinstance(document, dict):
-            problems.append(f"{entry.key}: not a JSON object")
-            continue
-        served = document.get("served_model_name") or name
-        if not isinstance(served, str):
-            problems.append(f"{entry.key}: served_model_name is not a string: {served!r}")
+            served = decode_model_view(entry.value, key=entry.key, model=name).served_name
+        except ContractError as exc:
+            problems.append(str(exc))
             continue
         if served in models:
             problems.append(

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from caravan.contract import ServiceMetaKey
-from caravan.engine_metrics import MetricNames, resolve_metric_names
+from caravan.contract import ServiceMetaKey, decode_metric_names
+from caravan.engine_metrics import MetricNames
 from router.affinity import DEFAULT_VIRTUAL_NODES, HashRing
 
 DEFAULT_METRICS_PATH = "/metrics"
@@ -165,11 +165,7 @@ def endpoint_from_entry(entry: Mapping[str, Any]) -> Endpoint:
         served_models=served_models,
         engine=_required_str(meta.get(ServiceMetaKey.ENGINE), f"Meta.{ServiceMetaKey.ENGINE}"),
         metrics_path=metrics_path,
-        metric_names=resolve_metric_names(
-            running=_meta_str(meta, ServiceMetaKey.METRIC_RUNNING),
-            waiting=_meta_str(meta, ServiceMetaKey.METRIC_WAITING),
-            kv_cache_usage=_meta_str(meta, ServiceMetaKey.METRIC_KV_CACHE),
-        ),
+        metric_names=decode_metric_names(meta),
         capacity=_capacity(meta),
         node=str(node.get("Node") or ""),
         gpu_class=_meta_str(meta, ServiceMetaKey.GPU_CLASS),

@@ -1,6 +1,12 @@
-"""Wiring of the `caravan scheduler` process: clients, election, watches, loops, API.
+"""The parts of a scheduler process, built from `SchedulerSettings` before anything runs.
 
-Everything long-lived runs in one TaskGroup on one event loop:
+`build_scheduler` builds them all (election, watches, controller, autoscaler,
+API); `SchedulerProcess.run()` only starts and stops them, in order, so tests
+reach every part through the built object. `scheduler/server.py` owns the
+process around it (clients, signals, exit codes).
+
+Everything long-lived runs on one event loop, the loops in one TaskGroup and
+the election beside it (so it resigns only after the loops have stopped):
 
 - the leader election (Consul session + KV lock on `<prefix>leader`);
 - watches that only signal: Consul KV under the prefix, Nomad jobs,
@@ -18,8 +24,6 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-import os
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,36 +34,21 @@ from prometheus_client import CollectorRegistry
 from caravan.consul_api import ConsulClient, ConsulSettings
 from caravan.contract import JOB_PREFIX, KVLayout
 from caravan.errors import HashiError
-from caravan.leader import ElectionSettings, LeaderElection
+from caravan.leader import LeaderElection
 from caravan.nomad_api import NomadClient, NomadSettings
 from caravan.watch import BlockingWatch
 from scheduler.api import ApiAuth, create_api
-from scheduler.api_auth import TokenSource
-from scheduler.autoscale.loop import Autoscaler, AutoscalerSettings
+from scheduler.autoscale.loop import Autoscaler
 from scheduler.cluster_config import ClusterConfig
-from scheduler.controller import Controller, ControllerSettings
+from scheduler.controller import Controller
 from scheduler.engine_keys import EngineKeys
 from scheduler.metrics import SchedulerMetrics
 from scheduler.model_service import ModelService
 from scheduler.model_store import ModelStore
+from scheduler.settings import SchedulerSettings
 from scheduler.status import StatusReader
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerOptions:
-    http_host: str = "127.0.0.1"
-    http_port: int = 8090
-    kv_prefix: str = "caravan/"
-    leader_ttl_s: float = 15.0
-    leader_lock_delay_s: float = 5.0
-    controller: ControllerSettings = field(default_factory=ControllerSettings)
-    autoscale: bool = True
-    autoscaler: AutoscalerSettings = field(default_factory=AutoscalerSettings)
-    instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
-    # Bearer tokens of the HTTP API (scheduler/api_auth.py); None: no token, loopback only.
-    api_tokens: TokenSource | None = field(default=None, repr=False)
 
 
 LOOPBACK_HOST = "127.0.0.1"
@@ -85,108 +74,25 @@ async def _signal_on_change(
     name: str,
     fetch: Callable[[int, float], Awaitable[tuple[int, Any]]],
     wake: asyncio.Event,
+    wait_s: float,
 ) -> None:
     async def deliver(_value: Any) -> None:
         wake.set()
 
-    await BlockingWatch(name, fetch, wait_s=60.0).run(deliver)
+    await BlockingWatch(name, fetch, wait_s=wait_s).run(deliver)
 
 
 @dataclass(slots=True)
-class SchedulerProcess:
-    """One scheduler instance; `run()` until cancelled."""
+class SchedulerWatches:
+    """Blocking queries that only signal `wake`: KV under the prefix, Nomad jobs, allocs, nodes."""
 
-    options: SchedulerOptions
-    config: ClusterConfig
     consul: ConsulClient
     nomad: NomadClient
-    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
-    bound_port: int | None = None
-    bound_host: str | None = None
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-    controller: Controller | None = None
-    election: LeaderElection | None = None
-    autoscaler: Autoscaler | None = None
-    extra_loops: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
+    layout: KVLayout
+    wake: asyncio.Event
+    wait_s: float = 60.0
 
     async def run(self) -> None:
-        layout = KVLayout(self.options.kv_prefix)
-        metrics = SchedulerMetrics.create(self.registry)
-        store = ModelStore(self.consul, layout)
-        election = LeaderElection(
-            self.consul,
-            ElectionSettings(
-                key=layout.leader,
-                value=self.options.instance_id.encode(),
-                session_name="caravan-scheduler",
-                ttl_s=self.options.leader_ttl_s,
-                lock_delay_s=self.options.leader_lock_delay_s,
-            ),
-        )
-        self.election = election
-        engine_keys = EngineKeys(self.nomad) if self.config.engine_api_keys else None
-        autoscaler = Autoscaler(
-            store=store,
-            health=self.consul,
-            metrics=metrics,
-            is_leader=lambda: election.is_leader,
-            settings=self.options.autoscaler,
-            engine_key=engine_keys.cached_model_key if engine_keys is not None else None,
-        )
-        self.autoscaler = autoscaler
-        controller = Controller(
-            store=store,
-            nomad=self.nomad,
-            health=self.consul,
-            config=self.config,
-            metrics=metrics,
-            settings=self.options.controller,
-            is_leader=lambda: election.is_leader,
-            inflight=autoscaler.inflight_of,
-            engine_keys=engine_keys,
-        )
-        self.controller = controller
-        service = ModelService(
-            store=store,
-            status=StatusReader(
-                store=store, nomad=self.nomad, health=self.consul, config=self.config
-            ),
-            config=self.config,
-        )
-        wake = asyncio.Event()
-        async with (
-            self._serve_api(service, lambda: election.is_leader, metrics),
-            asyncio.TaskGroup() as tasks,
-        ):
-            tasks.create_task(election.run())
-            tasks.create_task(self._follow_leadership(election, metrics, wake, store))
-            tasks.create_task(self._watches(layout, wake))
-            tasks.create_task(controller.run(wake))
-            if self.options.autoscale:
-                tasks.create_task(autoscaler.run())
-            for loop in self.extra_loops:
-                tasks.create_task(loop())
-            self.ready.set()
-
-    async def _follow_leadership(
-        self,
-        election: LeaderElection,
-        metrics: SchedulerMetrics,
-        wake: asyncio.Event,
-        store: ModelStore,
-    ) -> None:
-        while True:
-            await election.elected.wait()
-            metrics.leader.set(1)
-            try:
-                await store.publish_cluster_config(self.config)
-            except HashiError as exc:
-                log.warning("cluster_config_not_published", extra={"error": str(exc)})
-            wake.set()
-            await election.deposed.wait()
-            metrics.leader.set(0)
-
-    async def _watches(self, layout: KVLayout, wake: asyncio.Event) -> None:
         consul, nomad = self.consul, self.nomad
 
         def kv(prefix: str) -> Callable[[int, float], Awaitable[tuple[int, Any]]]:
@@ -207,48 +113,217 @@ class SchedulerProcess:
             result = await nomad.list_nodes(resources=False, index=index, wait_s=wait_s)
             return result.index, None
 
+        layout, wake, wait_s = self.layout, self.wake, self.wait_s
         async with asyncio.TaskGroup() as tasks:
             # Not the whole prefix: the autoscaler's own state/ writes must not
             # wake the reconcile loop.
             for prefix in (layout.models, layout.desired, layout.draining, layout.demand):
-                tasks.create_task(_signal_on_change(f"kv {prefix}", kv(prefix), wake))
-            tasks.create_task(_signal_on_change("nomad jobs", jobs, wake))
-            tasks.create_task(_signal_on_change("nomad allocations", allocations, wake))
-            tasks.create_task(_signal_on_change("nomad nodes", nodes, wake))
+                tasks.create_task(_signal_on_change(f"kv {prefix}", kv(prefix), wake, wait_s))
+            tasks.create_task(_signal_on_change("nomad jobs", jobs, wake, wait_s))
+            tasks.create_task(_signal_on_change("nomad allocations", allocations, wake, wait_s))
+            tasks.create_task(_signal_on_change("nomad nodes", nodes, wake, wait_s))
 
-    @contextlib.asynccontextmanager
-    async def _serve_api(
-        self, service: ModelService, is_leader: Callable[[], bool], metrics: SchedulerMetrics
-    ) -> AsyncIterator[None]:
-        tokens = self.options.api_tokens
-        auth = None if tokens is None else ApiAuth(tokens, metrics.api_auth_failures)
-        app = create_api(service, self.registry, is_leader, auth=auth)
-        host = api_bind_host(self.options.http_host, tokens_configured=tokens is not None)
-        if tokens is None:
+
+@dataclass(slots=True)
+class SchedulerApi:
+    """The HTTP API's listener: every instance serves it, leader or not (module docstring)."""
+
+    app: web.Application
+    requested_host: str
+    port: int
+    auth: bool
+    runner: web.AppRunner | None = None
+    bound_port: int | None = None
+    bound_host: str | None = None
+
+    @property
+    def host(self) -> str:
+        """Where it binds: the requested host with tokens, else loopback only."""
+        return api_bind_host(self.requested_host, tokens_configured=self.auth)
+
+    async def start(self) -> None:
+        host = self.host
+        if not self.auth:
             log.warning(
                 "scheduler_api_loopback_only",
                 extra={
-                    "requested_host": self.options.http_host,
+                    "requested_host": self.requested_host,
                     "host": host,
                     "reason": "no API token configured (CARAVAN_SCHEDULER_API_TOKENS or "
                     "CARAVAN_SCHEDULER_API_TOKENS_FILE); the API is open to this machine only",
                 },
             )
-        runner = web.AppRunner(app, access_log=None)
+        runner = web.AppRunner(self.app, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, host, self.options.http_port)
+        self.runner = runner
+        site = web.TCPSite(runner, host, self.port)
         await site.start()
         sockets = getattr(site._server, "sockets", None) or []  # noqa: SLF001 - aiohttp has no public accessor
-        self.bound_port = sockets[0].getsockname()[1] if sockets else self.options.http_port
+        self.bound_port = sockets[0].getsockname()[1] if sockets else self.port
         self.bound_host = sockets[0].getsockname()[0] if sockets else host
         log.info(
             "scheduler_api_listening",
-            extra={"host": host, "port": self.bound_port, "auth": tokens is not None},
+            extra={"host": host, "port": self.bound_port, "auth": self.auth},
         )
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+
+@dataclass(slots=True)
+class SchedulerProcess:
+    """One scheduler instance, its parts built by `build_scheduler`; `run()` until cancelled.
+
+    Startup order: the API listener (so /health answers at once), then the
+    watches, the leader election and the loops. Shutdown order (on
+    cancellation): the reconcile and autoscaler loops and the watches stop
+    (no more writes), then leadership is resigned (lock released, session
+    destroyed, so a standby takes over without waiting for the TTL), then the
+    API listener closes. The caller closes the Consul and Nomad clients last.
+    """
+
+    settings: SchedulerSettings
+    config: ClusterConfig
+    consul: ConsulClient
+    nomad: NomadClient
+    registry: CollectorRegistry
+    metrics: SchedulerMetrics
+    store: ModelStore
+    election: LeaderElection
+    autoscaler: Autoscaler
+    controller: Controller
+    api: SchedulerApi
+    watches: SchedulerWatches
+    wake: asyncio.Event
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    extra_loops: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
+
+    @property
+    def bound_port(self) -> int | None:
+        return self.api.bound_port
+
+    @property
+    def bound_host(self) -> str | None:
+        return self.api.bound_host
+
+    async def run(self) -> None:
+        await self.api.start()
         try:
-            yield
+            election = asyncio.create_task(self.election.run(), name="scheduler-election")
+            try:
+                async with asyncio.TaskGroup() as tasks:
+                    tasks.create_task(_propagate(election))
+                    tasks.create_task(self._follow_leadership())
+                    tasks.create_task(self.watches.run())
+                    tasks.create_task(self.controller.run(self.wake))
+                    if self.settings.autoscale:
+                        tasks.create_task(self.autoscaler.run())
+                    for loop in self.extra_loops:
+                        tasks.create_task(loop())
+                    self.ready.set()
+            finally:
+                # The loops have stopped: give up leadership (election.run resigns).
+                election.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await election
         finally:
-            await runner.cleanup()
+            await self.api.stop()
+            log.info("scheduler_stopped")
+
+    async def _follow_leadership(self) -> None:
+        election, metrics = self.election, self.metrics
+        while True:
+            await election.elected.wait()
+            metrics.leader.set(1)
+            try:
+                await self.store.publish_cluster_config(self.config)
+            except HashiError as exc:
+                log.warning("cluster_config_not_published", extra={"error": str(exc)})
+            self.wake.set()
+            await election.deposed.wait()
+            metrics.leader.set(0)
+
+
+async def _propagate(task: asyncio.Task[None]) -> None:
+    """Wait on a task run beside a TaskGroup, so its failure stops the group."""
+    await asyncio.shield(task)
+
+
+def build_scheduler(
+    settings: SchedulerSettings,
+    *,
+    config: ClusterConfig,
+    consul: ConsulClient,
+    nomad: NomadClient,
+    registry: CollectorRegistry | None = None,
+) -> SchedulerProcess:
+    """Build every part of a scheduler from its settings; nothing runs until `run()`.
+
+    Raises ApiTokenError (a SettingsError) when the API tokens are unusable.
+    """
+    registry = registry if registry is not None else CollectorRegistry()
+    layout = settings.kv_layout
+    metrics = SchedulerMetrics.create(registry)
+    store = ModelStore(consul, layout)
+    election = LeaderElection(consul, settings.election_settings())
+
+    def is_leader() -> bool:
+        return election.is_leader
+
+    # Each model's engine API key (docs/security.md "Engine API keys").
+    engine_keys = EngineKeys(nomad) if config.engine_api_keys else None
+    autoscaler = Autoscaler(
+        store=store,
+        health=consul,
+        metrics=metrics,
+        is_leader=is_leader,
+        settings=settings.autoscaler_settings(),
+        engine_key=engine_keys.cached_model_key if engine_keys is not None else None,
+    )
+    controller = Controller(
+        store=store,
+        nomad=nomad,
+        health=consul,
+        config=config,
+        metrics=metrics,
+        settings=settings.controller_settings(),
+        is_leader=is_leader,
+        inflight=autoscaler.inflight_of,
+        engine_keys=engine_keys,
+    )
+    service = ModelService(
+        store=store,
+        status=StatusReader(store=store, nomad=nomad, health=consul, config=config),
+        config=config,
+    )
+    tokens = settings.token_source()
+    auth = None if tokens is None else ApiAuth(tokens, metrics.api_auth_failures)
+    api = SchedulerApi(
+        app=create_api(service, registry, is_leader, auth=auth),
+        requested_host=settings.http_host,
+        port=settings.http_port,
+        auth=tokens is not None,
+    )
+    wake = asyncio.Event()
+    return SchedulerProcess(
+        settings=settings,
+        config=config,
+        consul=consul,
+        nomad=nomad,
+        registry=registry,
+        metrics=metrics,
+        store=store,
+        election=election,
+        autoscaler=autoscaler,
+        controller=controller,
+        api=api,
+        watches=SchedulerWatches(
+            consul=consul, nomad=nomad, layout=layout, wake=wake, wait_s=settings.watch_wait_s
+        ),
+        wake=wake,
+    )
 
 
 @contextlib.asynccontextmanager

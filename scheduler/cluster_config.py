@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from caravan.contract import JsonCodec
 from scheduler.gpu_classes import GpuClass, merge_gpu_classes
 from scheduler.profile_policy import ProfilePolicy
 from scheduler.profiles import Driver, check_node_pool_name, describe_validation_error
@@ -132,3 +133,8 @@ def load_cluster_config(path: Path | str | None) -> ClusterConfig:
     except ValidationError as exc:
         lines = "; ".join(describe_validation_error(exc))
         raise ClusterConfigError(f"{path}: {lines}") from None
+
+
+# The codec of `<prefix>cluster-config` (caravan/contract.py lists every document's codec):
+# the leading scheduler writes it, every scheduler and `caravan` command reads it.
+CLUSTER_CONFIG_CODEC = JsonCodec(ClusterConfig)

@@ -27,13 +27,12 @@ number of times, then reported as `WriteConflictError`.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from caravan.consul_api import (
     MAX_TXN_OPS,
@@ -46,11 +45,25 @@ from caravan.consul_api import (
     TxnOp,
     TxnSet,
 )
-from caravan.contract import ContractDecodeError, KVLayout, ModelFailure, ScaleOverride
-from scheduler.cluster_config import ClusterConfig
+from caravan.contract import (
+    ContractDecodeError,
+    ContractError,
+    DemandRecord,
+    DrainRecord,
+    KVLayout,
+    ModelFailure,
+    ScaleOverride,
+    decode_demand,
+    decode_desired_count,
+    decode_drain,
+    decode_models_revision,
+    encode_desired_count,
+    encode_drain,
+    encode_models_revision,
+)
+from scheduler.cluster_config import CLUSTER_CONFIG_CODEC, ClusterConfig
 from scheduler.profile_policy import policy_problems
 from scheduler.profiles import ModelProfile, ProfileError, parse_profile_text, profile_to_json
-from scheduler.world import DrainRecord
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +175,9 @@ def parse_stored_models(
     count = 0
     if revision is not None:
         try:
-            count = int(revision.value.decode().strip() or 0)
-        except ValueError:
+            count = decode_models_revision(revision.value, key=revision.key)
+        except ContractError:
+            # Written around caravan: the next write replaces it (still check-and-set).
             count = 0
     return StoredModels(
         profiles=profiles,
@@ -180,7 +194,11 @@ def submit_ops(profiles: list[ModelProfile], stored: StoredModels, layout: KVLay
         for p in profiles
     ]
     ops.append(
-        TxnCas(layout.models_revision, str(stored.revision + 1).encode(), stored.revision_index)
+        TxnCas(
+            layout.models_revision,
+            encode_models_revision(stored.revision + 1),
+            stored.revision_index,
+        )
     )
     return ops
 
@@ -214,7 +232,7 @@ def scale_ops(
     """
     ops: list[TxnOp] = [
         TxnCheckIndex(layout.model_key(name), model_index),
-        TxnSet(layout.desired_key(name), str(count).encode()),
+        TxnSet(layout.desired_key(name), encode_desired_count(count)),
     ]
     if override is not None:
         ops.append(TxnSet(layout.override_key(name), override.encode()))
@@ -266,14 +284,6 @@ def scale_override_for(
 
 
 @dataclass(frozen=True, slots=True)
-class DemandSignal:
-    """A router saw a request for a model with no ready replica."""
-
-    at: float
-    waiting: int
-
-
-@dataclass(frozen=True, slots=True)
 class DesiredState:
     """Everything under the prefix that drives reconciliation, read in one pass."""
 
@@ -282,7 +292,7 @@ class DesiredState:
     invalid: Mapping[str, str]
     stored_counts: Mapping[str, int]
     draining: Mapping[str, DrainRecord]
-    demand: Mapping[str, DemandSignal]
+    demand: Mapping[str, DemandRecord]
     index: int = 0
     autoscaler_state: Mapping[str, bytes] = field(default_factory=dict)
     # Manual counts held against the autoscaler (expired ones included).
@@ -306,23 +316,16 @@ def _suffix(entry: KVEntry, prefix: str) -> str:
 
 def _parse_draining(entry: KVEntry, job_id: str) -> DrainRecord | None:
     try:
-        raw: Any = json.loads(entry.value)
-        return DrainRecord(
-            model=str(raw["model"]),
-            since=float(raw["since"]),
-            drain_s=float(raw["drain_s"]),
-            reason=str(raw.get("reason", "")),
-        )
-    except (ValueError, KeyError, TypeError):
-        log.warning("drain_marker_unreadable", extra={"job_id": job_id})
+        return decode_drain(entry.value, key=entry.key)
+    except ContractError as exc:
+        log.warning("drain_marker_unreadable", extra={"job_id": job_id, "error": str(exc)})
         return None
 
 
-def _parse_demand(entry: KVEntry) -> DemandSignal | None:
+def _parse_demand(entry: KVEntry) -> DemandRecord | None:
     try:
-        raw: Any = json.loads(entry.value)
-        return DemandSignal(at=float(raw["at"]), waiting=int(raw.get("waiting", 1)))
-    except (ValueError, KeyError, TypeError):
+        return decode_demand(entry.value, key=entry.key)
+    except ContractError:
         return None
 
 
@@ -332,7 +335,7 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
     invalid: dict[str, str] = {}
     counts: dict[str, int] = {}
     draining: dict[str, DrainRecord] = {}
-    demand: dict[str, DemandSignal] = {}
+    demand: dict[str, DemandRecord] = {}
     state: dict[str, bytes] = {}
     overrides: dict[str, ScaleOverride] = {}
     failures: dict[str, ModelFailure] = {}
@@ -340,9 +343,11 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
     for entry in entries:
         if entry.key == layout.cluster_config:
             try:
-                cluster_config = ClusterConfig.model_validate_json(entry.value)
-            except ValueError:
-                log.warning("cluster_config_unreadable", extra={"key": entry.key})
+                cluster_config = CLUSTER_CONFIG_CODEC.decode(entry.value, key=entry.key)
+            except ContractError as exc:
+                log.warning(
+                    "cluster_config_unreadable", extra={"key": entry.key, "error": str(exc)}
+                )
         elif entry.key.startswith(layout.models):
             name = _suffix(entry, layout.models)
             try:
@@ -356,8 +361,10 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
             profiles[name] = profile
         elif entry.key.startswith(layout.desired):
             try:
-                counts[_suffix(entry, layout.desired)] = int(entry.value.decode().strip())
-            except ValueError:
+                counts[_suffix(entry, layout.desired)] = decode_desired_count(
+                    entry.value, key=entry.key
+                )
+            except ContractError:
                 log.warning("desired_count_unreadable", extra={"key": entry.key})
         elif entry.key.startswith(layout.draining):
             job_id = _suffix(entry, layout.draining)
@@ -405,17 +412,6 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
         overrides=overrides,
         failures=failures,
         cluster_config=cluster_config,
-    )
-
-
-def drain_record_json(record: DrainRecord) -> str:
-    return json.dumps(
-        {
-            "model": record.model,
-            "since": record.since,
-            "drain_s": record.drain_s,
-            "reason": record.reason,
-        }
     )
 
 
@@ -541,10 +537,10 @@ class ModelStore:
 
     async def set_desired(self, name: str, count: int) -> None:
         """Write a desired count as the autoscaler decided it (bounds already applied)."""
-        await self.kv.kv_put(self.layout.desired_key(name), str(count))
+        await self.kv.kv_put(self.layout.desired_key(name), encode_desired_count(count))
 
     async def mark_draining(self, job_id: str, record: DrainRecord) -> None:
-        await self.kv.kv_put(self.layout.draining_key(job_id), drain_record_json(record))
+        await self.kv.kv_put(self.layout.draining_key(job_id), encode_drain(record))
 
     async def clear_draining(self, job_id: str) -> None:
         await self.kv.kv_delete(self.layout.draining_key(job_id))
@@ -554,7 +550,7 @@ class ModelStore:
 
     async def publish_cluster_config(self, config: ClusterConfig) -> None:
         """Share the config the scheduler renders with (status and validation use it)."""
-        document = config.model_dump_json()
+        document = CLUSTER_CONFIG_CODEC.encode(config)
         _, entry = await self.kv.kv_get(self.layout.cluster_config)
         if entry is None or entry.value.decode("utf-8", "replace") != document:
             await self.kv.kv_put(self.layout.cluster_config, document)
@@ -564,8 +560,8 @@ class ModelStore:
         if entry is None:
             return None
         try:
-            return ClusterConfig.model_validate_json(entry.value)
-        except ValueError:
+            return CLUSTER_CONFIG_CODEC.decode(entry.value, key=entry.key)
+        except ContractError:
             return None
 
     async def put_autoscaler_state(self, name: str, document: str) -> None:

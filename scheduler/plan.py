@@ -35,11 +35,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from caravan.contract import replica_job_id
+from caravan.contract import DrainRecord, replica_job_id
 from scheduler.render import PlacementHints, RenderError, render, spec_hash
 from scheduler.world import (
     DesiredModel,
-    DrainRecord,
     Observation,
     ObservedReplica,
     PlannerMemory,

@@ -31,6 +31,7 @@ from caravan.contract import (
     MODEL_NAME_MAX_LEN,
     MODEL_NAME_PATTERN,
     RESERVED_MODEL_NAMES,
+    served_name_of,
 )
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -393,7 +394,7 @@ class ModelProfile(BaseModel):
     @property
     def served_name(self) -> str:
         """The OpenAI `model` value clients send: `served_model_name`, else `name`."""
-        return self.served_model_name or self.name
+        return served_name_of(self.name, self.served_model_name)
 
     @property
     def uses_gpu(self) -> bool:

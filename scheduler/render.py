@@ -30,6 +30,7 @@ from caravan.contract import (
     TASK_NAME,
     JobMetaKey,
     ServiceMetaKey,
+    encode_metric_names,
     model_service_name,
     replica_job_id,
     replica_key_path,
@@ -148,9 +149,7 @@ def _service_meta(
         ServiceMetaKey.GPU_CLASS: gpu_class_name,
         ServiceMetaKey.CAPACITY: str(adapter.capacity(profile)),
         ServiceMetaKey.METRICS_PATH: metrics.path,
-        ServiceMetaKey.METRIC_RUNNING: metrics.running or "",
-        ServiceMetaKey.METRIC_WAITING: metrics.waiting or "",
-        ServiceMetaKey.METRIC_KV_CACHE: metrics.kv_cache_usage or "",
+        **encode_metric_names(metrics.names),
         # Filled in by Nomad when it registers the service.
         ServiceMetaKey.ALLOC_ID: "${NOMAD_ALLOC_ID}",
     }

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from caravan.contract import JOB_PREFIX, MANAGED_BY_VALUE, JobMetaKey
+# DrainRecord is the draining/ document; its one codec is in caravan/contract.py.
+from caravan.contract import JOB_PREFIX, MANAGED_BY_VALUE, DrainRecord, JobMetaKey
 
 if TYPE_CHECKING:
     from scheduler.profiles import ModelProfile
@@ -89,16 +90,6 @@ class NodeView:
     @property
     def is_up(self) -> bool:
         return self.status == "ready"
-
-
-@dataclass(frozen=True, slots=True)
-class DrainRecord:
-    """A replica being drained before its job is stopped (a KV marker)."""
-
-    model: str
-    since: float
-    drain_s: float
-    reason: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,9 +35,9 @@ from caravan.contract import (
     ModelFailure,
     ScaleOverride,
     ServiceMetaKey,
+    decode_metric_names,
     model_service_name,
 )
-from caravan.engine_metrics import resolve_metric_names
 from caravan.errors import HashiError
 from scheduler.autoscale.memory import Direction, Memory, memory_from_json, memory_to_json
 from scheduler.autoscale.override import constrain, override_in_force
@@ -74,11 +74,7 @@ def replica_target(entry: HealthEntry) -> ReplicaTarget | None:
     meta = entry.meta
     if not entry.address or not entry.port:
         return None
-    names = resolve_metric_names(
-        running=meta.get(ServiceMetaKey.METRIC_RUNNING),
-        waiting=meta.get(ServiceMetaKey.METRIC_WAITING),
-        kv_cache_usage=meta.get(ServiceMetaKey.METRIC_KV_CACHE),
-    )
+    names = decode_metric_names(meta)
     host = f"[{entry.address}]" if ":" in entry.address else entry.address
     return ReplicaTarget(
         replica_id=entry.service_id,

@@ -13,13 +13,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+from pydantic import SecretStr
 
 from caravan.contract import KVLayout
 from caravan_cli.local_stack import LocalStack, StackOptions, local_stack, running_scheduler
 from scheduler.api_auth import (
     ApiTokenError,
     AuthOutcome,
-    StaticTokens,
     TokenFile,
     TokenSet,
     check_authorization,
@@ -27,7 +27,8 @@ from scheduler.api_auth import (
     parse_token_file,
     parse_token_list,
 )
-from scheduler.app import SchedulerOptions, SchedulerProcess, api_bind_host
+from scheduler.app import api_bind_host, build_scheduler
+from scheduler.settings import SchedulerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = (ROOT / "examples" / "profiles" / "tiny-llamacpp-cpu.yaml").read_text(encoding="utf-8")
@@ -321,8 +322,8 @@ async def test_without_tokens_the_api_listens_on_loopback_only_and_says_so(
     stack: LocalStack, caplog
 ):
     """Asked for 0.0.0.0 with no token, the API binds 127.0.0.1 and logs it; with one, 0.0.0.0."""
-    open_one = SchedulerProcess(
-        options=SchedulerOptions(http_host="0.0.0.0", http_port=0),
+    open_one = build_scheduler(
+        SchedulerSettings(http_host="0.0.0.0", http_port=0, api_tokens=None, api_tokens_file=None),
         config=stack.config,
         consul=stack.scheduler.consul,
         nomad=stack.scheduler.nomad,
@@ -334,12 +335,8 @@ async def test_without_tokens_the_api_listens_on_loopback_only_and_says_so(
     assert 1 == len(warned)
     assert "0.0.0.0" == warned[0].requested_host
 
-    guarded = SchedulerProcess(
-        options=SchedulerOptions(
-            http_host="0.0.0.0",
-            http_port=0,
-            api_tokens=StaticTokens(TokenSet.of([TOKEN_A])),
-        ),
+    guarded = build_scheduler(
+        SchedulerSettings(http_host="0.0.0.0", http_port=0, api_tokens=SecretStr(TOKEN_A)),
         config=stack.config,
         consul=stack.scheduler.consul,
         nomad=stack.scheduler.nomad,
