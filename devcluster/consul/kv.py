@@ -166,9 +166,13 @@ class KVStore:
         return True
 
     def delete_cas(self, key: str, modify_index: int) -> bool:
+        # Consul's kvsDeleteCASTxn: a key that is already gone counts as deleted,
+        # whatever the index; a present one only at its current ModifyIndex.
         existing = self._entries.get(key)
-        if existing is None or existing.modify_index != modify_index:
-            return existing is None and modify_index == 0
+        if existing is None:
+            return True
+        if existing.modify_index != modify_index:
+            return False
         return self._delete(key)
 
     def delete_tree(self, prefix: str) -> bool:

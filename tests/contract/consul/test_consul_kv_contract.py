@@ -81,9 +81,11 @@ async def test_delete_recurse_and_cas(aio, unique):
     _, x = await aio.kv.get(prefix + "x")
     stale = await aio.kv.delete(prefix + "x", cas=x["ModifyIndex"] - 1)
     current = await aio.kv.delete(prefix + "x", cas=x["ModifyIndex"])
+    # A key that is already gone counts as deleted, whatever the index.
+    gone = await aio.kv.delete(prefix + "x", cas=x["ModifyIndex"] + 1000)
     await aio.kv.delete(prefix, recurse=True)
     _, left = await aio.kv.get(prefix, recurse=True)
-    assert [False, True] == [stale, current]
+    assert [False, True, True] == [stale, current, gone]
     assert left is None
 
 
