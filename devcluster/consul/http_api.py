@@ -158,6 +158,11 @@ class RequestContext:
                 raise HttpError(403, str(exc)) from exc
         return self._authz
 
+    @property
+    def accessor_id(self) -> str | None:
+        """The AccessorID of the request's token, once resolved (None before or if unknown)."""
+        return None if self._authz is None else self._authz.accessor_id
+
     def require(self, permission: str, obj: str | None = None) -> None:
         """403 `Permission denied: ...` unless the token may do `permission` on `obj`."""
         authz = self.authz()
@@ -377,7 +382,13 @@ class ConsulHttpApi:
         except HttpError as exc:
             log.debug(
                 "consul_request_failed",
-                extra={"method": request.method, "path": request.path, "status": exc.status},
+                extra={
+                    "method": request.method,
+                    "path": request.path,
+                    "status": exc.status,
+                    # Which token was refused (an AccessorID is not a secret).
+                    "accessor_id": context.accessor_id,
+                },
             )
             return _text(exc.status, exc.text, {**headers, **exc.headers})
         except Exception as exc:
@@ -386,6 +397,16 @@ class ConsulHttpApi:
                 "consul_request_crashed", extra={"method": request.method, "path": request.path}
             )
             return _text(500, str(exc) or type(exc).__name__, headers)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "consul_request",
+                extra={
+                    "method": request.method,
+                    "path": request.path,
+                    "status": reply.status,
+                    "accessor_id": context.accessor_id,
+                },
+            )
         headers.update(reply.headers)
         headers.update(context.filtered_header())
         if reply.raw is not None:

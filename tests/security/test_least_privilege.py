@@ -1,0 +1,241 @@
+"""Issue 12, item 9, exercised: caravan runs on exactly the least-privilege Consul policies.
+
+The local stack runs devcluster's Consul with ACLs on (default deny) and gives
+the scheduler, the router and the operator's CLI each a token that carries
+exactly the rendered policy of terraform/policies/ and nothing else. A model
+is submitted with the CLI's direct path (the operator's token), serves a
+streamed completion through the router, is scaled and deleted, and Consul
+refused nothing: devcluster logs every answer with the AccessorID of the
+token it resolved, and no answer to any of the three tokens is a 403. Then the
+router's token is shown to be unable to write a model or register a service.
+
+As in production, the router runs with register_service=false: under Nomad
+its service block registers `caravan-router` (docs/operations.md), so the
+router's policy has no service:write at all. devcluster's Nomad registers
+the replicas' services with the management token, as a Nomad agent does with
+its own token; Nomad ACL policies are not exercised (devcluster's Nomad has
+one management token; see devcluster/README.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+
+from caravan.consul_api import ConsulClient, ConsulSettings
+from caravan.contract import KVLayout
+from caravan_cli.local_stack import ConsulAcl, LocalStack, StackOptions, local_stack
+from router.settings import RouterSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+POLICIES = ROOT / "terraform" / "policies"
+MODEL = "tiny-chat"
+
+
+def rendered_policy(component: str) -> str:
+    """A Consul policy template rendered with the Terraform module's defaults."""
+    text = (POLICIES / f"caravan-{component}.consul.hcl.tftpl").read_text(encoding="utf-8")
+    text = text.replace("${kv_prefix}", KVLayout().prefix).replace("${namespace}", "default")
+    assert "${" not in text, component
+    return text
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        if await check():
+            return
+        await asyncio.sleep(0.25)
+    pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+
+
+async def caravan(env: dict[str, str], *args: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "caravan_cli",
+        *args,
+        env=env,
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 150)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+def write_profile(stack: LocalStack, folder: Path) -> Path:
+    profile = yaml.safe_load((ROOT / "examples/profiles/tiny-llamacpp-cpu.yaml").read_text())
+    profile["model"] = str(stack.engine.model)
+    profile["replicas"] = {"min": 1, "max": 3, "initial": 1}
+    profile.pop("autoscaling", None)  # manual scaling only: nothing else may change the count
+    profile["env"] = {"CARAVAN_SIM_STEP_SECONDS": "0.002", "CARAVAN_SIM_OUTPUT_TOKENS": "4"}
+    path = folder / "tiny.yaml"
+    path.write_text(yaml.safe_dump(profile), encoding="utf-8")
+    return path
+
+
+async def streamed_completion(session: aiohttp.ClientSession, url: str) -> str | None:
+    """The text of one streamed chat completion, or None if the router refused it."""
+    body = {
+        "model": MODEL,
+        "stream": True,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hello"}],
+    }
+    async with session.post(url, json=body) as response:
+        if response.status != 200:
+            return None
+        text, done = "", False
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                chunk = json.loads(line.removeprefix("data: "))
+                for choice in chunk.get("choices", []):
+                    text += (choice.get("delta") or {}).get("content") or ""
+        return text if done else None
+
+
+def answers(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, int]]:
+    """(accessor, method path, status) of every Consul answer devcluster logged."""
+    out = []
+    for record in caplog.records:
+        if record.name != "devcluster.consul.http_api":
+            continue
+        if record.getMessage() not in ("consul_request", "consul_request_failed"):
+            continue
+        fields = record.__dict__
+        out.append(
+            (
+                str(fields.get("accessor_id")),
+                f"{fields['method']} {fields['path']}",
+                int(fields["status"]),
+            )
+        )
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+async def test_components_work_on_exactly_their_least_privilege_policies(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="devcluster.consul.http_api")
+    acl = ConsulAcl(
+        management_token=str(uuid.uuid4()),
+        scheduler_rules=rendered_policy("scheduler"),
+        router_rules=rendered_policy("router"),
+        operator_rules=rendered_policy("operator"),
+    )
+    options = StackOptions(
+        prefer_real_llama_server=False,
+        gpu_nodes=0,
+        work_dir=tmp_path,
+        resync_s=2.0,
+        router=RouterSettings(
+            port=0, register_service=False, scrape_interval_s=0.5, log_level="warning"
+        ),
+        consul_acl=acl,
+    )
+    async with local_stack(options) as stack:
+        assert stack.router is not None
+        accessors = {c: str(t["AccessorID"]) for c, t in stack.consul_tokens.items()}
+        env = dict(stack.env)
+        assert env["CONSUL_HTTP_TOKEN"] == stack.consul_tokens["operator"]["SecretID"]
+        admin = ConsulClient(
+            ConsulSettings.from_env({**env, "CONSUL_HTTP_TOKEN": acl.management_token})
+        )
+        async with admin, aiohttp.ClientSession(headers=stack.router.headers) as session:
+
+            async def passing(count: int) -> bool:
+                _, entries = await admin.health_service(f"caravan-{MODEL}", passing=True)
+                return len(entries) == count
+
+            code, out, err = await caravan(
+                env, "submit", str(write_profile(stack, tmp_path)), "--wait", "--timeout", "120"
+            )
+            assert (code, err) == (0, ""), (out, err)
+            url = f"{stack.router.base_url}/v1/chat/completions"
+            completions: list[str] = []
+
+            async def serves() -> bool:
+                text = await streamed_completion(session, url)
+                if text:
+                    completions.append(text)
+                return bool(text)
+
+            await eventually(serves, 60, "a streamed completion through the router")
+
+            code, out, err = await caravan(env, "scale", MODEL, "2")
+            assert (code, err) == (0, ""), (out, err)
+            await eventually(lambda: passing(2), 120, "2 passing replicas after scaling")
+
+            code, out, err = await caravan(env, "delete", MODEL)
+            assert (code, err) == (0, ""), (out, err)
+
+            async def gone() -> bool:
+                _, model = await admin.kv_get(KVLayout().model_key(MODEL))
+                return model is None and await passing(0)
+
+            await eventually(gone, 120, "the model deleted and its replicas gone")
+            seen = answers(caplog)
+
+            # The three components did talk to Consul, each with its own token...
+            for component in ("scheduler", "router", "operator"):
+                assert any(a == accessors[component] for a, _, _ in seen), component
+            # ...and Consul refused none of them anything.
+            refused = [
+                (component, request, status)
+                for accessor, request, status in seen
+                for component, known in accessors.items()
+                if accessor == known and status in (401, 403)
+            ]
+            assert refused == []
+
+            # The router's token cannot write a model or register a service.
+            router_token = stack.consul_tokens["router"]
+            async with aiohttp.ClientSession(
+                headers={"X-Consul-Token": str(router_token["SecretID"])}
+            ) as raw:
+                base = f"http://{stack.consul_addr}/v1"
+                model_key = KVLayout().model_key("rogue")
+                async with raw.put(f"{base}/kv/{model_key}", data=b"name: rogue") as response:
+                    assert 403 == response.status
+                    assert (
+                        f"token with AccessorID '{accessors['router']}' lacks permission "
+                        f"'key:write' on \"{model_key}\""
+                    ) in await response.text()
+                registration = {"Name": f"caravan-{MODEL}", "Port": 1, "Tags": ["caravan"]}
+                async with raw.put(f"{base}/agent/service/register", json=registration) as response:
+                    assert 403 == response.status
+                    assert "lacks permission 'service:write'" in await response.text()
+                # What it may write: its cold-start demand record.
+                demand = KVLayout().demand_key(MODEL)
+                async with raw.put(f"{base}/kv/{demand}", data=b"1") as response:
+                    assert 200 == response.status
+            _, rogue = await admin.kv_get(model_key)
+            assert rogue is None
+            # The log the check above relies on does record refusals, with the token's accessor.
+            refused_now = [
+                (request, status)
+                for accessor, request, status in answers(caplog)
+                if accessor == accessors["router"] and status == 403
+            ]
+            assert [
+                (f"PUT /v1/kv/{model_key}", 403),
+                ("PUT /v1/agent/service/register", 403),
+            ] == refused_now
+        assert completions
