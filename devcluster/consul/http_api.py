@@ -260,6 +260,8 @@ class RequestContext:
         self, options: QueryOptions, compute: Callable[[], tuple[int, T]]
     ) -> tuple[int, T]:
         """The API's wait_for_index, with `filtered` describing the answer it returns."""
+        # Resolve the token first: an unknown one is 403 even when nothing would be filtered.
+        self.authz()
 
         def fresh() -> tuple[int, T]:
             self.filtered = False
