@@ -26,6 +26,7 @@ import sys
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -128,36 +129,60 @@ def answers(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, int]]:
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-async def test_components_work_on_exactly_their_least_privilege_policies(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.DEBUG, logger="devcluster.consul.http_api")
+def least_privilege_options(tmp_path: Path, **overrides: Any) -> StackOptions:
+    """The local stack with Consul ACLs on and each component on its rendered policy."""
     acl = ConsulAcl(
         management_token=str(uuid.uuid4()),
         scheduler_rules=rendered_policy("scheduler"),
         router_rules=rendered_policy("router"),
         operator_rules=rendered_policy("operator"),
     )
-    options = StackOptions(
-        prefer_real_llama_server=False,
-        gpu_nodes=0,
-        work_dir=tmp_path,
-        resync_s=2.0,
-        router=RouterSettings(
+    values: dict[str, Any] = {
+        "prefer_real_llama_server": False,
+        "gpu_nodes": 0,
+        "work_dir": tmp_path,
+        "resync_s": 2.0,
+        # As under Nomad, whose service block registers `caravan-router`.
+        "router": RouterSettings(
             port=0, register_service=False, scrape_interval_s=0.5, log_level="warning"
         ),
-        consul_acl=acl,
-    )
+        "consul_acl": acl,
+    }
+    values.update(overrides)
+    return StackOptions(**values)
+
+
+def management_client(stack: LocalStack) -> ConsulClient:
+    assert stack.cluster.config.consul.management_token is not None
+    token = stack.cluster.config.consul.management_token
+    return ConsulClient(ConsulSettings.from_env({**stack.env, "CONSUL_HTTP_TOKEN": token}))
+
+
+def refusals(stack: LocalStack, caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, int]]:
+    """Every 401/403 Consul gave a component's token: (component, request, status)."""
+    accessors = {c: str(t["AccessorID"]) for c, t in stack.consul_tokens.items()}
+    return [
+        (component, request, status)
+        for accessor, request, status in answers(caplog)
+        for component, known in accessors.items()
+        if accessor == known and status in (401, 403)
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+async def test_components_work_on_exactly_their_least_privilege_policies(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Submit (CLI), stream through the router, scale, delete: Consul refuses nothing."""
+    caplog.set_level(logging.DEBUG, logger="devcluster.consul.http_api")
+    options = least_privilege_options(tmp_path)
     async with local_stack(options) as stack:
         assert stack.router is not None
         accessors = {c: str(t["AccessorID"]) for c, t in stack.consul_tokens.items()}
         env = dict(stack.env)
         assert env["CONSUL_HTTP_TOKEN"] == stack.consul_tokens["operator"]["SecretID"]
-        admin = ConsulClient(
-            ConsulSettings.from_env({**env, "CONSUL_HTTP_TOKEN": acl.management_token})
-        )
+        admin = management_client(stack)
         async with admin, aiohttp.ClientSession(headers=stack.router.headers) as session:
 
             async def passing(count: int) -> bool:
@@ -197,13 +222,7 @@ async def test_components_work_on_exactly_their_least_privilege_policies(
             for component in ("scheduler", "router", "operator"):
                 assert any(a == accessors[component] for a, _, _ in seen), component
             # ...and Consul refused none of them anything.
-            refused = [
-                (component, request, status)
-                for accessor, request, status in seen
-                for component, known in accessors.items()
-                if accessor == known and status in (401, 403)
-            ]
-            assert refused == []
+            assert refusals(stack, caplog) == []
 
             # The router's token cannot write a model or register a service.
             router_token = stack.consul_tokens["router"]
@@ -239,3 +258,83 @@ async def test_components_work_on_exactly_their_least_privilege_policies(
                 ("PUT /v1/agent/service/register", 403),
             ] == refused_now
         assert completions
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+async def test_cold_start_works_on_the_routers_and_schedulers_policies(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Scale to zero, then a request: the router's demand record wakes the model up.
+
+    The model goes in through the scheduler's HTTP API (the scheduler's token
+    writes it); the router writes the cold-start demand record with its own
+    token, and the scheduler's autoscaler scales the model back up.
+    """
+    caplog.set_level(logging.DEBUG, logger="devcluster.consul.http_api")
+    options = least_privilege_options(tmp_path, autoscale_tick_s=1.0)
+    async with local_stack(options) as stack:
+        assert stack.router is not None
+        layout = KVLayout()
+        profile = yaml.safe_load((ROOT / "examples/profiles/tiny-llamacpp-cpu.yaml").read_text())
+        profile.update(
+            {
+                "name": "cold",
+                "model": str(stack.engine.model),
+                "replicas": {"min": 0, "max": 1, "initial": 1},
+                "env": {"CARAVAN_SIM_STEP_SECONDS": "0.002", "CARAVAN_SIM_OUTPUT_TOKENS": "4"},
+                "autoscaling": {
+                    "target_inflight": 2,
+                    "scale_up_window_s": 0,
+                    "scale_down_window_s": 3,
+                    "scale_to_zero_after_s": 3,
+                    "evaluation_interval_s": 1,
+                },
+            }
+        )
+        admin = management_client(stack)
+        async with admin, aiohttp.ClientSession(headers=stack.scheduler_headers) as api:
+
+            async def desired_is(count: int) -> bool:
+                _, entry = await admin.kv_get(layout.desired_key("cold"))
+                return entry is not None and entry.value == str(count).encode()
+
+            async def passing(count: int) -> bool:
+                _, entries = await admin.health_service("caravan-cold", passing=True)
+                return len(entries) == count
+
+            async with api.put(
+                f"{stack.scheduler_url}/v1/models/cold", data=yaml.safe_dump(profile)
+            ) as response:
+                assert 200 == response.status, await response.text()
+            await eventually(lambda: passing(1), 90, "the first replica")
+            await eventually(lambda: desired_is(0), 60, "scale to zero")
+            await eventually(lambda: passing(0), 60, "no replica left")
+
+            body = {
+                "model": "cold",
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+            timeout = aiohttp.ClientTimeout(total=120)
+            async with (
+                aiohttp.ClientSession(headers=stack.router.headers, timeout=timeout) as client,
+                client.post(f"{stack.router.base_url}/v1/chat/completions", json=body) as response,
+            ):
+                answer = await response.json()
+            assert 200 == response.status, answer
+            assert answer["choices"][0]["message"]["content"]
+
+            router = str(stack.consul_tokens["router"]["AccessorID"])
+            demand_writes = [
+                status
+                for accessor, request, status in answers(caplog)
+                if accessor == router and request == f"PUT /v1/kv/{layout.demand_key('cold')}"
+            ]
+            assert demand_writes
+            assert set(demand_writes) == {200}
+
+            async with api.delete(f"{stack.scheduler_url}/v1/models/cold") as response:
+                assert 200 == response.status, await response.text()
+            await eventually(lambda: passing(0), 60, "the replica gone after delete")
+            assert refusals(stack, caplog) == []
