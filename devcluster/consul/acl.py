@@ -15,6 +15,7 @@ allowed. With one, the default policy is deny:
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import re
@@ -40,7 +41,7 @@ _UUID = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4
 
 @dataclass(frozen=True, slots=True)
 class Authorizer:
-    """What one token may do. `rules` None with `management` True: everything."""
+    """What one token may do: everything (`management`), or what its merged `rules` allow."""
 
     accessor_id: str
     management: bool = False
@@ -125,8 +126,6 @@ class Token:
 
 
 def _hash(*parts: str) -> str:
-    import base64  # noqa: PLC0415
-
     digest = hashlib.blake2b("\x00".join(parts).encode(), digest_size=32).digest()
     return base64.b64encode(digest).decode()
 

@@ -188,7 +188,10 @@ def parse_rules(text: str) -> Rules:
         if name.startswith("__"):
             continue  # python-hcl2's bookkeeping (__is_block__, __comments__)
         if name in SINGLE:
-            single[name] = _level(raw, name)
+            level = _level(raw, name)
+            if level is Level.LIST:
+                raise RulesError(f'Invalid {name} policy: "list"')
+            single[name] = level
             continue
         resource, is_prefix = name.removesuffix("_prefix"), name.endswith("_prefix")
         if resource not in SEGMENTED:

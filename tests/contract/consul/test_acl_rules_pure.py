@@ -62,6 +62,7 @@ def test_json_rules_parse_like_hcl():
     [
         ('key_prefix "" { policy = "sometimes" }', "sometimes"),
         ('service "web" { policy = "list" }', "list"),
+        ('operator = "list"', "operator"),
         ('bogus "x" { policy = "read" }', "bogus"),
         ('key "x" { policy = "read"\n intentions = "read" }', "intentions"),
         ('key "x" { }', "missing policy"),
