@@ -159,7 +159,26 @@ def management_client(stack: LocalStack) -> ConsulClient:
 
 
 def refusals(stack: LocalStack, caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, int]]:
-    """Every 401/403 Consul gave a component's token: (component, request, status)."""
+    """Every 401/403 Consul gave a component's token: (component, request, status).
+
+    Also fails on any warning or error the scheduler or router logged about a
+    refusal (their side of the same story).
+    """
+
+    def about_a_refusal(record: logging.LogRecord) -> bool:
+        texts = [record.getMessage(), *(v for v in record.__dict__.values() if isinstance(v, str))]
+        if any(w in t.lower() for t in texts for w in ("permission denied", "acl not found")):
+            return True
+        return any(record.__dict__.get(k) in (401, 403) for k in ("status", "status_code"))
+
+    complaints = [
+        record.getMessage()
+        for record in caplog.records
+        if record.levelno >= logging.WARNING
+        and record.name.startswith(("scheduler", "router", "caravan"))
+        and about_a_refusal(record)
+    ]
+    assert complaints == []
     accessors = {c: str(t["AccessorID"]) for c, t in stack.consul_tokens.items()}
     return [
         (component, request, status)
