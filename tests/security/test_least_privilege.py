@@ -11,7 +11,9 @@ router's token is shown to be unable to write a model or register a service.
 
 As in production, the router runs with register_service=false: under Nomad
 its service block registers `caravan-router` (docs/operations.md), so the
-router's policy has no service:write at all. devcluster's Nomad registers
+router's policy has no service:write at all; a last test shows what a
+router that registers itself (outside Nomad) needs on top: write on its own
+`caravan-router` service, as docs/security.md says. devcluster's Nomad registers
 the replicas' services with the management token, as a Nomad agent does with
 its own token; Nomad ACL policies are not exercised (devcluster's Nomad has
 one management token; see devcluster/README.md).
@@ -34,7 +36,15 @@ import yaml
 
 from caravan.consul_api import ConsulClient, ConsulSettings
 from caravan.contract import KVLayout
-from caravan_cli.local_stack import ConsulAcl, LocalStack, StackOptions, local_stack
+from caravan.errors import HashiPermissionDenied
+from caravan_cli.local_stack import (
+    ConsulAcl,
+    LocalStack,
+    StackOptions,
+    local_stack,
+    running_router,
+)
+from devcluster.consul.server import ConsulConfig, ConsulServer
 from router.settings import RouterSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -357,3 +367,42 @@ async def test_cold_start_works_on_the_routers_and_schedulers_policies(
                 assert 200 == response.status, await response.text()
             await eventually(lambda: passing(0), 60, "the replica gone after delete")
             assert refusals(stack, caplog) == []
+
+
+async def token_for(consul_addr: str, management: str, name: str, rules: str) -> str:
+    """A token carrying only a policy `name` with `rules` (Consul's ACL API); its SecretID."""
+    async with aiohttp.ClientSession(headers={"X-Consul-Token": management}) as session:
+        policy = {"Name": name, "Rules": rules}
+        async with session.put(f"http://{consul_addr}/v1/acl/policy", json=policy) as response:
+            assert 200 == response.status, await response.text()
+        token = {"Policies": [{"Name": name}]}
+        async with session.put(f"http://{consul_addr}/v1/acl/token", json=token) as response:
+            assert 200 == response.status, await response.text()
+            return str((await response.json())["SecretID"])
+
+
+async def test_a_self_registering_router_needs_exactly_write_on_its_own_service() -> None:
+    """What docs/security.md says a router outside Nomad needs on top of its policy."""
+    management = str(uuid.uuid4())
+    async with ConsulServer(ConsulConfig(management_token=management)) as server:
+        plain = await token_for(server.http_addr, management, "router", rendered_policy("router"))
+        extra = 'service "caravan-router" {\n  policy = "write"\n}\n'
+        registering = await token_for(
+            server.http_addr, management, "router-registering", rendered_policy("router") + extra
+        )
+        settings = RouterSettings(port=0, host="127.0.0.1", log_level="warning")
+        environ = {"CONSUL_HTTP_ADDR": server.http_addr}
+        async with ConsulClient(
+            ConsulSettings.from_env({**environ, "CONSUL_HTTP_TOKEN": plain})
+        ) as consul:
+            with pytest.raises(HashiPermissionDenied):
+                async with running_router(settings, consul):
+                    pass
+        async with (
+            ConsulClient(
+                ConsulSettings.from_env({**environ, "CONSUL_HTTP_TOKEN": registering})
+            ) as consul,
+            running_router(settings, consul),
+        ):
+            _, entries = await consul.health_service("caravan-router")
+            assert 1 == len(entries)
