@@ -156,20 +156,20 @@ async def agent_members(context: RequestContext) -> Reply:
     segment = context.get("segment")
     if wan and segment not in ("", "_all"):
         raise HttpError(400, "Cannot provide a segment with wan=true")
-    authz = context.authz()
+    context.authz()
     if wan:
         if node.name != context.api.identity.node_name:
             # Agent.WANMembers: a client agent is in no WAN pool (a JSON null).
             return Reply(data=None)
         # filterMembers: node:read on each member's name (the WAN name is `<node>.<dc>`).
         wan_member = member_json(context, node, wan=True)
-        visible = authz.allows("node:read", str(wan_member["Name"]))
+        visible = context.may("node:read", str(wan_member["Name"]))
         return Reply(data=[wan_member] if visible else [])
     return Reply(
         data=[
             member_json(context, n)
             for n in context.state.nodes()
-            if authz.allows("node:read", n.name)
+            if context.may("node:read", n.name)
         ]
     )
 
@@ -177,10 +177,10 @@ async def agent_members(context: RequestContext) -> Reply:
 async def agent_services(context: RequestContext) -> Reply:
     node = context.agent_node()
     predicate = context.filter(TEMPLATE_AGENT_SERVICE)
-    authz = context.authz()
+    context.authz()
     out = {}
     for service in context.state.agent_services(node.name):
-        if not authz.allows("service:read", service.name):
+        if not context.may("service:read", service.name):
             continue
         rendered = agent_service_json(service, context.state.datacenter)
         if predicate is None or predicate(rendered):
@@ -222,13 +222,13 @@ async def agent_service(context: RequestContext) -> Reply:
 async def agent_checks(context: RequestContext) -> Reply:
     node = context.agent_node()
     predicate = context.filter(TEMPLATE_CHECK)
-    authz = context.authz()
+    context.authz()
     out = {}
     for check in context.state.agent_checks(node.name):
         if check.service_name:
-            if not authz.allows("service:read", check.service_name):
+            if not context.may("service:read", check.service_name):
                 continue
-        elif not authz.allows("node:read", node.name):
+        elif not context.may("node:read", node.name):
             continue
         rendered = check_json(check, context.state.service_tags(check), indexes=False)
         if predicate is None or predicate(rendered):

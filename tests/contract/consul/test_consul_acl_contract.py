@@ -276,7 +276,8 @@ async def test_service_rules_on_register_catalog_and_health(acl_target: Target, 
     status, entries, headers = await call(acl_target, "GET", f"/v1/health/service/{other}", secret)
     assert (200, []) == (status, entries)
     assert "true" == headers.get("X-Consul-Results-Filtered-By-ACLs")
-    status, agent_services, _ = await call(acl_target, "GET", "/v1/agent/services", secret)
+    status, agent_services, headers = await call(acl_target, "GET", "/v1/agent/services", secret)
+    assert "true" == headers.get("X-Consul-Results-Filtered-By-ACLs")
     assert {f"{allowed}-{unique}"} == {sid for sid in agent_services if sid.endswith(unique)}
     status, text, _ = await call(
         acl_target, "PUT", f"/v1/agent/service/deregister/{other}-{unique}", secret
