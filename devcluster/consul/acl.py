@@ -34,6 +34,7 @@ from devcluster.consul.acl_rules import (
 )
 
 ANONYMOUS_ACCESSOR_ID = "00000000-0000-0000-0000-000000000002"
+GLOBAL_MANAGEMENT_POLICY_ID = "00000000-0000-0000-0000-000000000001"
 # Consul's names must match this (ACL policy and token fields).
 _POLICY_NAME = re.compile(r"^[A-Za-z0-9\-_]{1,128}$")
 _UUID = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
@@ -251,7 +252,20 @@ class AclResolver:
         return self.token_json(token)
 
     def token_json_for(self, accessor_id: str) -> dict[str, Any] | None:
-        """The JSON of a token created through the API (None for management/anonymous)."""
+        """A token's JSON by AccessorID: the management token or one created through the API."""
+        if self._management_token is not None and accessor_id == self._management_accessor:
+            # Consul's initial management token carries the builtin global-management policy.
+            return {
+                "AccessorID": self._management_accessor,
+                "SecretID": self._management_token,
+                "Description": "Initial Management Token",
+                "Policies": [{"ID": GLOBAL_MANAGEMENT_POLICY_ID, "Name": "global-management"}],
+                "Local": False,
+                "CreateTime": "",
+                "Hash": _hash(self._management_accessor),
+                "CreateIndex": 1,
+                "ModifyIndex": 1,
+            }
         token = self._tokens.get(accessor_id)
         return None if token is None else self.token_json(token)
 

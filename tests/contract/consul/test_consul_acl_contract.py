@@ -105,6 +105,9 @@ async def test_policy_and_token_have_consuls_shapes(acl_target: Target, unique: 
     assert token["Local"] is False
     status, me, _ = await call(acl_target, "GET", "/v1/acl/token/self", secret)
     assert (200, token["AccessorID"]) == (status, me["AccessorID"])
+    status, me, _ = await call(acl_target, "GET", "/v1/acl/token/self", MANAGEMENT)
+    assert 200 == status
+    assert "global-management" in [p["Name"] for p in me["Policies"]]
 
 
 async def test_only_acl_write_may_create_policies_and_tokens(acl_target: Target, unique: str):
