@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
@@ -90,6 +91,24 @@ class StackOptions:
     secure: bool = True
     # Nomad Variables written before the scheduler starts (path -> items).
     variables: Mapping[str, Mapping[str, str]] = field(default_factory=lambda: EXAMPLE_VARIABLES)
+    # Consul ACLs on, each component with a token of its own policy (None: ACLs off).
+    consul_acl: ConsulAcl | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ConsulAcl:
+    """Run devcluster's Consul with ACLs (default deny) and each component on its own token.
+
+    Each `*_rules` is a Consul policy's rules (HCL); the stack creates a
+    policy and a token with exactly that policy for the component. The
+    operator's token is what CLI subprocesses get (`env`'s CONSUL_HTTP_TOKEN).
+    devcluster's Nomad registers services with the management token.
+    """
+
+    management_token: str = field(repr=False)
+    scheduler_rules: str
+    router_rules: str
+    operator_rules: str
 
 
 def new_secret() -> str:
@@ -226,6 +245,9 @@ class LocalStack:
     router: RouterHandle | None = None
     # The scheduler API's bearer token; None when the stack is not secure.
     scheduler_api_token: str | None = field(default=None, repr=False)
+    # With StackOptions.consul_acl: component ("scheduler", "router", "operator") ->
+    # its Consul token as Consul returned it (AccessorID, SecretID, Policies).
+    consul_tokens: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, repr=False)
 
     @property
     def nomad_addr(self) -> str:
@@ -270,8 +292,12 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
         )
         engine = choose_llamacpp_engine(work_dir, prefer_real=options.prefer_real_llama_server)
         config = cluster_config_for(engine)
+        acl = options.consul_acl
         dev_config = DevClusterConfig(
-            consul=ConsulConfig(session_ttl_min_s=1.0),
+            consul=ConsulConfig(
+                session_ttl_min_s=1.0,
+                management_token=acl.management_token if acl is not None else None,
+            ),
             nomad=NomadServerSettings(
                 nodes=default_nodes(
                     cpu_nodes=options.cpu_nodes,
@@ -290,8 +316,15 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
             env = _client_env(cluster)
             if token is not None:
                 env["CARAVAN_API_TOKEN"] = token
+            consul_tokens = {} if acl is None else await _create_consul_tokens(cluster, acl)
+            scheduler_env, router_env = dict(env), dict(env)
+            if consul_tokens:
+                scheduler_env["CONSUL_HTTP_TOKEN"] = consul_tokens["scheduler"]["SecretID"]
+                router_env["CONSUL_HTTP_TOKEN"] = consul_tokens["router"]["SecretID"]
+                env["CONSUL_HTTP_TOKEN"] = consul_tokens["operator"]["SecretID"]
             async with (
-                ConsulClient(ConsulSettings.from_env(env)) as consul,
+                ConsulClient(ConsulSettings.from_env(scheduler_env)) as consul,
+                ConsulClient(ConsulSettings.from_env(router_env)) as router_consul,
                 NomadClient(NomadSettings.from_env(env)) as nomad,
             ):
                 for path, items in options.variables.items():
@@ -325,7 +358,9 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                         if options.secure:
                             settings = with_api_key(settings, new_secret())
                         router = await parts.enter_async_context(
-                            running_router(settings, consul, options.request_log, nomad=nomad)
+                            running_router(
+                                settings, router_consul, options.request_log, nomad=nomad
+                            )
                         )
                     yield LocalStack(
                         cluster=cluster,
@@ -336,7 +371,36 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                         env=env,
                         router=router,
                         scheduler_api_token=token,
+                        consul_tokens=consul_tokens,
                     )
+
+
+async def _create_consul_tokens(
+    cluster: DevCluster, acl: ConsulAcl
+) -> dict[str, Mapping[str, Any]]:
+    """A policy and a token per component, through Consul's ACL API (management token)."""
+    headers = {"X-Consul-Token": acl.management_token}
+    base = f"http://{cluster.consul.http_addr}/v1/acl"
+    tokens: dict[str, Mapping[str, Any]] = {}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        for component, rules in (
+            ("scheduler", acl.scheduler_rules),
+            ("router", acl.router_rules),
+            ("operator", acl.operator_rules),
+        ):
+            name = f"caravan-{component}"
+            policy = {"Name": name, "Rules": rules}
+            async with session.put(f"{base}/policy", json=policy) as response:
+                if response.status != 200:
+                    msg = f"Consul refused policy {name}: {await response.text()}"
+                    raise RuntimeError(msg)
+            body = {"Description": name, "Policies": [{"Name": name}]}
+            async with session.put(f"{base}/token", json=body) as response:
+                if response.status != 200:
+                    msg = f"Consul refused the token of {name}: {await response.text()}"
+                    raise RuntimeError(msg)
+                tokens[component] = await response.json()
+    return tokens
 
 
 @contextlib.asynccontextmanager

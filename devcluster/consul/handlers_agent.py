@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 
-from devcluster.consul.acl import permission_denied
 from devcluster.consul.decode import (
     CHECK_DEFINITION,
     CHECK_UPDATE,
@@ -157,23 +156,32 @@ async def agent_members(context: RequestContext) -> Reply:
     segment = context.get("segment")
     if wan and segment not in ("", "_all"):
         raise HttpError(400, "Cannot provide a segment with wan=true")
-    if not context.can_read():
-        return Reply(data=[])
+    context.authz()
     if wan:
         if node.name != context.api.identity.node_name:
             # Agent.WANMembers: a client agent is in no WAN pool (a JSON null).
             return Reply(data=None)
-        return Reply(data=[member_json(context, node, wan=True)])
-    return Reply(data=[member_json(context, n) for n in context.state.nodes()])
+        # filterMembers: node:read on each member's name (the WAN name is `<node>.<dc>`).
+        wan_member = member_json(context, node, wan=True)
+        visible = context.may("node:read", str(wan_member["Name"]))
+        return Reply(data=[wan_member] if visible else [])
+    return Reply(
+        data=[
+            member_json(context, n)
+            for n in context.state.nodes()
+            if context.may("node:read", n.name)
+        ]
+    )
 
 
 async def agent_services(context: RequestContext) -> Reply:
     node = context.agent_node()
     predicate = context.filter(TEMPLATE_AGENT_SERVICE)
-    if not context.can_read():
-        return Reply(data={})
+    context.authz()
     out = {}
     for service in context.state.agent_services(node.name):
+        if not context.may("service:read", service.name):
+            continue
         rendered = agent_service_json(service, context.state.datacenter)
         if predicate is None or predicate(rendered):
             out[service.service_id] = rendered
@@ -207,18 +215,21 @@ async def agent_service(context: RequestContext) -> Reply:
         digest, rendered = current()
     if rendered is None:
         raise HttpError(404, f"unknown service ID: {service_id}")
-    if not context.can_read():
-        raise HttpError(403, permission_denied("service:read", str(rendered["Service"])))
+    context.require("service:read", str(rendered["Service"]))
     return Reply(data=rendered, headers={"X-Consul-ContentHash": digest})
 
 
 async def agent_checks(context: RequestContext) -> Reply:
     node = context.agent_node()
     predicate = context.filter(TEMPLATE_CHECK)
-    if not context.can_read():
-        return Reply(data={})
+    context.authz()
     out = {}
     for check in context.state.agent_checks(node.name):
+        if check.service_name:
+            if not context.may("service:read", check.service_name):
+                continue
+        elif not context.may("node:read", node.name):
+            continue
         rendered = check_json(check, context.state.service_tags(check), indexes=False)
         if predicate is None or predicate(rendered):
             out[check.check_id] = rendered
@@ -312,7 +323,12 @@ async def register_check(context: RequestContext) -> Reply:
         spec = check_definition(definition)
     except DefinitionError as exc:
         raise HttpError(exc.status, str(exc)) from exc
-    context.require("node:write", node.name)
+    if spec.service_id:
+        # A service's check needs service:write on that service (vetCheckRegister).
+        service = context.state.agent_service(node.name, spec.service_id)
+        context.require("service:write", service.name if service else spec.service_id)
+    else:
+        context.require("node:write", node.name)
     try:
         context.state.register_check(node.name, spec)
     except StateError as exc:

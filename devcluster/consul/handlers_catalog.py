@@ -23,6 +23,20 @@ from devcluster.consul.state import ServiceInstance
 GET = ("GET",)
 
 
+def _visible_instance(context: RequestContext, instance: ServiceInstance) -> bool:
+    """aclFilter on service nodes: node:read on the node and service:read on the service."""
+    return context.may("node:read", instance.node.name) and context.may(
+        "service:read", instance.service.name
+    )
+
+
+def _visible_check(context: RequestContext, check: CheckRecord) -> bool:
+    """aclFilter on health checks: node:read, and service:read for a service's check."""
+    if not context.may("node:read", check.node):
+        return False
+    return not check.service_name or context.may("service:read", check.service_name)
+
+
 def _parse_bool(value: str) -> bool | None:
     if value in ("1", "t", "T", "TRUE", "true", "True"):
         return True
@@ -68,12 +82,13 @@ async def health_service(context: RequestContext) -> Reply:
     tags = context.getall("tag")
     meta_pairs = _node_meta_filter(context)
     predicate = context.filter(TEMPLATE_HEALTH_ENTRY)
-    visible = context.can_read()
     state = context.state
 
     def compute() -> tuple[int, list[dict[str, Any]]]:
         entries: list[dict[str, Any]] = []
-        for instance in state.instances(name) if visible else []:
+        for instance in state.instances(name):
+            if not _visible_instance(context, instance):
+                continue
             if not _has_tags(instance, tags) or not _node_matches(instance.node, meta_pairs):
                 continue
             if passing and not _all_passing(instance):
@@ -93,12 +108,13 @@ async def health_state(context: RequestContext) -> Reply:
     options = context.query_options()
     predicate = context.filter(TEMPLATE_CHECK)
     meta_pairs = _node_meta_filter(context)
-    visible = context.can_read()
     state = context.state
 
     def compute() -> tuple[int, list[dict[str, Any]]]:
         out = []
-        for check in state.all_checks() if visible else []:
+        for check in state.all_checks():
+            if not _visible_check(context, check):
+                continue
             if wanted not in ("any", check.status):
                 continue
             node = state.node(check.node)
@@ -116,7 +132,8 @@ def _render_checks(
     context: RequestContext, checks: list[CheckRecord], template: dict[str, Any]
 ) -> list[dict[str, Any]]:
     predicate = context.filter(template)
-    rendered = [check_json(c, context.state.service_tags(c)) for c in checks]
+    visible = [c for c in checks if _visible_check(context, c)]
+    rendered = [check_json(c, context.state.service_tags(c)) for c in visible]
     return [r for r in rendered if predicate is None or predicate(r)]
 
 
@@ -126,13 +143,10 @@ async def health_checks(context: RequestContext) -> Reply:
         raise HttpError(400, "Missing service name")
     options = context.query_options()
     context.filter(TEMPLATE_CHECK)
-    visible = context.can_read()
     state = context.state
 
     def compute() -> tuple[int, list[dict[str, Any]]]:
-        checks = [
-            c for c in state.all_checks() if visible and c.service_name == name and c.service_id
-        ]
+        checks = [c for c in state.all_checks() if c.service_name == name and c.service_id]
         return state.service_index(name), _render_checks(context, checks, TEMPLATE_CHECK)
 
     return await context.block(options, compute)
@@ -144,11 +158,10 @@ async def health_node(context: RequestContext) -> Reply:
         raise HttpError(400, "Missing node name")
     options = context.query_options()
     context.filter(TEMPLATE_CHECK)
-    visible = context.can_read()
     state = context.state
 
     def compute() -> tuple[int, list[dict[str, Any]]]:
-        checks = state.checks_on(name) if visible else []
+        checks = state.checks_on(name)
         return state.checks_index(), _render_checks(context, checks, TEMPLATE_CHECK)
 
     return await context.block(options, compute)
@@ -163,12 +176,14 @@ async def catalog_services(context: RequestContext) -> Reply:
     options = context.query_options()
     meta_pairs = _node_meta_filter(context)
     predicate = context.filter(TEMPLATE_CATALOG_SERVICE)
-    visible = context.can_read()
     state = context.state
 
     def compute() -> tuple[int, dict[str, list[str]]]:
         services: dict[str, list[str]] = {}
-        for service in state.all_services() if visible else []:
+        for service in state.all_services():
+            # Catalog.ListServices: the names the token may read (nodes are not checked).
+            if not context.may("service:read", service.name):
+                continue
             node = state.node(service.node)
             if node is None or not _node_matches(node, meta_pairs):
                 continue
@@ -191,12 +206,13 @@ async def catalog_service(context: RequestContext) -> Reply:
     tags = context.getall("tag")
     meta_pairs = _node_meta_filter(context)
     predicate = context.filter(TEMPLATE_CATALOG_SERVICE)
-    visible = context.can_read()
     state = context.state
 
     def compute() -> tuple[int, list[dict[str, Any]]]:
         out = []
-        for instance in state.instances(name) if visible else []:
+        for instance in state.instances(name):
+            if not _visible_instance(context, instance):
+                continue
             if not _has_tags(instance, tags) or not _node_matches(instance.node, meta_pairs):
                 continue
             rendered = catalog_service_json(instance, state.datacenter)
@@ -211,12 +227,13 @@ async def catalog_nodes(context: RequestContext) -> Reply:
     options = context.query_options()
     meta_pairs = _node_meta_filter(context)
     predicate = context.filter(TEMPLATE_NODE)
-    visible = context.can_read()
     state = context.state
 
     def compute() -> tuple[int, list[dict[str, Any]]]:
         out = []
-        for node in state.nodes() if visible else []:
+        for node in state.nodes():
+            if not context.may("node:read", node.name):
+                continue
             if not _node_matches(node, meta_pairs):
                 continue
             rendered = node_json(node, state.datacenter)
@@ -235,15 +252,18 @@ async def catalog_node(context: RequestContext) -> Reply:
     # Catalog.NodeServices filters the Services map by NodeService fields; the
     # expression is checked even when the node does not exist.
     predicate = context.filter(TEMPLATE_NODE_SERVICE)
-    visible = context.can_read()
     state = context.state
 
     def compute() -> tuple[int, dict[str, Any] | None]:
-        node = state.node(name) if visible else None
+        node = state.node(name)
         index = max(state.nodes_index(), state.catalog_index())
-        if node is None:
+        if node is None or not context.may("node:read", node.name):
             return index, None
-        rendered = {s.service_id: node_service_json(s) for s in state.services_on(name)}
+        rendered = {
+            s.service_id: node_service_json(s)
+            for s in state.services_on(name)
+            if context.may("service:read", s.name)
+        }
         services = {
             sid: svc for sid, svc in rendered.items() if predicate is None or predicate(svc)
         }

@@ -60,17 +60,17 @@ async def _kv_get(context: RequestContext, key: str) -> Reply:
     options = context.query_options()
     if not recurse:
         context.require("key:read", key)
-    visible = context.can_read()
     kv = context.state.kv
 
     def compute() -> tuple[int, list[KVEntry]]:
         if recurse:
+            # KVS.List without enable_key_list_policy: filtered by key:read per entry.
             index, entries = kv.list_prefix(key)
-            return index, entries if visible else []
+            return index, [e for e in entries if context.may("key:read", e.key)]
         index, entry = kv.get(key)
         return index, [entry] if entry is not None else []
 
-    index, entries = await context.api.wait_for_index(options, compute)
+    index, entries = await context.wait_for_index(options, compute)
     headers = context.api.meta_headers(index, options)
     if not entries:
         return Reply(status=404, empty=True, headers=headers)
@@ -83,13 +83,12 @@ async def _kv_get(context: RequestContext, key: str) -> Reply:
 async def _kv_keys(context: RequestContext, prefix: str) -> Reply:
     separator = context.get("separator") if context.has("separator") else context.get("seperator")
     options = context.query_options()
-    visible = context.can_read()
     kv = context.state.kv
 
     def compute() -> tuple[int, list[str]]:
         index, entries = kv.list_prefix(prefix)
         keys: list[str] = []
-        for entry in entries if visible else []:
+        for entry in entries:
             if not separator:
                 keys.append(entry.key)
                 continue
@@ -100,9 +99,10 @@ async def _kv_keys(context: RequestContext, prefix: str) -> Reply:
             )
             if cut not in keys:
                 keys.append(cut)
-        return index, keys
+        # KVS.ListKeys: the answer's keys (or separator-cut prefixes) filtered by key:read.
+        return index, [k for k in keys if context.may("key:read", k)]
 
-    index, keys = await context.api.wait_for_index(options, compute)
+    index, keys = await context.wait_for_index(options, compute)
     headers = context.api.meta_headers(index, options)
     if not keys and prefix:
         return Reply(status=404, empty=True, headers=headers)
@@ -153,7 +153,10 @@ async def _kv_delete(context: RequestContext, key: str) -> Reply:
     if not recurse and not key:
         raise HttpError(400, "Missing key name")
     cas = _parse_uint(context.get("cas")) if context.has("cas") else None
-    context.require("key:write", key)
+    if recurse:
+        context.require_write_prefix(key)
+    else:
+        context.require("key:write", key)
     kv = context.state.kv
     if recurse:
         applied = kv.delete_tree(key)
@@ -271,11 +274,12 @@ async def session_info(context: RequestContext) -> Reply:
     session_id = context.tail
     if not session_id:
         raise HttpError(400, "Missing session")
-    visible = context.can_read()
     sessions = context.state.sessions
 
     def compute() -> tuple[int, list[dict[str, Any]]]:
-        record = sessions.get(session_id) if visible else None
+        record = sessions.get(session_id)
+        if record is not None and not context.may("session:read", record.node):
+            record = None
         return sessions.table_index(), [session_json(record)] if record else []
 
     return await context.block(options, compute)
@@ -283,11 +287,10 @@ async def session_info(context: RequestContext) -> Reply:
 
 async def session_list(context: RequestContext) -> Reply:
     options = context.query_options()
-    visible = context.can_read()
     sessions = context.state.sessions
 
     def compute() -> tuple[int, list[dict[str, Any]]]:
-        records = sessions.all() if visible else []
+        records = [s for s in sessions.all() if context.may("session:read", s.node)]
         return sessions.table_index(), [session_json(r) for r in records]
 
     return await context.block(options, compute)
@@ -298,11 +301,11 @@ async def session_node(context: RequestContext) -> Reply:
     node = context.tail
     if not node:
         raise HttpError(400, "Missing node name")
-    visible = context.can_read()
     sessions = context.state.sessions
 
     def compute() -> tuple[int, list[dict[str, Any]]]:
-        records = [s for s in sessions.all() if s.node == node] if visible else []
+        on_node = [s for s in sessions.all() if s.node == node]
+        records = [s for s in on_node if context.may("session:read", s.node)]
         return sessions.table_index(), [session_json(r) for r in records]
 
     return await context.block(options, compute)

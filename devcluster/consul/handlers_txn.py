@@ -161,8 +161,12 @@ def _permission(op: KVOp) -> str | None:
     return "key:write"
 
 
-def pre_check(ops: list[Op], may: Callable[[str, str], str | None]) -> list[TxnError]:
-    """Consul's preCheck: a key for every op but delete-tree, and the token's permission."""
+def pre_check(ops: list[Op], may: Callable[[str, str, bool], str | None]) -> list[TxnError]:
+    """Consul's preCheck: a key for every op but delete-tree, and the token's permission.
+
+    `may(permission, key, whole_prefix)` answers None or the refusal's text;
+    `whole_prefix` is set for delete-tree, which needs write on the whole tree.
+    """
     errors: list[TxnError] = []
     for position, op in enumerate(ops):
         if not isinstance(op, KVOp):
@@ -171,7 +175,7 @@ def pre_check(ops: list[Op], may: Callable[[str, str], str | None]) -> list[TxnE
             errors.append(TxnError(position, "Must provide key"))
             continue
         permission = _permission(op)
-        denied = may(permission, op.key) if permission else None
+        denied = may(permission, op.key, op.verb == "delete-tree") if permission else None
         if denied is not None:
             errors.append(TxnError(position, denied))
     return errors
@@ -324,9 +328,12 @@ async def txn(context: RequestContext) -> Reply:
         }
     authz = context.authz()  # an unknown token is 403 `ACL not found` for the whole request
 
-    def may(permission: str, key: str) -> str | None:
+    def may(permission: str, key: str, whole_prefix: bool) -> str | None:
         try:
-            context.require(permission, key)
+            if whole_prefix:
+                context.require_write_prefix(key)
+            else:
+                context.require(permission, key)
         except HttpError as exc:
             return exc.text
         return None
@@ -344,13 +351,12 @@ async def txn(context: RequestContext) -> Reply:
         return _errors_reply(errors, extra)
     if writes:
         state.raft.notify()
-    if not authz.allows_everything:
-        # Gets are filtered, not refused: the anonymous token reads nothing.
-        results = []
-        if not writes:
-            extra["ResultsFilteredByACLs"] = any(
-                isinstance(op, KVOp) and op.verb in GET_VERBS for op in ops
-            )
+    # FilterTxnResults: gets are filtered by key:read, not refused.
+    total = len(results)
+    results = [r for r in results if authz.allows("key:read", str(r.get("Key", "")))]
+    if not writes and context.token():
+        # Consul resets the flag for anonymous requests.
+        extra["ResultsFilteredByACLs"] = total != len(results)
     return Reply(data={"Results": [{"KV": r} for r in results], "Errors": None, **extra})
 
 

@@ -112,6 +112,8 @@ class RequestContext:
         self.request = request
         self.route = route
         self._authz: Authorizer | None = None
+        # Whether the last computed answer left out something the token may not read.
+        self.filtered = False
 
     @property
     def state(self) -> ConsulState:
@@ -156,14 +158,39 @@ class RequestContext:
                 raise HttpError(403, str(exc)) from exc
         return self._authz
 
+    @property
+    def accessor_id(self) -> str | None:
+        """The AccessorID of the request's token, once resolved (None before or if unknown)."""
+        return None if self._authz is None else self._authz.accessor_id
+
     def require(self, permission: str, obj: str | None = None) -> None:
-        """403 unless the token may do this (only the management token may, under ACLs)."""
-        if not self.authz().allows_everything:
-            raise HttpError(403, permission_denied(permission, obj))
+        """403 `Permission denied: ...` unless the token may do `permission` on `obj`."""
+        authz = self.authz()
+        if not authz.allows(permission, obj or ""):
+            raise HttpError(403, permission_denied(permission, obj, authz.accessor_id))
+
+    def require_write_prefix(self, prefix: str) -> None:
+        """403 unless the token may write every key under `prefix` (recursive deletes)."""
+        authz = self.authz()
+        if not authz.allows_write_prefix(prefix):
+            raise HttpError(403, permission_denied("key:write", prefix, authz.accessor_id))
+
+    def may(self, permission: str, obj: str = "") -> bool:
+        """Whether the token may; a refusal marks the answer as filtered by ACLs."""
+        allowed = self.authz().allows(permission, obj)
+        if not allowed:
+            self.filtered = True
+        return allowed
 
     def can_read(self) -> bool:
-        """Whether list results are visible (anonymous reads are filtered to nothing)."""
+        """Whether the token may read everything (the management token, or no ACLs)."""
         return self.authz().allows_everything
+
+    def filtered_header(self) -> dict[str, str]:
+        """X-Consul-Results-Filtered-By-ACLs, which Consul never sets for anonymous requests."""
+        if self.filtered and self.token():
+            return {"X-Consul-Results-Filtered-By-ACLs": "true"}
+        return {}
 
     def check_datacenter(self) -> None:
         dc = self.get("dc")
@@ -226,8 +253,21 @@ class RequestContext:
 
     async def block(self, options: QueryOptions, compute: Callable[[], tuple[int, T]]) -> Reply:
         """Answer `compute()` now, or once its index passes `options.min_index`."""
-        index, result = await self.api.wait_for_index(options, compute)
+        index, result = await self.wait_for_index(options, compute)
         return Reply(data=result, headers=self.api.meta_headers(index, options))
+
+    async def wait_for_index(
+        self, options: QueryOptions, compute: Callable[[], tuple[int, T]]
+    ) -> tuple[int, T]:
+        """The API's wait_for_index, with `filtered` describing the answer it returns."""
+        # Resolve the token first: an unknown one is 403 even when nothing would be filtered.
+        self.authz()
+
+        def fresh() -> tuple[int, T]:
+            self.filtered = False
+            return compute()
+
+        return await self.api.wait_for_index(options, fresh)
 
 
 def _json_body(data: Any) -> bytes:
@@ -344,7 +384,13 @@ class ConsulHttpApi:
         except HttpError as exc:
             log.debug(
                 "consul_request_failed",
-                extra={"method": request.method, "path": request.path, "status": exc.status},
+                extra={
+                    "method": request.method,
+                    "path": request.path,
+                    "status": exc.status,
+                    # Which token was refused (an AccessorID is not a secret).
+                    "accessor_id": context.accessor_id,
+                },
             )
             return _text(exc.status, exc.text, {**headers, **exc.headers})
         except Exception as exc:
@@ -353,7 +399,18 @@ class ConsulHttpApi:
                 "consul_request_crashed", extra={"method": request.method, "path": request.path}
             )
             return _text(500, str(exc) or type(exc).__name__, headers)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "consul_request",
+                extra={
+                    "method": request.method,
+                    "path": request.path,
+                    "status": reply.status,
+                    "accessor_id": context.accessor_id,
+                },
+            )
         headers.update(reply.headers)
+        headers.update(context.filtered_header())
         if reply.raw is not None:
             if reply.content_type:
                 headers["Content-Type"] = reply.content_type

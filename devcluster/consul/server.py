@@ -23,6 +23,7 @@ from typing import Any, Self
 from aiohttp import web
 
 from devcluster.consul import (
+    handlers_acl,
     handlers_agent,
     handlers_catalog,
     handlers_devcluster,
@@ -94,6 +95,7 @@ class ConsulServer:
         for module in (handlers_agent, handlers_catalog, handlers_kv, handlers_devcluster):
             self._api.add_routes(module.ROUTES)
         self._api.add_routes(handlers_txn.ROUTES)
+        self._api.add_routes(handlers_acl.ROUTES)
         self._dns = DnsListener(ConsulDns(self.state))
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
