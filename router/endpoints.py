@@ -25,8 +25,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from caravan.contract import ServiceMetaKey
-from caravan.engine_metrics import MetricNames, resolve_metric_names
+from caravan.contract import (
+    OPENAI_STREAM_TRAITS,
+    ServiceMetaKey,
+    StreamTraits,
+    StreamTraitsError,
+    decode_stream_traits,
+)
+from caravan.engine_metrics import MetricNames, metric_names_as_published
 from router.affinity import DEFAULT_VIRTUAL_NODES, HashRing
 
 DEFAULT_METRICS_PATH = "/metrics"
@@ -63,6 +69,8 @@ class Endpoint:
     status: CheckStatus
     spec_hash: str | None
     replica: int
+    # How a stream broken elsewhere continues here (from Meta; never from `engine`).
+    traits: StreamTraits = OPENAI_STREAM_TRAITS
 
     @property
     def base_url(self) -> str:
@@ -165,7 +173,7 @@ def endpoint_from_entry(entry: Mapping[str, Any]) -> Endpoint:
         served_models=served_models,
         engine=_required_str(meta.get(ServiceMetaKey.ENGINE), f"Meta.{ServiceMetaKey.ENGINE}"),
         metrics_path=metrics_path,
-        metric_names=resolve_metric_names(
+        metric_names=metric_names_as_published(
             running=_meta_str(meta, ServiceMetaKey.METRIC_RUNNING),
             waiting=_meta_str(meta, ServiceMetaKey.METRIC_WAITING),
             kv_cache_usage=_meta_str(meta, ServiceMetaKey.METRIC_KV_CACHE),
@@ -176,7 +184,15 @@ def endpoint_from_entry(entry: Mapping[str, Any]) -> Endpoint:
         status=aggregate_status(checks),
         spec_hash=_meta_str(meta, ServiceMetaKey.SPEC_HASH),
         replica=_replica(meta),
+        traits=_traits(meta),
     )
+
+
+def _traits(meta: Mapping[str, Any]) -> StreamTraits:
+    try:
+        return decode_stream_traits(meta)
+    except StreamTraitsError as exc:
+        raise MalformedEntryError(str(exc)) from None
 
 
 def snapshot_from_health(

@@ -30,6 +30,7 @@ from caravan.contract import (
     TASK_NAME,
     JobMetaKey,
     ServiceMetaKey,
+    encode_stream_traits,
     model_service_name,
     replica_job_id,
     replica_key_path,
@@ -153,6 +154,7 @@ def _service_meta(
         ServiceMetaKey.METRIC_KV_CACHE: metrics.kv_cache_usage or "",
         # Filled in by Nomad when it registers the service.
         ServiceMetaKey.ALLOC_ID: "${NOMAD_ALLOC_ID}",
+        **encode_stream_traits(adapter.stream_traits),
     }
 
 

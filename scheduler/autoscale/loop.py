@@ -28,7 +28,7 @@ import aiohttp
 
 from caravan.consul_api import HealthEntry
 from caravan.contract import ROUTER_SERVICE, ServiceMetaKey, model_service_name
-from caravan.engine_metrics import resolve_metric_names
+from caravan.engine_metrics import metric_names_as_published
 from caravan.errors import HashiError
 from scheduler.autoscale.memory import Direction, Memory, memory_from_json, memory_to_json
 from scheduler.autoscale.policy import ScaleDecision, decide
@@ -64,7 +64,7 @@ def replica_target(entry: HealthEntry) -> ReplicaTarget | None:
     meta = entry.meta
     if not entry.address or not entry.port:
         return None
-    names = resolve_metric_names(
+    names = metric_names_as_published(
         running=meta.get(ServiceMetaKey.METRIC_RUNNING),
         waiting=meta.get(ServiceMetaKey.METRIC_WAITING),
         kv_cache_usage=meta.get(ServiceMetaKey.METRIC_KV_CACHE),
