@@ -25,6 +25,7 @@ _FROZEN = ConfigDict(frozen=True, extra="forbid")
 DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
 DEFAULT_LLAMACPP_IMAGE = "ghcr.io/ggml-org/llama.cpp:server"
 DEFAULT_LLAMACPP_CUDA_IMAGE = "ghcr.io/ggml-org/llama.cpp:server-cuda"
+DEFAULT_SGLANG_IMAGE = "lmsysorg/sglang:v0.5.6.post1"
 
 
 class VllmSettings(BaseModel):
@@ -46,6 +47,14 @@ class LlamaCppSettings(BaseModel):
     container_port: int = Field(default=8080, ge=1, le=65535)
 
 
+class SglangSettings(BaseModel):
+    model_config = _FROZEN
+
+    image: str = DEFAULT_SGLANG_IMAGE
+    # Port `sglang.launch_server` listens on inside the container (its default).
+    container_port: int = Field(default=30000, ge=1, le=65535)
+
+
 class ClusterConfig(BaseModel):
     """Settings shared by every replica job of one cluster."""
 
@@ -59,6 +68,7 @@ class ClusterConfig(BaseModel):
     vllm: VllmSettings = Field(default_factory=VllmSettings)
     llamacpp: LlamaCppSettings = Field(default_factory=LlamaCppSettings)
     gpu_classes: dict[str, GpuClass] = Field(default_factory=dict)
+    sglang: SglangSettings = Field(default_factory=SglangSettings)
     # First delay before Nomad reschedules a failed replica (Nomad's minimum is 5 s).
     reschedule_delay_s: int = Field(default=30, ge=5)
     check_interval_s: int = Field(default=5, ge=1)
@@ -69,7 +79,9 @@ class ClusterConfig(BaseModel):
     @property
     def engine_images(self) -> frozenset[str]:
         """The images this cluster runs engines from; a profile may always name these."""
-        return frozenset({self.vllm.image, self.llamacpp.image, self.llamacpp.cuda_image})
+        return frozenset(
+            {self.vllm.image, self.llamacpp.image, self.llamacpp.cuda_image, self.sglang.image}
+        )
 
     # Each replica's engine requires a per-model API key that reaches it through
     # Nomad Variables and a template (docs/security.md "Engine API keys").

@@ -15,6 +15,7 @@ class Engine(StrEnum):
 
     VLLM = "vllm"
     LLAMACPP = "llamacpp"
+    SGLANG = "sglang"
 
 
 class Driver(StrEnum):

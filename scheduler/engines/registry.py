@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from scheduler.engines.kinds import Engine
 from scheduler.engines.llamacpp import LlamaCppAdapter
+from scheduler.engines.sglang import SglangAdapter
 from scheduler.engines.vllm import VllmAdapter
 
 if TYPE_CHECKING:
@@ -23,6 +24,7 @@ _ADAPTERS: Mapping[Engine, EngineAdapter] = MappingProxyType(
     {
         Engine.VLLM: VllmAdapter(),
         Engine.LLAMACPP: LlamaCppAdapter(),
+        Engine.SGLANG: SglangAdapter(),
     }
 )
 
