@@ -1,6 +1,6 @@
 """The engine adapter interface: what rendering needs to know about an engine.
 
-One module per engine implements it (`vllm.py`, `llamacpp.py`) and owns
+One module per engine implements it (`vllm.py`, `llamacpp.py`, `sglang.py`) and owns
 everything caravan knows about that engine: the profile rules it adds, the
 flags caravan renders itself, the flags and variables the profile policy
 refuses, rendering (driver, config, port mapping), and the facts the router
