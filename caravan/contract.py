@@ -18,7 +18,7 @@ from typing import Annotated, Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from caravan.engine_metrics import MetricNames, resolve_metric_names
+from caravan.engine_metrics import MetricNames, metric_names_as_published
 
 # Every model service carries this tag; the router discovers models by it.
 SERVICE_TAG = "caravan"
@@ -84,6 +84,11 @@ class ServiceMetaKey:
     METRIC_KV_CACHE = "metric_kv_cache"
     SPEC_HASH = "spec_hash"
     ALLOC_ID = "alloc_id"
+    # Stream traits (`StreamTraits`): how the router continues a broken stream on
+    # this replica. Published by the engine's adapter so the router never keys
+    # on engine names.
+    COMPLETION_DEFAULT_MAX_TOKENS = "completion_default_max_tokens"
+    PREFILL_ECHO = "prefill_echo"
 
 
 def model_service_name(model_name: str) -> str:
@@ -519,17 +524,17 @@ def encode_metric_names(names: MetricNames) -> dict[str, str]:
 def decode_metric_names(meta: Mapping[str, object]) -> MetricNames:
     """The metric names a replica's Meta states, read the same by the router and the autoscaler.
 
-    Absent, empty or non-string values count as absent. A Meta that states no
-    running metric (a service registered around caravan) gets the one
-    defaulting rule, `caravan.engine_metrics.resolve_metric_names`, applied here
-    and nowhere else on the read side.
+    Read as written: the scheduler resolves a profile's mapping against its
+    engine's own names once, when it renders the job (`encode_metric_names`),
+    so readers never fill blanks themselves. Absent, empty or non-string
+    values are "not exposed".
     """
 
     def text(key: str) -> str | None:
         value = meta.get(key)
         return value if isinstance(value, str) and value else None
 
-    return resolve_metric_names(
+    return metric_names_as_published(
         running=text(ServiceMetaKey.METRIC_RUNNING),
         waiting=text(ServiceMetaKey.METRIC_WAITING),
         kv_cache_usage=text(ServiceMetaKey.METRIC_KV_CACHE),
@@ -632,3 +637,68 @@ class ModelFailure:
         if not isinstance(reason, str) or not reason:
             raise ContractDecodeError(f"{what}: reason must be a non-empty string")
         return cls(reason=reason[:MAX_FAILURE_REASON_CHARS], since=_number(document, "since", what))
+
+
+# -- stream traits (contract 4): what the router must know to continue a stream --
+
+# The OpenAI completions default for `max_tokens`, which engines that follow the
+# API keep when a request leaves it out.
+OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class StreamTraits:
+    """How an engine takes a continuation of a stream another replica started.
+
+    `completion_default_max_tokens`: the `max_tokens` a completions request
+    without one gets (None: no limit), so a continuation states what is left of
+    it. `echoes_prefill`: the engine may repeat a partial assistant message at
+    the start of its first delta, which the router then cuts.
+    """
+
+    completion_default_max_tokens: int | None = OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
+    echoes_prefill: bool = False
+
+
+# What a replica that publishes no traits is taken to do: follow the OpenAI API.
+OPENAI_STREAM_TRAITS = StreamTraits()
+
+
+class StreamTraitsError(ValueError):
+    """Service Meta whose stream traits cannot be read; the message names the key."""
+
+
+def encode_stream_traits(traits: StreamTraits) -> dict[str, str]:
+    """The service Meta entries of `traits` (Meta values are strings; "" is no limit)."""
+    limit = traits.completion_default_max_tokens
+    return {
+        ServiceMetaKey.COMPLETION_DEFAULT_MAX_TOKENS: "" if limit is None else str(limit),
+        ServiceMetaKey.PREFILL_ECHO: "true" if traits.echoes_prefill else "false",
+    }
+
+
+def decode_stream_traits(meta: Mapping[str, object]) -> StreamTraits:
+    """The traits a replica's Meta publishes; a key left out takes the OpenAI default.
+
+    Raises StreamTraitsError naming the key when a value is not one the
+    scheduler writes.
+    """
+    limit_key, echo_key = ServiceMetaKey.COMPLETION_DEFAULT_MAX_TOKENS, ServiceMetaKey.PREFILL_ECHO
+    limit: int | None = OPENAI_STREAM_TRAITS.completion_default_max_tokens
+    if limit_key in meta:
+        raw = meta[limit_key]
+        if raw == "":
+            limit = None
+        elif isinstance(raw, str) and raw.isdigit() and int(raw) > 0:
+            limit = int(raw)
+        else:
+            raise StreamTraitsError(
+                f"Meta.{limit_key} must be a positive integer or empty: {raw!r}"
+            )
+    echo = OPENAI_STREAM_TRAITS.echoes_prefill
+    if echo_key in meta:
+        raw = meta[echo_key]
+        if raw not in {"true", "false"}:
+            raise StreamTraitsError(f"Meta.{echo_key} must be true or false: {raw!r}")
+        echo = raw == "true"
+    return StreamTraits(completion_default_max_tokens=limit, echoes_prefill=echo)

@@ -15,13 +15,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 from prometheus_client.parser import text_string_to_metric_families
-
-if TYPE_CHECKING:
-    from collections.abc import Mapping
 
 
 class EngineMetricsParseError(ValueError):
@@ -47,38 +42,24 @@ class EngineLoad:
     kv_cache_usage: float | None
 
 
-VLLM_METRIC_NAMES = MetricNames(
-    running="vllm:num_requests_running",
-    waiting="vllm:num_requests_waiting",
-    # Not `vllm:gpu_cache_usage_perc`: deprecated by vLLM PR #18354 and no longer emitted.
-    kv_cache_usage="vllm:kv_cache_usage_perc",
-)
-LLAMACPP_METRIC_NAMES = MetricNames(
-    running="llamacpp:requests_processing",
-    waiting="llamacpp:requests_deferred",
-    # llama.cpp removed its KV-cache gauges (PR #13660); a mapping must not rely on them.
-    kv_cache_usage=None,
-)
-# The per-engine defaults, keyed by the profile's `engine` value. Read-only after import.
-DEFAULT_METRIC_NAMES: Mapping[str, MetricNames] = MappingProxyType(
-    {"vllm": VLLM_METRIC_NAMES, "llamacpp": LLAMACPP_METRIC_NAMES}
-)
-
-
 def resolve_metric_names(
+    defaults: MetricNames,
     running: str | None = None,
     waiting: str | None = None,
     kv_cache_usage: str | None = None,
 ) -> MetricNames:
-    """Apply the seed rule to a (possibly partial) metric mapping; blank strings mean absent.
+    """Apply a (possibly partial) metric mapping to an engine's own names; blank means absent.
 
-    1. A mapping that names nothing means vLLM's names.
+    `defaults` are the names of the replica's engine (each engine module in the
+    scheduler owns its own). The rule:
+
+    1. A mapping that names nothing means the engine's names.
     2. A mapping that names its own running metric is a complete statement: the
-       fields it leaves blank stay None (llama.cpp has no KV-cache metric, and
-       guessing vLLM's name for it would only ever read as "missing").
+       fields it leaves blank stay None (guessing a name the engine may not
+       expose would only ever read as "missing").
     3. A mapping that names some metrics but not running keeps what it names and
-       takes vLLM's names for the blanks (running is the one every engine has, so
-       leaving it out says "I only override a detail").
+       takes the engine's names for the blanks (running is the one every engine
+       has, so leaving it out says "I only override a detail").
     """
     running = running or None
     waiting = waiting or None
@@ -86,11 +67,22 @@ def resolve_metric_names(
     if running is not None:
         return MetricNames(running=running, waiting=waiting, kv_cache_usage=kv_cache_usage)
     return MetricNames(
-        running=VLLM_METRIC_NAMES.running,
-        waiting=waiting if waiting is not None else VLLM_METRIC_NAMES.waiting,
-        kv_cache_usage=(
-            kv_cache_usage if kv_cache_usage is not None else VLLM_METRIC_NAMES.kv_cache_usage
-        ),
+        running=defaults.running,
+        waiting=waiting if waiting is not None else defaults.waiting,
+        kv_cache_usage=kv_cache_usage if kv_cache_usage is not None else defaults.kv_cache_usage,
+    )
+
+
+def metric_names_as_published(
+    running: str | None, waiting: str | None, kv_cache_usage: str | None
+) -> MetricNames:
+    """The names a replica publishes (service Meta), read as written: blank is not exposed.
+
+    The scheduler resolves a profile's mapping against its engine's names once,
+    when it renders the job, so readers never fill blanks themselves.
+    """
+    return MetricNames(
+        running=running or None, waiting=waiting or None, kv_cache_usage=kv_cache_usage or None
     )
 
 

@@ -10,16 +10,19 @@ into the same client response (only NVIDIA Dynamo does this elsewhere):
 2. `build_continuation` turns the original request and the account into the
    request for the next engine: chat appends the text as a partial assistant
    message with `continue_final_message: true` and `add_generation_prompt:
-   false` (vLLM needs the flags; llama-server would continue a trailing
-   assistant message anyway, as a prefill, but only with the flags does it
-   leave the partial text out of its first delta), completions append it to
-   the prompt; `max_tokens` and `max_completion_tokens` shrink by the tokens
-   already sent.
+   false` (engines that follow vLLM need the flags; llama-server would
+   continue a trailing assistant message anyway, as a prefill, but only with
+   the flags does it leave the partial text out of its first delta),
+   completions append it to the prompt; `max_tokens` and
+   `max_completion_tokens` shrink by the tokens already sent, and a
+   completion without `max_tokens` on an engine with a default limit states
+   what is left of that limit. What an engine does is read from its
+   published `StreamTraits` (service Meta), never from its name.
 3. `ContinuationRewriter` rewrites the continuation's events so the client
    sees one stream: the first stream's `id`/`created`/`model`, no second
-   role-only chunk, usage counted over both halves, and (for a llama-server
-   that repeats the prefill anyway, as versions without the flag do) the
-   partial text cut from the front of the first delta.
+   role-only chunk, usage counted over both halves, and (for an engine whose
+   traits say it may repeat the prefill, as llama-server versions without the
+   flag do) the partial text cut from the front of the first delta.
 
 A continuation is refused (`Unfaithful`, with the reason) when it could not
 read as the same answer: several choices (`n` > 1), log-probabilities, tool
@@ -44,11 +47,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from caravan.contract import StreamTraits
+
 DONE_EVENT = b"data: [DONE]\n\n"
 _DONE_DATA = b"[DONE]"
-# The OpenAI completions default, which vLLM keeps when max_tokens is absent.
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-LLAMACPP_ENGINE = "llamacpp"
 _TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
 
 
@@ -248,9 +250,9 @@ def request_blocker(payload: Mapping[str, Any], kind: StreamKind) -> str | None:
 
 
 def build_continuation(
-    payload: Mapping[str, Any], account: StreamAccount, engine: str
+    payload: Mapping[str, Any], account: StreamAccount, traits: StreamTraits
 ) -> dict[str, Any] | Unfaithful:
-    """The request that makes an engine of kind `engine` go on where the stream stopped."""
+    """The request that makes an engine with `traits` go on where the stream stopped."""
     blocker = request_blocker(payload, account.kind) or account.unfaithful
     if blocker is not None:
         return Unfaithful(blocker)
@@ -266,10 +268,11 @@ def build_continuation(
     if account.kind is StreamKind.COMPLETION:
         prompt = _single_prompt(payload.get("prompt"))
         body["prompt"] = f"{prompt}{text}"
-        if "max_tokens" not in payload and engine != LLAMACPP_ENGINE:
-            if COMPLETIONS_DEFAULT_MAX_TOKENS - sent <= 0:
+        default_limit = traits.completion_default_max_tokens
+        if "max_tokens" not in payload and default_limit is not None:
+            if default_limit - sent <= 0:
                 return Unfaithful("the answer is already at its token limit")
-            body["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS - sent
+            body["max_tokens"] = default_limit - sent
         return body
     messages = list(payload["messages"])
     last = messages[-1]

@@ -25,7 +25,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from caravan.contract import ServiceMetaKey, decode_metric_names
+from caravan.contract import (
+    OPENAI_STREAM_TRAITS,
+    ServiceMetaKey,
+    StreamTraits,
+    StreamTraitsError,
+    decode_metric_names,
+    decode_stream_traits,
+)
 from caravan.engine_metrics import MetricNames
 from router.affinity import DEFAULT_VIRTUAL_NODES, HashRing
 
@@ -63,6 +70,8 @@ class Endpoint:
     status: CheckStatus
     spec_hash: str | None
     replica: int
+    # How a stream broken elsewhere continues here (from Meta; never from `engine`).
+    traits: StreamTraits = OPENAI_STREAM_TRAITS
 
     @property
     def base_url(self) -> str:
@@ -172,7 +181,15 @@ def endpoint_from_entry(entry: Mapping[str, Any]) -> Endpoint:
         status=aggregate_status(checks),
         spec_hash=_meta_str(meta, ServiceMetaKey.SPEC_HASH),
         replica=_replica(meta),
+        traits=_traits(meta),
     )
+
+
+def _traits(meta: Mapping[str, Any]) -> StreamTraits:
+    try:
+        return decode_stream_traits(meta)
+    except StreamTraitsError as exc:
+        raise MalformedEntryError(str(exc)) from None
 
 
 def snapshot_from_health(

@@ -47,6 +47,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from caravan.contract import OPENAI_STREAM_TRAITS
 from router.admission_gate import (
     CONTINUATION_PRIORITY,
     AdmissionGate,
@@ -58,7 +59,6 @@ from router.affinity import affinity_key
 from router.balancer import Policy, RequestFeatures
 from router.continuation import (
     DONE_EVENT,
-    LLAMACPP_ENGINE,
     ContinuationRewriter,
     StreamAccount,
     StreamKind,
@@ -466,7 +466,8 @@ class Proxy:
         """
         children = self._metrics.for_model(exchange.label)
         payload = exchange.payload
-        probe = build_continuation(payload, account, "vllm")
+        # Whether any engine could continue; the strictest traits (the OpenAI defaults).
+        probe = build_continuation(payload, account, OPENAI_STREAM_TRAITS)
         if isinstance(probe, Unfaithful):
             error = StreamInterrupted(
                 exchange.endpoint_id or "-",
@@ -485,7 +486,7 @@ class Proxy:
             )
         except RouterError as exc:
             return _Done(await self._end_stream_with_error(exchange, exc, FailoverOutcome.FAILED))
-        continuation = build_continuation(payload, account, admitted.endpoint.engine)
+        continuation = build_continuation(payload, account, admitted.endpoint.traits)
         if isinstance(continuation, Unfaithful):  # pragma: no cover - the probe said yes
             self._gate.finish(admitted, Outcome.NO_VERDICT)
             error = StreamInterrupted(admitted.endpoint.id, continuation.reason)
@@ -496,7 +497,7 @@ class Proxy:
         rewriter = ContinuationRewriter(
             account,
             tokens_before=account.sent_tokens,
-            echo=account.text if admitted.endpoint.engine == LLAMACPP_ENGINE else "",
+            echo=account.text if admitted.endpoint.traits.echoes_prefill else "",
         )
         result = await self._stream_once(exchange, admitted, body, account, rewriter)
         if isinstance(result, _Done):

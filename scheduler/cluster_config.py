@@ -34,6 +34,7 @@ DEFAULT_LLAMACPP_CUDA_IMAGE = f"ghcr.io/ggml-org/llama.cpp:server-cuda-{LLAMACPP
 # names no pool, `all` is every node of the cluster.
 NODE_POOL_DEFAULT = "default"
 NODE_POOL_ALL = "all"
+DEFAULT_SGLANG_IMAGE = "lmsysorg/sglang:v0.5.6.post1"
 
 
 class VllmSettings(BaseModel):
@@ -77,6 +78,14 @@ class NodePools(BaseModel):
         return check_node_pool_name(name)
 
 
+class SglangSettings(BaseModel):
+    model_config = _FROZEN
+
+    image: str = DEFAULT_SGLANG_IMAGE
+    # Port `sglang.launch_server` listens on inside the container (its default).
+    container_port: int = Field(default=30000, ge=1, le=65535)
+
+
 class ClusterConfig(BaseModel):
     """Settings shared by every replica job of one cluster."""
 
@@ -92,6 +101,7 @@ class ClusterConfig(BaseModel):
     gpu_classes: dict[str, GpuClass] = Field(default_factory=dict)
     # Node pools of replicas whose profile sets no `node_pool`.
     node_pools: NodePools = Field(default_factory=NodePools)
+    sglang: SglangSettings = Field(default_factory=SglangSettings)
     # First delay before Nomad reschedules a failed replica (Nomad's minimum is 5 s).
     reschedule_delay_s: int = Field(default=30, ge=5)
     check_interval_s: int = Field(default=5, ge=1)
@@ -102,7 +112,9 @@ class ClusterConfig(BaseModel):
     @property
     def engine_images(self) -> frozenset[str]:
         """The images this cluster runs engines from; a profile may always name these."""
-        return frozenset({self.vllm.image, self.llamacpp.image, self.llamacpp.cuda_image})
+        return frozenset(
+            {self.vllm.image, self.llamacpp.image, self.llamacpp.cuda_image, self.sglang.image}
+        )
 
     # Each replica's engine requires a per-model API key that reaches it through
     # Nomad Variables and a template (docs/security.md "Engine API keys").

@@ -28,16 +28,19 @@ the value, so submit can report them all and write nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from itertools import chain
+from types import MappingProxyType
 
 from pydantic import BaseModel, ConfigDict
 
+from scheduler.engines.registry import adapter_for, all_adapters
 from scheduler.profiles import Engine, ModelProfile
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
-# Names ending in "*" are prefixes.
-DENIED_ENV: tuple[str, ...] = (
+# Names ending in "*" are prefixes. Each engine adds its own (`denied_env` of its adapter).
+_GENERIC_DENIED_ENV: tuple[str, ...] = (
     # The dynamic linker: preload/audit libraries, library search paths (glibc, musl, macOS).
     "LD_*",
     "DYLD_*",
@@ -91,58 +94,16 @@ DENIED_ENV: tuple[str, ...] = (
     "CUDA_VISIBLE_DEVICES",
     "ROCR_VISIBLE_DEVICES",
     "HIP_VISIBLE_DEVICES",
-    # vLLM: plugins, logging config (dictConfig instantiates classes), listener,
-    # dev endpoints, LoRA loading by API clients, the API key.
-    "VLLM_PLUGINS",
-    "VLLM_LOGGING_CONFIG_PATH",
-    "VLLM_HOST_IP",
-    "VLLM_PORT",
-    "VLLM_SERVER_DEV_MODE",
-    "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
-    "VLLM_API_KEY",
-    # llama-server reads every command-line flag from LLAMA_ARG_* as well.
-    "LLAMA_ARG_*",
-    "LLAMA_API_KEY",
+)
+DENIED_ENV: tuple[str, ...] = (
+    *_GENERIC_DENIED_ENV,
+    *chain.from_iterable(adapter.denied_env for adapter in all_adapters()),
 )
 
-DENIED_FLAGS: dict[Engine, tuple[str, ...]] = {
-    Engine.VLLM: (
-        "--host",
-        "--port",
-        "--uds",
-        "--api-key",
-        "--trust-remote-code",
-        "--worker-cls",
-        "--worker-extension-cls",
-        "--allowed-local-media-path",
-        "--middleware",
-        "--tool-parser-plugin",
-        "--logits-processors",
-        "--kv-transfer-config",
-        # A YAML file of further arguments, which would bypass this check.
-        "--config",
-    ),
-    Engine.LLAMACPP: (
-        "--host",
-        "--port",
-        "--api-key",
-        "--api-key-file",
-        "--path",
-        "--slot-save-path",
-        "--log-file",
-        # Offloads the model and its computation to other hosts.
-        "--rpc",
-        # Lets the engine's clients change its global settings.
-        "--props",
-        # Built-in agent tools (read files, run commands) and where they run.
-        "--tools",
-        "--tools-runtime",
-        "--media-path",
-        # Router mode: loads (and spawns servers for) any model of a directory.
-        "--models-dir",
-        "--models-preset",
-    ),
-}
+# The flags each engine's adapter refuses by default.
+DENIED_FLAGS: Mapping[Engine, tuple[str, ...]] = MappingProxyType(
+    {engine: adapter_for(engine).denied_flags for engine in Engine}
+)
 
 
 class ProfilePolicy(BaseModel):
@@ -187,13 +148,7 @@ def flag_name(engine: Engine, arg: str) -> str | None:
     """The flag an engine argument sets, normalised as the engine parses it; None for values."""
     if not arg.startswith("-") or arg == "-" or _is_number(arg):
         return None
-    flag = arg.split("=", 1)[0]
-    if engine is Engine.VLLM:
-        # vLLM's parser reads `--a_b` as `--a-b` and `--x.y=v` as a field of `--x`.
-        flag = flag.split(".", 1)[0]
-        head, dashes = flag.lstrip("-"), len(flag) - len(flag.lstrip("-"))
-        flag = "-" * dashes + head.replace("_", "-")
-    return flag
+    return adapter_for(engine).normalise_flag(arg.split("=", 1)[0])
 
 
 def _is_number(arg: str) -> bool:
@@ -208,9 +163,9 @@ def _denied_flag(engine: Engine, flag: str, denied: tuple[str, ...]) -> str | No
     for name in denied:
         if flag == name:
             return name
-        # vLLM parses with argparse, which accepts an unambiguous prefix of a long flag.
+        # An argparse parser accepts an unambiguous prefix of a long flag.
         abbreviates = flag.startswith("--") and len(flag) > len("--x") and name.startswith(flag)
-        if engine is Engine.VLLM and abbreviates:
+        if adapter_for(engine).abbreviates_flags and abbreviates:
             return name
     return None
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, Self
 
@@ -33,6 +32,9 @@ from caravan.contract import (
     RESERVED_MODEL_NAMES,
     served_name_of,
 )
+from scheduler.engines.base import resolve_metrics
+from scheduler.engines.kinds import Driver, Engine
+from scheduler.engines.registry import adapter_for, engine_key_env_names
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -40,8 +42,10 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # A Nomad Variables path (`structs.ValidatePath`) and a template-safe item name.
 _VARIABLE_PATH = re.compile(r"^[a-zA-Z0-9\-_~/]{1,128}$")
 _ITEM_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# The variables that carry the engine's own API key (rendered by caravan).
-ENGINE_KEY_ENV_NAMES = frozenset({"VLLM_API_KEY", "LLAMA_API_KEY"})
+# The variables that carry an engine's own API key (rendered by caravan), of every engine.
+ENGINE_KEY_ENV_NAMES = engine_key_env_names()
+# Re-exported: profiles name these, and callers have always imported them from here.
+__all__ = ["Driver", "Engine"]
 
 
 class SecretRef(BaseModel):
@@ -77,51 +81,6 @@ class SecretRef(BaseModel):
                 "(not starting with a digit)"
             )
         return cls(path=path, item=item)
-
-
-# Flags caravan renders itself: a profile may not set them through
-# `engine_args`, because two values for one flag would make the engine's
-# behaviour depend on argument order, and the router and autoscaler read
-# these values from the profile.
-MANAGED_FLAGS: dict[str, frozenset[str]] = {
-    "vllm": frozenset(
-        {
-            "--model",
-            "--served-model-name",
-            "--tensor-parallel-size",
-            "-tp",
-            "--port",
-            "--host",
-            "--max-num-seqs",
-            "--max-model-len",
-        }
-    ),
-    "llamacpp": frozenset(
-        {
-            "-m",
-            "--model",
-            "--host",
-            "--port",
-            "--metrics",
-            "-np",
-            "--parallel",
-            "-c",
-            "--ctx-size",
-            "-a",
-            "--alias",
-        }
-    ),
-}
-
-
-class Engine(StrEnum):
-    VLLM = "vllm"
-    LLAMACPP = "llamacpp"
-
-
-class Driver(StrEnum):
-    DOCKER = "docker"
-    RAW_EXEC = "raw_exec"
 
 
 # Nomad's rule for node pool names (nomad/structs/node_pool.go).
@@ -202,7 +161,7 @@ class MetricNames(BaseModel):
     """Which Prometheus metrics of the engine say running, waiting and KV-cache use.
 
     The per-profile override of the engine's default mapping. An empty
-    mapping means vLLM's names; a mapping that names its own `running`
+    mapping means the engine's own names; a mapping that names its own `running`
     metric is a complete statement, so the fields it leaves out stay unset.
     """
 
@@ -329,44 +288,17 @@ class ModelProfile(BaseModel):
         clash = sorted(set(self.env) & set(self.secrets))
         if clash:
             raise ValueError(f"env and secrets both set {', '.join(clash)}; keep one")
-        if self.engine is Engine.VLLM:
-            self._check_vllm()
-        else:
-            self._check_llamacpp()
-        self._check_engine_args()
+        adapter = adapter_for(self.engine)
+        adapter.check_profile(self)
+        self._check_engine_args(adapter.managed_flags)
         self._check_scaling()
         return self
 
-    def _check_vllm(self) -> None:
-        if self.gpu is None:
-            # A typo in `gpu` must never become a vLLM replica placed on a
-            # machine with no GPU.
-            raise ValueError(
-                "gpu: engine 'vllm' needs a gpu block (for example gpu: {class: h100, count: 1}); "
-                "only llama.cpp can run on the CPU"
-            )
-        if self.gpu.count != self.tensor_parallel and not self.gpu.allow_count_mismatch:
-            raise ValueError(
-                f"gpu.count ({self.gpu.count}) must equal tensor_parallel "
-                f"({self.tensor_parallel}) for vLLM (one GPU per tensor-parallel rank per node); "
-                "set gpu.allow_count_mismatch: true if the difference is deliberate"
-            )
-        if self.driver is Driver.RAW_EXEC:
-            raise ValueError("driver: vLLM replicas run with the docker driver only")
-
-    def _check_llamacpp(self) -> None:
-        if self.tensor_parallel > 1:
-            raise ValueError(
-                "tensor_parallel: llama.cpp replicas do not support tensor parallelism "
-                f"(got {self.tensor_parallel}); use vLLM or 1"
-            )
-        if self.nodes > 1:
-            raise ValueError(
-                f"nodes: llama.cpp replicas run on one node (got {self.nodes}); use vLLM or 1"
-            )
-
-    def _check_engine_args(self) -> None:
-        managed = MANAGED_FLAGS[self.engine.value]
+    def _check_engine_args(self, managed: frozenset[str]) -> None:
+        # Flags caravan renders itself: a profile may not set them through
+        # `engine_args`, because two values for one flag would make the engine's
+        # behaviour depend on argument order, and the router and autoscaler read
+        # these values from the profile.
         for arg in self.engine_args:
             flag = arg.split("=", 1)[0]
             if flag in managed:
@@ -385,11 +317,15 @@ class ModelProfile(BaseModel):
                 "autoscaling.scale_to_zero_after_s requires replicas.min: 0 "
                 f"(replicas.min is {self.replicas.min})"
             )
-        if policy.target_kv_cache is not None and self.engine is Engine.LLAMACPP:
+        if policy.target_kv_cache is not None and not self._reports_kv_cache():
             raise ValueError(
-                "autoscaling.target_kv_cache: llama-server reports no KV-cache usage metric; "
-                "use target_inflight"
+                f"autoscaling.target_kv_cache: engine {self.engine.value!r} reports no KV-cache "
+                "usage metric (and metrics.kv_cache_usage names none); use target_inflight"
             )
+
+    def _reports_kv_cache(self) -> bool:
+        engine_default = adapter_for(self.engine).default_metrics()
+        return resolve_metrics(engine_default, self.metrics).kv_cache_usage is not None
 
     @property
     def served_name(self) -> str:

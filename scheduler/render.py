@@ -31,6 +31,7 @@ from caravan.contract import (
     JobMetaKey,
     ServiceMetaKey,
     encode_metric_names,
+    encode_stream_traits,
     model_service_name,
     replica_job_id,
     replica_key_path,
@@ -152,6 +153,7 @@ def _service_meta(
         **encode_metric_names(metrics.names),
         # Filled in by Nomad when it registers the service.
         ServiceMetaKey.ALLOC_ID: "${NOMAD_ALLOC_ID}",
+        **encode_stream_traits(adapter.stream_traits),
     }
 
 

@@ -1,4 +1,4 @@
-"""`python -m devcluster.engine --flavor vllm|llamacpp [the real engine's flags]`.
+"""`python -m devcluster.engine --flavor vllm|llamacpp|sglang [the real engine's flags]`.
 
 Runs one simulated engine instance until SIGTERM or SIGINT. Exit status 2 on
 a command line the engine cannot run (like argparse and the real engines).
@@ -18,9 +18,10 @@ from devcluster.engine.server import run_engine
 log = logging.getLogger("devcluster.engine")
 
 _USAGE = (
-    "usage: python -m devcluster.engine --flavor {vllm,llamacpp} [engine flags]\n"
+    "usage: python -m devcluster.engine --flavor {vllm,llamacpp,sglang} [engine flags]\n"
     "  --flavor vllm      flags of `vllm serve` (try --flavor vllm --help)\n"
     "  --flavor llamacpp  flags of `llama-server` (try --flavor llamacpp --help)\n"
+    "  --flavor sglang    flags of `python -m sglang.launch_server` (try --flavor sglang --help)\n"
 )
 
 

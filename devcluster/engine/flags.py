@@ -2,6 +2,7 @@
 
     python -m devcluster.engine --flavor vllm [vllm serve flags]
     python -m devcluster.engine --flavor llamacpp [llama-server flags]
+    python -m devcluster.engine --flavor sglang [sglang.launch_server flags]
 
 Each flavour takes the flags its real engine takes, so a rendered Nomad job
 runs unchanged with the simulator in place of the engine binary. Flags that
@@ -29,8 +30,10 @@ from typing import Literal
 
 from devcluster.engine.batch import PerfModel
 
-Flavor = Literal["vllm", "llamacpp"]
-FLAVORS: tuple[Flavor, ...] = ("vllm", "llamacpp")
+Flavor = Literal["vllm", "llamacpp", "sglang"]
+FLAVORS: tuple[Flavor, ...] = ("vllm", "llamacpp", "sglang")
+# The OpenAI-server behaviour a flavour shares (SGLang's is vLLM's; `sglang.py`).
+ApiFlavor = Literal["vllm", "llamacpp"]
 SIM_ENV_PREFIX = "CARAVAN_SIM_"
 
 # vLLM `serve` flags taken with a value and ignored by the simulator.
@@ -209,6 +212,11 @@ class EngineSettings:
     api_keys: tuple[str, ...] = ()
 
     @property
+    def api_flavor(self) -> ApiFlavor:
+        """Whose OpenAI request and response behaviour this flavour has."""
+        return "llamacpp" if self.flavor == "llamacpp" else "vllm"
+
+    @property
     def model_name(self) -> str:
         """The name responses and metrics report (vLLM: first served name; llama.cpp: alias)."""
         return self.served_model_names[0]
@@ -339,7 +347,7 @@ def split_flavor(argv: Sequence[str]) -> tuple[str | None, list[str]]:
         arg = args[index]
         if arg == "--flavor":
             if index + 1 >= len(args):
-                raise FlagError("--flavor needs a value: vllm or llamacpp")
+                raise FlagError("--flavor needs a value: vllm, llamacpp or sglang")
             flavor = args[index + 1]
             index += 2
             continue
@@ -363,12 +371,17 @@ def parse_engine_args(argv: Sequence[str], env: Mapping[str, str]) -> EngineSett
     """
     flavor, rest = split_flavor(argv)
     if flavor is None:
-        raise FlagError("missing --flavor: choose vllm or llamacpp")
+        raise FlagError("missing --flavor: choose vllm, llamacpp or sglang")
     if flavor == "vllm":
         return _vllm_settings(vllm_parser().parse_args(rest), env)
     if flavor == "llamacpp":
         return _llamacpp_settings(llamacpp_parser().parse_args(rest), env)
-    raise FlagError(f"unknown flavour {flavor!r}: choose vllm or llamacpp")
+    if flavor == "sglang":
+        # The flavour's own module builds on this one's helpers.
+        from devcluster.engine.sglang import sglang_settings  # noqa: PLC0415
+
+        return sglang_settings(rest, env)
+    raise FlagError(f"unknown flavour {flavor!r}: choose vllm, llamacpp or sglang")
 
 
 def _knob_values(

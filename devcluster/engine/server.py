@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from aiohttp import web
 
+from devcluster.engine import sglang
 from devcluster.engine.batch import (
     BatchCore,
     RequestTooLargeError,
@@ -46,6 +47,7 @@ from devcluster.engine.openai_requests import (
     parse_chat_request,
     parse_completion_request,
 )
+from devcluster.engine.sglang import SglangMetrics
 from devcluster.engine.shapes import (
     LLAMACPP_BUILD_INFO,
     ApiShape,
@@ -110,7 +112,11 @@ class SimulatedEngine:
         self.shape: ApiShape
         self._vllm_metrics: VllmMetrics | None = None
         self._llamacpp_metrics: LlamacppMetrics | None = None
-        if settings.flavor == "vllm":
+        self._sglang_metrics: SglangMetrics | None = None
+        if settings.flavor == "sglang":
+            self.shape = VllmShape(include_cached_tokens=settings.include_cached_tokens)
+            self._sglang_metrics = SglangMetrics(model_name=settings.model_name)
+        elif settings.flavor == "vllm":
             self.shape = VllmShape(include_cached_tokens=settings.include_cached_tokens)
             self._vllm_metrics = VllmMetrics(
                 model_name=settings.model_name,
@@ -135,7 +141,9 @@ class SimulatedEngine:
             web.post("/v1/completions", self._completions),
             web.get("/metrics", self._metrics),
         ]
-        if self.settings.flavor == "vllm":
+        if self.settings.flavor == "sglang":
+            routes += [web.get("/health_generate", self._health)]
+        elif self.settings.flavor == "vllm":
             routes += [web.get("/version", self._version), web.get("/ping", self._health)]
         else:
             routes += [
@@ -154,6 +162,11 @@ class SimulatedEngine:
         keys = self.settings.api_keys
         if not keys or request.method == "OPTIONS":
             return True
+        if self.settings.flavor == "sglang":
+            if sglang.is_public_path(request.path):
+                return True
+            given = request.headers.get("Authorization", "")
+            return any(hmac.compare_digest(given, f"Bearer {key}") for key in keys)
         if self.settings.flavor == "vllm":
             # vLLM's AuthenticationMiddleware guards only paths under /v1.
             if not request.path.startswith("/v1"):
@@ -175,7 +188,7 @@ class SimulatedEngine:
         if self._authorized(request):
             response: web.StreamResponse = await handler(request)
             return response
-        if self.settings.flavor == "vllm":
+        if self.settings.api_flavor == "vllm":
             return _json_response({"error": "Unauthorized"}, status=401)
         return _json_response(LLAMACPP_UNAUTHORIZED_BODY, status=401)
 
@@ -192,12 +205,14 @@ class SimulatedEngine:
             if exc.status not in (404, 405):
                 raise
             # FastAPI's and llama-server's own answers for an unknown route.
-            if self.settings.flavor == "vllm":
+            if self.settings.api_flavor == "vllm":
                 return _json_response({"detail": exc.reason}, status=exc.status)
             return self._error(ApiError(404, "File Not Found"))
         return response
 
     def _observe(self, outcome: StepOutcome) -> None:
+        if self._sglang_metrics is not None:
+            self._sglang_metrics.observe_step(outcome)
         if self._vllm_metrics is not None:
             self._vllm_metrics.observe_step(outcome)
         if self._llamacpp_metrics is not None:
@@ -212,7 +227,7 @@ class SimulatedEngine:
     # --- plain routes ---------------------------------------------------
 
     async def _health(self, _: web.Request) -> web.Response:
-        if self.settings.flavor == "vllm":
+        if self.settings.api_flavor == "vllm":
             return web.Response(status=200)
         return _json_response({"status": "ok"})
 
@@ -222,6 +237,8 @@ class SimulatedEngine:
     async def _models(self, _: web.Request) -> web.Response:
         created = now_seconds()
         s = self.settings
+        if s.flavor == "sglang":
+            return _json_response(sglang.model_cards(s, created))
         if s.flavor == "vllm":
             cards: list[dict[str, Any]] = [
                 {
@@ -294,6 +311,12 @@ class SimulatedEngine:
 
     async def _metrics(self, _: web.Request) -> web.Response:
         stats = self.core.stats()
+        if self._sglang_metrics is not None:
+            if not self.settings.metrics_enabled:
+                # Without --enable-metrics SGLang mounts no /metrics route.
+                return _json_response({"detail": "Not Found"}, status=404)
+            body = self._sglang_metrics.render(stats)
+            return web.Response(body=body, headers={"Content-Type": PROMETHEUS_TEXT_CONTENT_TYPE})
         if self._vllm_metrics is not None:
             body = self._vllm_metrics.render(stats)
             return web.Response(body=body, headers={"Content-Type": PROMETHEUS_TEXT_CONTENT_TYPE})
@@ -399,9 +422,9 @@ class SimulatedEngine:
         try:
             body = await self._read_json(request)
             parsed = (
-                parse_chat_request(body, self.settings.flavor)
+                parse_chat_request(body, self.settings.api_flavor)
                 if kind == "chat"
-                else parse_completion_request(body, self.settings.flavor)
+                else parse_completion_request(body, self.settings.api_flavor)
             )
             self._check_model(parsed)
             plan = self._plan(parsed)
@@ -458,14 +481,14 @@ class SimulatedEngine:
             raise ApiError(400, f"JSON decode error: {exc}") from None
 
     def _check_model(self, parsed: GenerateRequest) -> None:
-        if self.settings.flavor != "vllm" or parsed.model is None:
+        if self.settings.api_flavor != "vllm" or parsed.model is None:
             return
         if parsed.model not in self.settings.served_model_names:
             raise ApiError(404, f"The model `{parsed.model}` does not exist.", param="model")
 
     def _reported_model(self, parsed: GenerateRequest) -> str:
         # vLLM echoes the served name asked for; llama.cpp always reports its alias.
-        if self.settings.flavor == "vllm" and parsed.model is not None:
+        if self.settings.api_flavor == "vllm" and parsed.model is not None:
             return parsed.model
         return self.settings.model_name
 
@@ -474,7 +497,7 @@ class SimulatedEngine:
         prompt_tokens = tokenize(parsed.prompt)
         n_prompt = len(prompt_tokens)
         room = s.max_model_len - n_prompt
-        if s.flavor == "vllm":
+        if s.api_flavor == "vllm":
             wanted = parsed.max_tokens
             if room <= 0 or (wanted is not None and wanted > room):
                 asked = n_prompt + (wanted or 0)
@@ -703,7 +726,8 @@ async def run_engine(
 
         async def load(listen_on: socket.socket) -> None:
             await asyncio.sleep(settings.sim.load_seconds)
-            if settings.flavor == "vllm":
+            if settings.flavor != "llamacpp":
+                # vLLM and SGLang listen only once the model is loaded.
                 await web.SockSite(runner, listen_on).start()
             engine.ready.set()
 

@@ -3,8 +3,10 @@
 * `raw_exec` and `exec` run `command` with `args` (no chroot or cgroups here).
 * `docker` has no engine on these machines, so images map to local commands
   through a table (built-in defaults, or a YAML/JSON file): vLLM images run the
-  simulated vLLM engine, llama.cpp server images run the real `llama-server`
-  when one was built (else the simulated one). The container port given as
+  simulated vLLM engine, `lmsysorg/sglang` images the simulated SGLang server
+  (the image's `entrypoint`, `python3 -m sglang.launch_server`, is replaced by
+  the simulator; `args` pass through), llama.cpp server images run the real
+  `llama-server` when one was built (else the simulated one). The container port given as
   `--port <To>` becomes the host port, and `--host` the node's address, as
   Docker's port mapping would make it look from outside. An image with no
   mapping fails the task with a `Driver Failure`.
@@ -67,7 +69,7 @@ class ImageMapping:
     """Which local program stands in for a container image (glob on the image name)."""
 
     image: str
-    engine: str | None = None  # "vllm" or "llamacpp": the simulated or real engine
+    engine: str | None = None  # "vllm", "llamacpp" or "sglang": the simulated or real engine
     command: tuple[str, ...] = ()  # or an explicit command line
 
     def matches(self, image: str) -> bool:
@@ -78,6 +80,7 @@ DEFAULT_IMAGE_MAPPINGS = (
     ImageMapping(image="vllm/vllm-openai:*", engine="vllm"),
     ImageMapping(image="vllm/vllm-openai", engine="vllm"),
     ImageMapping(image="ghcr.io/ggml-org/llama.cpp:server*", engine="llamacpp"),
+    ImageMapping(image="lmsysorg/sglang:*", engine="sglang"),
 )
 
 
@@ -96,9 +99,9 @@ def load_image_mappings(path: Path | None) -> tuple[ImageMapping, ...]:
             raise ValueError(message)  # noqa: TRY004 - a bad file is a bad value
         engine = entry.get("engine")
         command = entry.get("command") or []
-        if engine not in {None, "vllm", "llamacpp"}:
+        if engine not in {None, "vllm", "llamacpp", "sglang"}:
             raise ValueError(
-                f"{path}: entry {position}: engine must be vllm or llamacpp, not {engine!r}"
+                f"{path}: entry {position}: engine must be vllm, llamacpp or sglang, not {engine!r}"
             )
         if engine is None and not command:
             raise ValueError(f"{path}: entry {position} needs 'engine' or 'command'")

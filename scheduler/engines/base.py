@@ -1,9 +1,12 @@
 """The engine adapter interface: what rendering needs to know about an engine.
 
-One module per engine implements it (`vllm.py`, `llamacpp.py`). Adapters are
-pure: they turn a validated profile and the cluster config into the pieces of
-a Nomad task (driver, config, port mapping) and the facts the router and
-autoscaler need (capacity, health path, metric names).
+One module per engine implements it (`vllm.py`, `llamacpp.py`, `sglang.py`) and owns
+everything caravan knows about that engine: the profile rules it adds, the
+flags caravan renders itself, the flags and variables the profile policy
+refuses, rendering (driver, config, port mapping), and the facts the router
+and autoscaler need (capacity, health path, metric names, stream traits).
+`registry.py` maps each `Engine` to its adapter; nothing outside these
+modules branches on an engine's name. Adapters are pure.
 """
 
 from __future__ import annotations
@@ -11,17 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from caravan.engine_metrics import (
-    LLAMACPP_METRIC_NAMES,
-    VLLM_METRIC_NAMES,
-    MetricNames,
-    resolve_metric_names,
-)
+from caravan.engine_metrics import MetricNames, resolve_metric_names
+from scheduler.engines.kinds import Driver
 
 if TYPE_CHECKING:
+    from caravan.contract import StreamTraits
     from scheduler.cluster_config import ClusterConfig
-    from scheduler.profiles import Driver, Engine, ModelProfile
+    from scheduler.engines.kinds import Engine
     from scheduler.profiles import MetricNames as ProfileMetricNames
+    from scheduler.profiles import ModelProfile
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +46,6 @@ class ResolvedMetrics:
 
 
 METRICS_PATH = "/metrics"
-VLLM_METRICS = ResolvedMetrics(path=METRICS_PATH, names=VLLM_METRIC_NAMES)
-LLAMACPP_METRICS = ResolvedMetrics(path=METRICS_PATH, names=LLAMACPP_METRIC_NAMES)
 
 
 def resolve_metrics(
@@ -54,15 +53,36 @@ def resolve_metrics(
 ) -> ResolvedMetrics:
     """Apply a profile's metric override to its engine's default mapping.
 
-    No override means the engine's own names; an override follows the seed's
-    rule (`caravan.engine_metrics.resolve_metric_names`).
+    No override means the engine's own names; an override follows the rule of
+    `caravan.engine_metrics.resolve_metric_names`, with this engine's names for blanks.
     """
     if override is None:
         return engine_default
     names = resolve_metric_names(
-        running=override.running, waiting=override.waiting, kv_cache_usage=override.kv_cache_usage
+        engine_default.names,
+        running=override.running,
+        waiting=override.waiting,
+        kv_cache_usage=override.kv_cache_usage,
     )
     return ResolvedMetrics(path=override.path, names=names)
+
+
+def check_gpu_engine(profile: ModelProfile, engine: str, shown: str) -> None:
+    """The rules of a GPU-only, tensor-parallel engine in a docker image."""
+    if profile.gpu is None:
+        # A typo in `gpu` must never become a replica placed on a machine with no GPU.
+        raise ValueError(
+            f"gpu: engine '{engine}' needs a gpu block (for example gpu: {{class: h100, "
+            "count: 1}); only llama.cpp can run on the CPU"
+        )
+    if profile.gpu.count != profile.tensor_parallel and not profile.gpu.allow_count_mismatch:
+        raise ValueError(
+            f"gpu.count ({profile.gpu.count}) must equal tensor_parallel "
+            f"({profile.tensor_parallel}) for {shown} (one GPU per tensor-parallel rank per "
+            "node); set gpu.allow_count_mismatch: true if the difference is deliberate"
+        )
+    if profile.driver is Driver.RAW_EXEC:
+        raise ValueError(f"driver: {shown} replicas run with the docker driver only")
 
 
 class EngineAdapter(Protocol):
@@ -79,6 +99,39 @@ class EngineAdapter(Protocol):
     @property
     def api_key_env(self) -> str:
         """The environment variable the engine reads its API key from."""
+        ...
+
+    @property
+    def managed_flags(self) -> frozenset[str]:
+        """Flags caravan renders from profile fields; `engine_args` may not set them."""
+        ...
+
+    @property
+    def denied_flags(self) -> tuple[str, ...]:
+        """Flags the default profile policy refuses (code loading, listener, file access)."""
+        ...
+
+    @property
+    def denied_env(self) -> tuple[str, ...]:
+        """Variables (or `PREFIX*`) of this engine the default profile policy refuses."""
+        ...
+
+    @property
+    def abbreviates_flags(self) -> bool:
+        """Whether the engine's parser takes an unambiguous prefix of a long flag."""
+        ...
+
+    @property
+    def stream_traits(self) -> StreamTraits:
+        """How the router continues a stream on this engine (published in service Meta)."""
+        ...
+
+    def normalise_flag(self, flag: str) -> str:
+        """A flag as the engine's parser reads it (`--a_b` may mean `--a-b`)."""
+        ...
+
+    def check_profile(self, profile: ModelProfile) -> None:
+        """The engine's own profile rules; raises ValueError naming the field."""
         ...
 
     def default_metrics(self) -> ResolvedMetrics: ...

@@ -10,14 +10,62 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from caravan.contract import HTTP_PORT_LABEL
-from scheduler.engines.base import LLAMACPP_METRICS, ResolvedMetrics
-from scheduler.profiles import Driver, Engine
+from caravan.contract import HTTP_PORT_LABEL, StreamTraits
+from caravan.engine_metrics import MetricNames
+from scheduler.engines.base import METRICS_PATH, ResolvedMetrics
+from scheduler.engines.kinds import Driver, Engine
 
 if TYPE_CHECKING:
     from scheduler.cluster_config import ClusterConfig
     from scheduler.profiles import ModelProfile
 
+LLAMACPP_METRIC_NAMES = MetricNames(
+    running="llamacpp:requests_processing",
+    waiting="llamacpp:requests_deferred",
+    # llama.cpp removed its KV-cache gauges (PR #13660); a mapping must not rely on them.
+    kv_cache_usage=None,
+)
+LLAMACPP_METRICS = ResolvedMetrics(path=METRICS_PATH, names=LLAMACPP_METRIC_NAMES)
+MANAGED_FLAGS = frozenset(
+    {
+        "-m",
+        "--model",
+        "--host",
+        "--port",
+        "--metrics",
+        "-np",
+        "--parallel",
+        "-c",
+        "--ctx-size",
+        "-a",
+        "--alias",
+    }
+)
+DENIED_FLAGS = (
+    "--host",
+    "--port",
+    "--api-key",
+    "--api-key-file",
+    "--path",
+    "--slot-save-path",
+    "--log-file",
+    # Offloads the model and its computation to other hosts.
+    "--rpc",
+    # Lets the engine's clients change its global settings.
+    "--props",
+    # Built-in agent tools (read files, run commands) and where they run.
+    "--tools",
+    "--tools-runtime",
+    "--media-path",
+    # Router mode: loads (and spawns servers for) any model of a directory.
+    "--models-dir",
+    "--models-preset",
+)
+# llama-server reads every command-line flag from LLAMA_ARG_* as well.
+DENIED_ENV = ("LLAMA_ARG_*", "LLAMA_API_KEY")
+# llama-server has no default completion length, and a server without
+# `continue_final_message` support repeats a continued message (prefill).
+STREAM_TRAITS = StreamTraits(completion_default_max_tokens=None, echoes_prefill=True)
 # Slots per replica when the profile does not say (llama-server's own default
 # is auto; a fixed number keeps capacity known to the router).
 DEFAULT_PARALLEL = 4
@@ -46,6 +94,40 @@ class LlamaCppAdapter:
     def api_key_env(self) -> str:
         # llama-server's `--api-key` is also read from LLAMA_API_KEY (common/arg.cpp).
         return "LLAMA_API_KEY"
+
+    @property
+    def managed_flags(self) -> frozenset[str]:
+        return MANAGED_FLAGS
+
+    @property
+    def denied_flags(self) -> tuple[str, ...]:
+        return DENIED_FLAGS
+
+    @property
+    def denied_env(self) -> tuple[str, ...]:
+        return DENIED_ENV
+
+    @property
+    def abbreviates_flags(self) -> bool:
+        return False
+
+    @property
+    def stream_traits(self) -> StreamTraits:
+        return STREAM_TRAITS
+
+    def normalise_flag(self, flag: str) -> str:
+        return flag
+
+    def check_profile(self, profile: ModelProfile) -> None:
+        if profile.tensor_parallel > 1:
+            raise ValueError(
+                "tensor_parallel: llama.cpp replicas do not support tensor parallelism "
+                f"(got {profile.tensor_parallel}); use vLLM or 1"
+            )
+        if profile.nodes > 1:
+            raise ValueError(
+                f"nodes: llama.cpp replicas run on one node (got {profile.nodes}); use vLLM or 1"
+            )
 
     def default_metrics(self) -> ResolvedMetrics:
         return LLAMACPP_METRICS

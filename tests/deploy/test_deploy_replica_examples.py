@@ -16,6 +16,7 @@ PROFILES = ROOT / "examples" / "profiles"
 RENDERED_FROM = {
     "vllm-replica.json": ("qwen-vllm-h100.yaml", 0),
     "llamacpp-replica.json": ("tiny-llamacpp-cpu.yaml", 0),
+    "sglang-replica.json": ("qwen3-sglang-h100.yaml", 0),
 }
 
 
@@ -35,13 +36,13 @@ def test_example_is_the_render_output(
 
 
 def test_examples_cover_each_engine_once():
-    """The reference jobs are exactly the listed files, one vLLM and one llama.cpp replica."""
+    """The reference jobs are exactly the listed files, one replica per engine."""
     assert sorted(RENDERED_FROM) == sorted(path.name for path in EXAMPLES.iterdir())
     engines = [
         json.loads((EXAMPLES / name).read_text(encoding="utf-8"))["Job"]["Meta"]["caravan_engine"]
         for name in sorted(RENDERED_FROM)
     ]
-    assert ["llamacpp", "vllm"] == engines
+    assert ["llamacpp", "sglang", "vllm"] == engines
 
 
 def test_examples_are_documented():

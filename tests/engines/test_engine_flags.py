@@ -248,7 +248,7 @@ def test_cli_unknown_flavour_exits_2_with_a_clear_error() -> None:
     result = run_cli("--flavor", "tgi")
 
     assert 2 == result.returncode
-    assert "unknown flavour 'tgi': choose vllm or llamacpp" in result.stderr
+    assert "unknown flavour 'tgi': choose vllm, llamacpp or sglang" in result.stderr
 
 
 @pytest.mark.parametrize(

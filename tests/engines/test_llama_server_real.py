@@ -18,8 +18,9 @@ from engine_test_support import (
     wait_healthy,
 )
 
-from caravan.engine_metrics import LLAMACPP_METRIC_NAMES, parse_engine_load
+from caravan.engine_metrics import parse_engine_load
 from devcluster.llama_server_build import LlamaServerBuild, find_llama_server
+from scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES
 
 pytestmark = [pytest.mark.llamacpp]
 

@@ -33,7 +33,6 @@ from caravan.contract import (
     replica_job_id,
     replica_key_path,
 )
-from caravan.engine_metrics import LLAMACPP_METRIC_NAMES
 from caravan.errors import HashiConflict
 from caravan.nomad_api import QueryResult, Variable, VariableMetadata
 from caravan_cli.local_stack import LocalStack, StackOptions, local_profile, local_stack
@@ -46,6 +45,7 @@ from router.settings import RouterSettings
 from scheduler.autoscale.scrape import ReplicaTarget, ScrapeFailure, scrape_replicas
 from scheduler.cluster_config import ClusterConfig
 from scheduler.engine_keys import EngineKeys as SchedulerEngineKeys
+from scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES
 from scheduler.model_store import ModelStore
 from scheduler.profiles import ModelProfile, load_profile
 from scheduler.render import render

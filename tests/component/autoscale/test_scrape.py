@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
-from caravan.engine_metrics import LLAMACPP_METRIC_NAMES, VLLM_METRIC_NAMES, MetricNames
+from caravan.engine_metrics import MetricNames
 from scheduler.autoscale.scrape import (
     ReplicaTarget,
     RouterTarget,
@@ -19,6 +19,8 @@ from scheduler.autoscale.scrape import (
     scrape_routers,
 )
 from scheduler.autoscale.signals import ReplicaLoad, RouterQueue, router_queue
+from scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES
+from scheduler.engines.vllm import VLLM_METRIC_NAMES
 
 SCRAPED_AT = 1_700_000_123.5
 

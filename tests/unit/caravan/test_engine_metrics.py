@@ -7,15 +7,15 @@ from pathlib import Path
 import pytest
 
 from caravan.engine_metrics import (
-    DEFAULT_METRIC_NAMES,
-    LLAMACPP_METRIC_NAMES,
-    VLLM_METRIC_NAMES,
     EngineLoad,
     EngineMetricsParseError,
     MetricNames,
+    metric_names_as_published,
     parse_engine_load,
     resolve_metric_names,
 )
+from scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES
+from scheduler.engines.vllm import VLLM_METRIC_NAMES
 
 FIXTURES = Path(__file__).parents[2] / "fixtures" / "metrics"
 
@@ -100,35 +100,38 @@ class TestParseEngineLoad:
             parse_engine_load(text, VLLM_METRIC_NAMES)
 
 
+ENGINE_NAMES = MetricNames(running="e:running", waiting="e:waiting", kv_cache_usage="e:kv")
+
+
 class TestResolveMetricNames:
-    def test_empty_mapping_means_vllm_names(self) -> None:
-        """A mapping that names nothing (None or blank strings) gets vLLM's names."""
-        assert resolve_metric_names() == VLLM_METRIC_NAMES
-        assert resolve_metric_names(running="", waiting="", kv_cache_usage="") == VLLM_METRIC_NAMES
+    def test_empty_mapping_means_the_engine_names(self) -> None:
+        """A mapping that names nothing (None or blank strings) gets the engine's names."""
+        assert resolve_metric_names(ENGINE_NAMES) == ENGINE_NAMES
+        blank = resolve_metric_names(ENGINE_NAMES, running="", waiting="", kv_cache_usage="")
+        assert blank == ENGINE_NAMES
 
     def test_own_running_metric_is_a_complete_statement(self) -> None:
-        """Naming a running metric leaves the blanks blank instead of seeding vLLM's names."""
+        """Naming a running metric leaves the blanks blank instead of seeding the engine's."""
         names = resolve_metric_names(
-            running="llamacpp:requests_processing", waiting="llamacpp:requests_deferred"
+            ENGINE_NAMES,
+            running="llamacpp:requests_processing",
+            waiting="llamacpp:requests_deferred",
         )
 
         assert names == LLAMACPP_METRIC_NAMES
 
     def test_partial_mapping_without_running_seeds_only_the_blanks(self) -> None:
-        """A mapping naming only its queue metric keeps it and takes vLLM's names elsewhere."""
-        names = resolve_metric_names(waiting="sglang:num_queue_reqs")
+        """A mapping naming only its queue metric keeps it and takes the engine's elsewhere."""
+        names = resolve_metric_names(ENGINE_NAMES, waiting="other:queue")
 
-        expected = MetricNames(
-            running=VLLM_METRIC_NAMES.running,
-            waiting="sglang:num_queue_reqs",
-            kv_cache_usage=VLLM_METRIC_NAMES.kv_cache_usage,
-        )
+        expected = MetricNames(running="e:running", waiting="other:queue", kv_cache_usage="e:kv")
         assert expected == names
 
-    def test_engine_defaults_are_data(self) -> None:
-        """The per-engine defaults are keyed by the profile's engine value."""
-        assert dict(DEFAULT_METRIC_NAMES) == {
-            "vllm": VLLM_METRIC_NAMES,
-            "llamacpp": LLAMACPP_METRIC_NAMES,
-        }
-        assert LLAMACPP_METRIC_NAMES.kv_cache_usage is None
+
+class TestMetricNamesAsPublished:
+    def test_blank_is_not_exposed_and_nothing_is_filled_in(self) -> None:
+        """Readers take the Meta as written: no engine's names fill a blank."""
+        names = metric_names_as_published("a:run", "", None)
+
+        assert MetricNames(running="a:run", waiting=None, kv_cache_usage=None) == names
+        assert MetricNames(None, None, None) == metric_names_as_published("", "", "")

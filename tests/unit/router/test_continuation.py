@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from caravan.contract import StreamTraits
 from router.continuation import (
     DONE_EVENT,
     ContinuationRewriter,
@@ -19,6 +20,13 @@ from router.continuation import (
     request_blocker,
     split_complete_events,
 )
+from scheduler.engines.kinds import Engine
+from scheduler.engines.registry import adapter_for
+
+
+def traits_of(engine: str) -> StreamTraits:
+    """The stream traits the engine's adapter publishes (what the router reads from Meta)."""
+    return adapter_for(Engine(engine)).stream_traits
 
 
 def chunk(content: str | None = None, *, finish: str | None = None, **delta: Any) -> dict[str, Any]:
@@ -151,7 +159,7 @@ class TestBuildContinuation:
         payload = {**CHAT, "max_tokens": 10, "max_completion_tokens": 12, "seed": 3}
         account = self.account_with(" a b c", 3)
 
-        body = build_continuation(payload, account, engine)
+        body = build_continuation(payload, account, traits_of(engine))
 
         assert isinstance(body, dict)
         assert [
@@ -171,7 +179,7 @@ class TestBuildContinuation:
             "add_generation_prompt": False,
         }
 
-        body = build_continuation(payload, self.account_with(" one", 1), "vllm")
+        body = build_continuation(payload, self.account_with(" one", 1), traits_of("vllm"))
 
         assert isinstance(body, dict)
         assert {"role": "assistant", "content": "Sure: one"} == body["messages"][-1]
@@ -179,7 +187,9 @@ class TestBuildContinuation:
 
     def test_completion_at_its_limit_cannot_continue(self) -> None:
         """Nothing is left of max_tokens: no continuation."""
-        body = build_continuation({**CHAT, "max_tokens": 2}, self.account_with(" a b", 2), "vllm")
+        body = build_continuation(
+            {**CHAT, "max_tokens": 2}, self.account_with(" a b", 2), traits_of("vllm")
+        )
 
         assert Unfaithful("the answer is already at its token limit") == body
 
@@ -199,9 +209,11 @@ class TestBuildContinuation:
         payload = {"model": "m", "prompt": "Once", "stream": True}
 
         assert {**payload, "prompt": "Once x", "max_tokens": 15} == build_continuation(
-            payload, account, "vllm"
+            payload, account, traits_of("vllm")
         )
-        assert {**payload, "prompt": "Once x"} == build_continuation(payload, account, "llamacpp")
+        assert {**payload, "prompt": "Once x"} == build_continuation(
+            payload, account, traits_of("llamacpp")
+        )
 
     @pytest.mark.parametrize(
         ("extra", "kind"),

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from router_builders import MODEL, SERVICE, endpoint_entry, health_entry, service_meta, snapshot_of
 
-from caravan.engine_metrics import LLAMACPP_METRIC_NAMES, VLLM_METRIC_NAMES
+from caravan.engine_metrics import MetricNames
 from router.endpoints import (
     EMPTY_SNAPSHOT,
     CheckStatus,
@@ -17,6 +17,8 @@ from router.endpoints import (
     aggregate_status,
     snapshot_from_health,
 )
+from scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES
+from scheduler.engines.vllm import VLLM_METRIC_NAMES
 
 REALISTIC = Path(__file__).parent / "consul_health_caravan_qwen.json"
 
@@ -103,13 +105,13 @@ class TestAggregateStatus:
 
 
 class TestMetaRules:
-    def test_meta_naming_no_metrics_seeds_vllm_names(self) -> None:
-        """A Meta with every metric name blank reads vLLM's names."""
+    def test_meta_naming_no_metrics_reads_as_no_metrics(self) -> None:
+        """A Meta with every metric name blank is read as written: no engine's names fill it."""
         meta = service_meta(metric_running="", metric_waiting="", metric_kv_cache="")
 
         snapshot = snapshot_of(health_entry("a", meta=meta))
 
-        assert snapshot.by_id["a"].metric_names == VLLM_METRIC_NAMES
+        assert MetricNames(None, None, None) == snapshot.by_id["a"].metric_names
 
     def test_meta_naming_its_running_metric_is_complete(self) -> None:
         """llama.cpp's Meta names running and waiting; its blank KV name stays None."""

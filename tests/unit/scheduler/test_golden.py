@@ -17,11 +17,12 @@ GOLDEN = ROOT / "tests" / "golden"
 
 
 def test_there_are_examples_for_each_kind():
-    """The examples include a vLLM TP-2 profile, a CPU llama.cpp one and a GPU llama.cpp one."""
+    """The examples include vLLM and SGLang TP-2 profiles, a CPU and a GPU llama.cpp one."""
     profiles = [load_profile(path) for path in EXAMPLES]
     assert any(p.engine == "vllm" and p.tensor_parallel == 2 for p in profiles)
     assert any(p.engine == "llamacpp" and not p.uses_gpu for p in profiles)
     assert any(p.engine == "llamacpp" and p.uses_gpu for p in profiles)
+    assert any(p.engine == "sglang" and p.tensor_parallel == 2 for p in profiles)
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])

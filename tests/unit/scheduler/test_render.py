@@ -175,22 +175,20 @@ def test_llamacpp_metrics_have_no_kv_cache_name():
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        (
-            {},
-            ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"),
-        ),
+        ({}, ("llamacpp:requests_processing", "llamacpp:requests_deferred", "")),
         ({"running": "my_running"}, ("my_running", "", "")),
         (
             {"running": "r", "waiting": "w", "kv_cache_usage": "k"},
             ("r", "w", "k"),
         ),
-        ({"waiting": "w"}, ("vllm:num_requests_running", "w", "vllm:kv_cache_usage_perc")),
+        ({"waiting": "w"}, ("llamacpp:requests_processing", "w", "")),
     ],
 )
 def test_metric_override_follows_the_seed_rule(
     override: dict[str, str], expected: tuple[str, str, str]
 ):
-    """Empty override = vLLM names; naming running is complete; otherwise gaps use vLLM's."""
+    """Empty override = the engine's names; naming running is complete; else gaps use the
+    engine's own names (a llama.cpp profile never gets vLLM's)."""
     meta = group_of(render(make_llamacpp(metrics=override), 0))["Services"][0]["Meta"]
     actual = (
         meta[ServiceMetaKey.METRIC_RUNNING],

@@ -6,7 +6,6 @@ import math
 
 import pytest
 
-from caravan.engine_metrics import VLLM_METRIC_NAMES
 from scheduler.autoscale.scrape import (
     ReplicaTarget,
     RouterTarget,
@@ -14,6 +13,7 @@ from scheduler.autoscale.scrape import (
     ScrapeFailure,
     parse_router_queues,
 )
+from scheduler.engines.vllm import VLLM_METRIC_NAMES
 
 ROUTER_TEXT = """\
 # HELP caravan_router_queue_depth Requests waiting for a replica.

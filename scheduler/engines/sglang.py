@@ -1,0 +1,185 @@
+"""The SGLang adapter: `python -m sglang.launch_server` in the `lmsysorg/sglang` image.
+
+GPU only, tensor parallel on one node, docker driver. Flags follow SGLang's
+`ServerArgs` (python/sglang/srt/server_args.py): `--model-path`, `--tp`
+(argparse's prefix of `--tp-size`), `--host`, `--port`, `--served-model-name`,
+`--max-running-requests`, `--context-length`, `--enable-metrics`, `--api-key`.
+SGLang's HTTP server starts listening only after the model is loaded, and its
+`/health` then answers 200. Metrics (`--enable-metrics`,
+python/sglang/srt/metrics/collector.py) are the gauges `sglang:num_running_reqs`,
+`sglang:num_queue_reqs` and `sglang:token_usage` (KV-cache tokens in use, 0..1).
+
+API key: SGLang reads it from `--api-key` only (no environment fallback), so
+the nomadVar template puts it in `CARAVAN_ENGINE_API_KEY` and the argument is
+`--api-key ${CARAVAN_ENGINE_API_KEY}`, which Nomad interpolates from the task
+environment when it starts the container. The job spec carries the variable's
+name only; the value is visible in the container's command line on the node
+(as with any flag), never in the job, Consul or caravan's logs.
+
+Stream traits: completions default to `max_tokens: 16` (`CompletionRequest`
+in python/sglang/srt/entrypoints/openai/protocol.py) and a chat request with
+`continue_final_message` continues the last assistant message without
+repeating it, as the OpenAI defaults (`OPENAI_STREAM_TRAITS`) say.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from caravan.contract import HTTP_PORT_LABEL, OPENAI_STREAM_TRAITS, StreamTraits
+from caravan.engine_metrics import MetricNames
+from scheduler.engines.base import METRICS_PATH, ResolvedMetrics, check_gpu_engine
+from scheduler.engines.kinds import Driver, Engine
+from scheduler.engines.vllm import SHM_BYTES_MIN, SHM_BYTES_PER_RANK
+
+if TYPE_CHECKING:
+    from scheduler.cluster_config import ClusterConfig
+    from scheduler.profiles import ModelProfile
+
+SGLANG_METRIC_NAMES = MetricNames(
+    running="sglang:num_running_reqs",
+    waiting="sglang:num_queue_reqs",
+    kv_cache_usage="sglang:token_usage",
+)
+SGLANG_METRICS = ResolvedMetrics(path=METRICS_PATH, names=SGLANG_METRIC_NAMES)
+# The variable the engine-key template fills; the args read it by interpolation.
+API_KEY_ENV = "CARAVAN_ENGINE_API_KEY"
+ENTRYPOINT = ("python3", "-m", "sglang.launch_server")
+# Sequences per replica when the profile does not say. SGLang sizes its own
+# limit from GPU memory when the flag is absent; caravan states one so the
+# router and autoscaler know the replica's capacity.
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+MANAGED_FLAGS = frozenset(
+    {
+        "--model-path",
+        "--model",
+        "--tp",
+        "--tp-size",
+        "--tensor-parallel-size",
+        "--host",
+        "--port",
+        "--served-model-name",
+        "--max-running-requests",
+        "--context-length",
+        "--enable-metrics",
+        "--api-key",
+    }
+)
+DENIED_FLAGS = (
+    "--host",
+    "--port",
+    "--api-key",
+    "--admin-api-key",
+    "--trust-remote-code",
+    # Runs Python sent by API clients (a serialised logits processor).
+    "--enable-custom-logit-processor",
+    "--file-storage-path",
+    # A YAML file of further arguments, which would bypass this check.
+    "--config",
+)
+# Listener and logging config (dictConfig instantiates classes).
+DENIED_ENV = ("SGLANG_HOST_IP", "SGLANG_PORT", "SGLANG_LOGGING_CONFIG_PATH", API_KEY_ENV)
+
+
+class SglangAdapter:
+    @property
+    def engine(self) -> Engine:
+        return Engine.SGLANG
+
+    @property
+    def health_path(self) -> str:
+        return "/health"
+
+    @property
+    def api_key_env(self) -> str:
+        return API_KEY_ENV
+
+    @property
+    def managed_flags(self) -> frozenset[str]:
+        return MANAGED_FLAGS
+
+    @property
+    def denied_flags(self) -> tuple[str, ...]:
+        return DENIED_FLAGS
+
+    @property
+    def denied_env(self) -> tuple[str, ...]:
+        return DENIED_ENV
+
+    @property
+    def abbreviates_flags(self) -> bool:
+        # `ServerArgs.add_cli_args` fills a plain argparse parser (prefixes allowed).
+        return True
+
+    @property
+    def stream_traits(self) -> StreamTraits:
+        return OPENAI_STREAM_TRAITS
+
+    def normalise_flag(self, flag: str) -> str:
+        return flag
+
+    def check_profile(self, profile: ModelProfile) -> None:
+        check_gpu_engine(profile, "sglang", "SGLang")
+        if profile.nodes > 1:
+            raise ValueError(
+                f"nodes: SGLang replicas run on one node (got {profile.nodes}); "
+                "caravan does not render SGLang's multi-node flags"
+            )
+
+    def default_metrics(self) -> ResolvedMetrics:
+        return SGLANG_METRICS
+
+    def capacity(self, profile: ModelProfile) -> int:
+        return profile.max_concurrency or DEFAULT_MAX_RUNNING_REQUESTS
+
+    def startup_timeout_s(self, profile: ModelProfile) -> int:
+        # Weights download and load, then CUDA graph capture, as with vLLM.
+        return profile.startup_timeout_s or 900
+
+    def default_memory_mb(self, profile: ModelProfile) -> int:
+        return 16384 * profile.tensor_parallel
+
+    def default_cpu_mhz(self, profile: ModelProfile) -> int:
+        return 2000 * profile.tensor_parallel
+
+    def driver(self, profile: ModelProfile, config: ClusterConfig) -> Driver:
+        del profile, config
+        return Driver.DOCKER
+
+    def container_port(self, profile: ModelProfile, config: ClusterConfig) -> int | None:
+        del profile
+        return config.sglang.container_port
+
+    def args(self, profile: ModelProfile, config: ClusterConfig) -> list[str]:
+        args = [
+            "--model-path",
+            profile.model,
+            "--served-model-name",
+            profile.served_name,
+            "--tp",
+            str(profile.tensor_parallel),
+            # SGLang binds 127.0.0.1 by default; the port mapping needs all interfaces.
+            "--host",
+            "0.0.0.0",  # noqa: S104 - inside the container
+            "--port",
+            str(config.sglang.container_port),
+            "--max-running-requests",
+            str(self.capacity(profile)),
+            "--enable-metrics",
+        ]
+        if profile.context_length is not None:
+            args += ["--context-length", str(profile.context_length)]
+        if config.engine_api_keys:
+            args += ["--api-key", f"${{{API_KEY_ENV}}}"]
+        args += list(profile.engine_args)
+        return args
+
+    def task_config(self, profile: ModelProfile, config: ClusterConfig) -> dict[str, Any]:
+        return {
+            "image": profile.image or config.sglang.image,
+            "entrypoint": list(ENTRYPOINT),
+            "args": self.args(profile, config),
+            "ports": [HTTP_PORT_LABEL],
+            # Tensor-parallel ranks exchange tensors through /dev/shm (NCCL).
+            "shm_size": max(SHM_BYTES_MIN, SHM_BYTES_PER_RANK * profile.tensor_parallel),
+        }
