@@ -28,7 +28,7 @@ from caravan.contract import (
     encode_models_revision,
     served_name_of,
 )
-from caravan.engine_metrics import VLLM_METRIC_NAMES, MetricNames
+from caravan.engine_metrics import MetricNames
 
 KEY = "caravan/some/key"
 finite = st.floats(allow_nan=False, allow_infinity=False)
@@ -174,7 +174,8 @@ def test_stated_metric_names_round_trip(
     assert names == decode_metric_names(encode_metric_names(names))
 
 
-def test_meta_without_metric_names_gets_the_one_default() -> None:
-    """A service registered around caravan (no names in Meta) reads vLLM's names, by the rule."""
-    assert VLLM_METRIC_NAMES == decode_metric_names({})
-    assert VLLM_METRIC_NAMES == decode_metric_names({"metric_running": "", "metric_waiting": 3})
+def test_meta_without_metric_names_reads_as_not_exposed() -> None:
+    """Meta is read as written (the scheduler renders every name): no names means none exposed."""
+    nothing = MetricNames(running=None, waiting=None, kv_cache_usage=None)
+    assert nothing == decode_metric_names({})
+    assert nothing == decode_metric_names({"metric_running": "", "metric_waiting": 3})

@@ -16,8 +16,10 @@ from caravan.contract import (
     encode_desired_count,
     encode_drain,
 )
-from caravan.engine_metrics import LLAMACPP_METRIC_NAMES, VLLM_METRIC_NAMES, MetricNames
+from caravan.engine_metrics import MetricNames
 from scheduler.cluster_config import CLUSTER_CONFIG_CODEC, ClusterConfig
+from scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES
+from scheduler.engines.vllm import VLLM_METRIC_NAMES
 from scheduler.model_store import parse_desired_state
 from scheduler.profiles import ModelProfile, profile_to_json
 from scheduler.render import render
