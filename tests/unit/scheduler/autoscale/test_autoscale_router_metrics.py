@@ -7,13 +7,8 @@ import math
 import pytest
 
 from caravan.engine_metrics import VLLM_METRIC_NAMES
-from scheduler.autoscale.scrape import (
-    ReplicaTarget,
-    RouterTarget,
-    ScrapeError,
-    ScrapeFailure,
-    parse_router_queues,
-)
+from caravan.engine_scrape import ScrapeError, ScrapeFailure
+from scheduler.autoscale.scrape import ReplicaTarget, RouterTarget, parse_router_queues
 
 ROUTER_TEXT = """\
 # HELP caravan_router_queue_depth Requests waiting for a replica.
