@@ -2,11 +2,13 @@
 
 Every `interval_s` all endpoints that may take requests (not critical, not
 draining) are scraped at once, each with its own metric names (service
-Meta) and a short timeout. What "failed" means depends on how:
+Meta), by `caravan.engine_scrape`, the one engine scraper the autoscaler uses
+too (short timeout, size cap, the engine's API key). What "failed" means
+depends on how:
 
 - the engine answers but not with usable metrics (4xx/5xx, e.g. llama-server
-  started without `--metrics`, or text that does not parse): its load is
-  unknown at once (`forget_load`);
+  started without `--metrics`, a page over the size cap, or text that does
+  not parse): its load is unknown at once (`forget_load`);
 - the scrape times out or the connection fails: the last load stays and ages
   out after `load_max_age_s` (stale = unknown). A busy engine is exactly the
   one whose `/metrics` answers late; marking it unknown on one slow scrape
@@ -15,10 +17,6 @@ Meta) and a short timeout. What "failed" means depends on how:
 
 Unknown load is read by the balancer as saturated while other endpoints
 report, and ignored when none does (fail open).
-
-Parsing runs on the event loop, so only the lines that carry the three
-wanted metrics reach the Prometheus parser: a vLLM exposition is hundreds of
-lines of histograms, of which three matter here.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from caravan.engine_metrics import EngineMetricsParseError, MetricNames, parse_engine_load
+from caravan.engine_scrape import MAX_METRICS_BYTES, ScrapeError, scrape_engine
 from router.endpoints import CheckStatus, Endpoint
 from router.engine_keys import EngineKeySource
 from router.live_state import forget_load, record_load
@@ -38,14 +36,6 @@ from router.metrics import RouterMetrics
 from router.routing_state import RoutingState
 
 log = logging.getLogger(__name__)
-
-
-def relevant_lines(text: str, names: MetricNames) -> str:
-    """The exposition lines that can carry one of the wanted samples (other lines dropped)."""
-    wanted = tuple(name for name in (names.running, names.waiting, names.kv_cache_usage) if name)
-    if not wanted:
-        return ""
-    return "\n".join(line for line in text.splitlines() if line.startswith(wanted)) + "\n"
 
 
 class LoadScraper:
@@ -59,12 +49,14 @@ class LoadScraper:
         metrics: RouterMetrics,
         clock: Callable[[], float] = time.monotonic,
         engine_keys: EngineKeySource | None = None,
+        max_bytes: int = MAX_METRICS_BYTES,
     ) -> None:
+        self._max_bytes = max_bytes
         self._engine_keys = engine_keys
         self._session = session
         self._state = state
         self._interval_s = interval_s
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._timeout_s = timeout_s
         self._metrics = metrics
         self._clock = clock
 
@@ -86,32 +78,24 @@ class LoadScraper:
             await asyncio.gather(*(self._scrape(endpoint) for endpoint in targets))
 
     async def _scrape(self, endpoint: Endpoint) -> None:
-        url = endpoint.base_url + endpoint.metrics_path
         # llama-server guards /metrics with its API key (vLLM does not; the key is harmless there).
         key = None if self._engine_keys is None else self._engine_keys.key_for(endpoint.service)
-        headers = {"Authorization": f"Bearer {key}"} if key else None
         try:
-            async with self._session.get(
-                url, timeout=self._timeout, raise_for_status=True, headers=headers
-            ) as response:
-                text = await response.text(errors="replace")
-            load = parse_engine_load(
-                relevant_lines(text, endpoint.metric_names), endpoint.metric_names
+            load = await scrape_engine(
+                self._session,
+                endpoint.base_url + endpoint.metrics_path,
+                endpoint.metric_names,
+                timeout_s=self._timeout_s,
+                max_bytes=self._max_bytes,
+                api_key=key,
             )
-        except asyncio.CancelledError:
-            raise
-        except (aiohttp.ClientResponseError, EngineMetricsParseError) as exc:
-            forget_load(self._state.live, endpoint.id)
-            self._failed(endpoint, exc)
-            return
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except ScrapeError as exc:
+            if exc.failure.engine_answered:
+                forget_load(self._state.live, endpoint.id)
             self._failed(endpoint, exc)
             return
         record_load(self._state.live, endpoint.id, load, self._clock())
 
-    def _failed(self, endpoint: Endpoint, exc: BaseException) -> None:
+    def _failed(self, endpoint: Endpoint, exc: ScrapeError) -> None:
         self._metrics.scrape_failures.inc()
-        log.debug(
-            "engine_scrape_failed",
-            extra={"endpoint": endpoint.id, "error": f"{type(exc).__name__}: {exc}"},
-        )
+        log.debug("engine_scrape_failed", extra={"endpoint": endpoint.id, "error": str(exc)})

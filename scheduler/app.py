@@ -290,7 +290,7 @@ def build_scheduler(
         metrics=metrics,
         settings=settings.controller_settings(),
         is_leader=is_leader,
-        inflight=autoscaler.inflight_of,
+        inflight=autoscaler.inflight.of,
         engine_keys=engine_keys,
     )
     service = ModelService(

@@ -39,6 +39,7 @@ from caravan.contract import (
     model_service_name,
 )
 from caravan.errors import HashiError
+from scheduler.autoscale.inflight import InflightView
 from scheduler.autoscale.memory import Direction, Memory, memory_from_json, memory_to_json
 from scheduler.autoscale.override import constrain, override_in_force
 from scheduler.autoscale.policy import ScaleDecision, decide
@@ -49,18 +50,19 @@ from scheduler.autoscale.scrape import (
     scrape_replicas,
     scrape_routers,
 )
-from scheduler.autoscale.signals import ModelSignals, RouterQueueReport, router_queue
+from scheduler.autoscale.signals import ModelSignals, ReplicaLoad, RouterQueueReport, router_queue
 from scheduler.controller import HealthSource
 from scheduler.metrics import SchedulerMetrics
 from scheduler.model_store import DesiredState, ModelStore
 from scheduler.profiles import ModelProfile
-from scheduler.world import ObservedReplica
 
 log = logging.getLogger(__name__)
 
 # A demand signal older than this is stale (the router rewrites it while it
 # holds requests).
 DEMAND_FRESH_S = 120.0
+# An in-flight reading older than this many ticks reads as unknown.
+INFLIGHT_MAX_AGE_TICKS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +94,9 @@ class Autoscaler:
     is_leader: Callable[[], bool]
     settings: AutoscalerSettings = field(default_factory=AutoscalerSettings)
     clock: Callable[[], float] = time.time
-    # Last engine load seen per replica job, for the planner's scale-down choice.
-    inflight_by_alloc: dict[str, float | None] = field(default_factory=dict)
+    # Last in-flight requests read per live allocation, for the planner's
+    # scale-down choice (the controller reads it through `inflight.of`).
+    inflight: InflightView = field(init=False)
     # When the cold start of a model began (demand seen at zero replicas).
     cold_start_began: dict[str, float] = field(default_factory=dict)
     last_decisions: dict[str, ScaleDecision] = field(default_factory=dict)
@@ -101,6 +104,12 @@ class Autoscaler:
     last_cold_start_s: dict[str, float] = field(default_factory=dict)
     # The model's engine API key (scheduler.engine_keys), for engines that guard /metrics.
     engine_key: Callable[[str], Awaitable[str]] | None = None
+
+    def __post_init__(self) -> None:
+        # A reading older than a few ticks is stale: the autoscaler stopped (lost the lead).
+        self.inflight = InflightView(
+            max_age_s=INFLIGHT_MAX_AGE_TICKS * self.settings.tick_s, clock=self.clock
+        )
 
     async def run(self) -> None:
         async with aiohttp.ClientSession() as session:
@@ -126,6 +135,7 @@ class Autoscaler:
 
     async def tick(self, session: aiohttp.ClientSession) -> None:
         state = await self.store.read()
+        self.inflight.retain_models(state.profiles)
         scaled = {
             name: profile
             for name, profile in state.profiles.items()
@@ -154,14 +164,11 @@ class Autoscaler:
             session, targets, clock=self.clock, timeout_s=self.settings.scrape_timeout_s
         )
         alloc_of = {e.service_id: e.meta.get(ServiceMetaKey.ALLOC_ID, "") for e in entries}
-        for scrape in scrapes:
-            load = scrape.load
-            inflight = (
-                load.running + load.waiting
-                if load.running is not None and load.waiting is not None
-                else None
-            )
-            self.inflight_by_alloc[alloc_of.get(load.replica_id, "")] = inflight
+        self.inflight.replace_model(
+            name,
+            {alloc_of.get(s.load.replica_id, ""): _inflight(s.load) for s in scrapes},
+            at=self.clock(),
+        )
         return entries, scrapes
 
     async def _evaluate(
@@ -264,13 +271,11 @@ class Autoscaler:
             self.last_cold_start_s[name] = round(now - began, 1)
             await self.store.clear_demand(name)
 
-    def inflight_of(self, replica: ObservedReplica) -> float | None:
-        """The engine-reported in-flight requests of a replica, when known."""
-        for alloc in replica.live_allocs():
-            value = self.inflight_by_alloc.get(alloc.id)
-            if value is not None:
-                return value
+
+def _inflight(load: ReplicaLoad) -> float | None:
+    if load.running is None or load.waiting is None:
         return None
+    return load.running + load.waiting
 
 
 def state_document(

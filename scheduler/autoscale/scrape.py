@@ -1,8 +1,8 @@
 """Reading the load of replicas and routers from their `/metrics` (the autoscaler's I/O).
 
 Replicas: each target names its engine's metrics path and metric names (from
-its Consul service Meta, contract 4); the text is read by the shared parser in
-`caravan.engine_metrics`, the same one the router uses.
+its Consul service Meta, contract 4); each is read by `caravan.engine_scrape`,
+the one engine scraper the router uses too (timeout, size cap, API key).
 
 Routers: every router exports, per model,
 
@@ -24,7 +24,6 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from types import MappingProxyType
 from typing import TypeVar
 
@@ -36,45 +35,24 @@ from caravan.contract import (
     ROUTER_QUEUE_DEPTH_METRIC,
     ROUTER_QUEUE_WAIT_METRIC,
 )
-from caravan.engine_metrics import EngineMetricsParseError, MetricNames, parse_engine_load
+from caravan.engine_metrics import MetricNames
+from caravan.engine_scrape import (
+    MAX_METRICS_BYTES,
+    ScrapeError,
+    ScrapeFailure,
+    fetch_metrics_text,
+    scrape_engine,
+)
 from scheduler.autoscale.signals import ReplicaLoad, RouterQueueReport
-
-# What the routers export (the router package defines the metrics; these
-# names are the contract between the two).
 
 # An engine answers /metrics from memory in milliseconds; a replica that takes
 # seconds is overloaded or gone, and waiting longer would delay every model's
 # evaluation behind it.
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_MAX_CONCURRENCY = 16
-# vLLM's page with all its histograms is a few hundred KiB; far more is not a
-# metrics page.
-MAX_METRICS_BYTES = 8 * 1024 * 1024
-_CHUNK_BYTES = 64 * 1024
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
-
-
-class ScrapeFailure(StrEnum):
-    """Why a scrape produced no reading (a bounded label value for metrics)."""
-
-    TIMEOUT = "timeout"
-    CONNECTION = "connection"
-    HTTP_STATUS = "http_status"
-    TOO_LARGE = "too_large"
-    MALFORMED = "malformed"
-
-
-class ScrapeError(Exception):
-    """One scrape failed; the next evaluation tries again."""
-
-    retryable = True
-
-    def __init__(self, failure: ScrapeFailure, detail: str) -> None:
-        super().__init__(f"{failure.value}: {detail}")
-        self.failure = failure
-        self.detail = detail
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,51 +124,6 @@ def _check_limits(timeout_s: float, max_concurrency: int) -> None:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
 
 
-async def _read_bounded(response: aiohttp.ClientResponse, max_bytes: int) -> bytes:
-    if response.content_length is not None and response.content_length > max_bytes:
-        raise ScrapeError(ScrapeFailure.TOO_LARGE, f"{response.content_length} bytes")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in response.content.iter_chunked(_CHUNK_BYTES):
-        size += len(chunk)
-        if size > max_bytes:
-            raise ScrapeError(ScrapeFailure.TOO_LARGE, f"more than {max_bytes} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def fetch_metrics_text(
-    session: aiohttp.ClientSession,
-    url: str,
-    *,
-    timeout_s: float,
-    max_bytes: int,
-    api_key: str | None = None,
-) -> str:
-    """GET one metrics page as text (with the engine's key, if any); raises ScrapeError."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    try:
-        async with session.get(
-            url,
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
-            allow_redirects=False,
-            headers=headers,
-        ) as response:
-            if response.status != 200:
-                raise ScrapeError(ScrapeFailure.HTTP_STATUS, f"HTTP {response.status}")
-            body = await _read_bounded(response, max_bytes)
-            charset = response.charset or "utf-8"
-    # aiohttp's read timeouts are both TimeoutError and ClientError; they are timeouts.
-    except TimeoutError as exc:
-        raise ScrapeError(ScrapeFailure.TIMEOUT, f"no answer within {timeout_s:g}s") from exc
-    except aiohttp.ClientError as exc:
-        raise ScrapeError(ScrapeFailure.CONNECTION, type(exc).__name__) from exc
-    try:
-        return body.decode(charset)
-    except (UnicodeDecodeError, LookupError) as exc:
-        raise ScrapeError(ScrapeFailure.MALFORMED, f"body is not {charset} text") from exc
-
-
 async def _run_bounded(
     items: Sequence[Item], run: Callable[[Item], Awaitable[Result]], max_concurrency: int
 ) -> tuple[Result, ...]:
@@ -229,17 +162,14 @@ async def scrape_replicas(
 
     async def scrape_one(target: ReplicaTarget) -> ReplicaScrape:
         try:
-            text = await fetch_metrics_text(
+            engine_load = await scrape_engine(
                 session,
                 target.url,
+                target.metric_names,
                 timeout_s=timeout_s,
                 max_bytes=max_bytes,
                 api_key=target.api_key,
             )
-            try:
-                engine_load = parse_engine_load(text, target.metric_names)
-            except EngineMetricsParseError as exc:
-                raise ScrapeError(ScrapeFailure.MALFORMED, "not Prometheus text format") from exc
         except ScrapeError as exc:
             return ReplicaScrape(_unknown_load(target.replica_id), exc.failure, exc.detail)
         load = ReplicaLoad(

@@ -12,7 +12,11 @@ serf marks the node's agent failed after memberlist's probe and suspicion
 timeouts, seconds; Nomad marks the node down after its heartbeat TTL plus
 grace, 10-30 s), and the test prints the timeline it measured (`pytest -s`):
 kill -> Consul reports the endpoint critical -> Nomad marks the node down ->
-the rebuilt replica passes.
+the rebuilt replica passes, and the streams each client completed.
+
+Outcomes are recorded per client and asserted per client: every client's
+every stream completed, and every client completed a stream after Consul
+reported the dead endpoint (none was left stuck on it).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +48,23 @@ async def wait_for(check, timeout_s: float, what: str) -> None:
             return
         await asyncio.sleep(0.2)
     pytest.fail(f"{what} not reached within {timeout_s}s")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOutcome:
+    """One streamed completion of one client, as the client saw it."""
+
+    client: int
+    turn: int
+    status: int
+    done: bool
+    errors: list[Any]
+    text: str
+    finished_at: float
+
+    @property
+    def completed(self) -> bool:
+        return self.status == 200 and self.done and not self.errors and bool(self.text)
 
 
 def read_stream(raw: bytes) -> tuple[str, bool, list[Any]]:
@@ -105,7 +127,8 @@ async def run_scenario(stack: LocalStack, lines: list[tuple[float, dict[str, Any
                 return profile.served_name in {m["id"] for m in (await response.json())["data"]}
 
         await wait_for(routable, 10, "the router to see the model")
-        outcomes: list[tuple[int, bool, list[Any], str]] = []
+        outcomes: dict[int, list[StreamOutcome]] = {n: [] for n in range(CLIENTS)}
+        streaming: set[int] = set()
         stop = asyncio.Event()
 
         async def client(number: int) -> None:
@@ -117,14 +140,22 @@ async def run_scenario(stack: LocalStack, lines: list[tuple[float, dict[str, Any
                     "max_tokens": 300,
                     "messages": [{"role": "user", "content": f"client {number} turn {turn}"}],
                 }
-                turn += 1
                 async with session.post(url, json=body, headers=stack.router.headers) as response:
+                    streaming.add(number)
                     raw = await response.read()
                 text, done, errors = read_stream(raw)
-                outcomes.append((response.status, done, errors, text))
+                outcomes[number].append(
+                    StreamOutcome(
+                        number, turn, response.status, done, errors, text, time.monotonic()
+                    )
+                )
+                turn += 1
+
+        async def every_client_streaming() -> bool:
+            return len(streaming) == CLIENTS
 
         clients = [asyncio.create_task(client(n)) for n in range(CLIENTS)]
-        await asyncio.sleep(2)
+        await wait_for(every_client_streaming, 10, "every client to have a stream open")
         # The engines answer only with their model's key (docs/security.md).
         key = await nomad.get_variable(engine_key_path(profile.name))
         assert key is not None
@@ -158,18 +189,35 @@ async def run_scenario(stack: LocalStack, lines: list[tuple[float, dict[str, Any
             since_kill(rebuilt, 90, "the replica to be rebuilt on a survivor"),
         )
         reported_at = killed_at + reported_s
+
+        async def every_client_served_after_the_report() -> bool:
+            return all(
+                any(o.completed and o.finished_at > reported_at for o in outcomes[n])
+                for n in range(CLIENTS)
+            )
+
+        # Each client goes on being served after the report, by the survivors.
+        await wait_for(
+            every_client_served_after_the_report, 30, "a completed stream for every client"
+        )
+        stop.set()
+        await asyncio.gather(*clients)
+        completed = {n: sum(o.completed for o in outcomes[n]) for n in range(CLIENTS)}
         print(  # noqa: T201 - the measured timeline is part of the exit criterion's report
             f"\nexit criterion timeline: kill -> Consul reports the endpoint critical "
             f"{reported_s:.1f}s -> Nomad marks the node down {down_s:.1f}s -> rebuilt "
-            f"replica passing {rebuilt_s:.1f}s"
+            f"replica passing {rebuilt_s:.1f}s; completed streams per client {completed}"
         )
-        await asyncio.sleep(2)
-        stop.set()
-        await asyncio.gather(*clients)
 
-    failed = [o for o in outcomes if o[0] != 200 or not o[1] or o[2] or not o[3]]
-    assert failed == [], f"{len(failed)} of {len(outcomes)} requests failed: {failed[:3]}"
-    assert len(outcomes) >= CLIENTS
+    failed = {
+        n: [(o.turn, o.status, o.done, o.errors) for o in outcomes[n] if not o.completed]
+        for n in range(CLIENTS)
+    }
+    assert all(not f for f in failed.values()), f"failed streams per client: {failed}"
+    for n in range(CLIENTS):
+        assert any(o.finished_at > reported_at for o in outcomes[n]), (
+            f"client {n} completed nothing after Consul reported the dead endpoint"
+        )
     failovers = stack.router.registry.get_sample_value(
         "caravan_router_failovers_total", {"model": profile.served_name, "outcome": "resumed"}
     )

@@ -36,14 +36,32 @@ async def _stop(task: asyncio.Task[None]) -> None:
     await asyncio.gather(task, return_exceptions=True)
 
 
+class WatchingConsul:
+    """The real client, noting when a contender blocks on the key (it has read it and lost)."""
+
+    def __init__(self, consul: ConsulClient) -> None:
+        self._consul = consul
+        self.blocked_on_key = asyncio.Event()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._consul, name)
+
+    async def kv_get(self, key: str, **options: object) -> tuple[int, KVEntry | None]:
+        if options.get("index"):
+            self.blocked_on_key.set()
+        return await self._consul.kv_get(key, **options)
+
+
 async def test_exactly_one_leader_and_handover_on_shutdown(consul_client: ConsulClient):
     """Of two contenders one leads; when it shuts down the other takes over without waiting."""
     first = LeaderElection(consul_client, _settings(b"first", lock_delay_s=15.0))
-    second = LeaderElection(consul_client, _settings(b"second", lock_delay_s=15.0))
+    watching = WatchingConsul(consul_client)
+    second = LeaderElection(watching, _settings(b"second", lock_delay_s=15.0))
     first_task = asyncio.create_task(first.run())
     await asyncio.wait_for(first.elected.wait(), 2)
     second_task = asyncio.create_task(second.run())
-    await asyncio.sleep(0.3)
+    # A blocking read (index > 0) comes after the second's first look at the held key.
+    await asyncio.wait_for(watching.blocked_on_key.wait(), 3)
     both_before = (first.is_leader, second.is_leader)
     stopped_at = time.monotonic()
     await _stop(first_task)

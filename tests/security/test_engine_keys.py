@@ -33,6 +33,7 @@ from caravan.contract import (
     replica_job_id,
     replica_key_path,
 )
+from caravan.engine_scrape import ScrapeFailure
 from caravan.errors import HashiConflict
 from caravan.nomad_api import QueryResult, Variable, VariableMetadata
 from caravan_cli.local_stack import LocalStack, StackOptions, local_profile, local_stack
@@ -42,7 +43,7 @@ from devcluster.llama_server_build import find_llama_server
 from devcluster.nomad.variables import workload_may_read
 from router.engine_keys import EngineKeys as RouterEngineKeys
 from router.settings import RouterSettings
-from scheduler.autoscale.scrape import ReplicaTarget, ScrapeFailure, scrape_replicas
+from scheduler.autoscale.scrape import ReplicaTarget, scrape_replicas
 from scheduler.cluster_config import ClusterConfig
 from scheduler.engine_keys import EngineKeys as SchedulerEngineKeys
 from scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES

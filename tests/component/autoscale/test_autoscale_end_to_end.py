@@ -16,6 +16,7 @@ import pytest
 from caravan.contract import KVLayout, model_service_name
 from caravan_cli.local_stack import LocalStack, StackOptions, local_stack
 from router.settings import RouterSettings
+from scheduler.autoscale.memory import Direction
 from scheduler.model_store import ModelStore
 from scheduler.profiles import ModelProfile
 
@@ -161,9 +162,14 @@ async def test_load_step_scales_up_then_down_after_the_window(stack: LocalStack)
             )
 
         await wait_for(drained, 45, "the waiting queue to drain")
-        for _ in range(6):
+        # Every evaluation while the load lasts is a chance to scale down: watch three.
+        after_drain = evaluations(stack, "scaler")
+
+        async def three_more_evaluations() -> bool:
             counts.append(await desired(stack, "scaler"))
-            await asyncio.sleep(0.5)
+            return evaluations(stack, "scaler") >= after_drain + 3
+
+        await wait_for(three_more_evaluations, 30, "three evaluations after the drain")
         burst_s = time.monotonic() - started
     assert counts == sorted(counts), f"scaled down during the burst: {counts}"
     assert set(statuses) == {200}, f"requests failed during the burst: {set(statuses)}"
@@ -228,15 +234,35 @@ async def test_constant_load_changes_the_count_at_most_once_after_settling(stack
     await wait_for(lambda: _eq(passing(stack, "scaler"), 1), 60, "first replica")
     async with load(stack, "scaler", clients=8, max_tokens=100):
         await wait_for(lambda: _ge(desired(stack, "scaler"), 2), 30, "scale-up")
-        await asyncio.sleep(UP_WINDOW_S + 5)
+        # Counted in evaluations (one a second), so a slow machine sees as many decisions.
+        settled_at = evaluations(stack, "scaler") + UP_WINDOW_S + 5
+        await wait_for(lambda: _evaluated(stack, settled_at), 60, "the count to settle")
         history = [await desired(stack, "scaler")]
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            await asyncio.sleep(1)
+        sampled_until = evaluations(stack, "scaler") + 30
+
+        async def sampled() -> bool:
             count = await desired(stack, "scaler")
             if count != history[-1]:
                 history.append(count)
+            return evaluations(stack, "scaler") >= sampled_until
+
+        await wait_for(sampled, 120, "30 evaluations under constant load")
     assert len(history) <= 2, f"the count kept changing under constant load: {history}"
+
+
+def evaluations(stack: LocalStack, model: str) -> float:
+    """How many times the autoscaler has evaluated `model` (decisions of every direction)."""
+    return sum(
+        stack.scheduler.registry.get_sample_value(
+            "caravan_scheduler_autoscale_decisions_total", {"model": model, "direction": direction}
+        )
+        or 0.0
+        for direction in Direction
+    )
+
+
+async def _evaluated(stack: LocalStack, count: float) -> bool:
+    return evaluations(stack, "scaler") >= count
 
 
 async def _metric_at_least(stack: LocalStack, count: float) -> bool:

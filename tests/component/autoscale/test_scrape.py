@@ -11,13 +11,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
 from caravan.engine_metrics import MetricNames
-from scheduler.autoscale.scrape import (
-    ReplicaTarget,
-    RouterTarget,
-    ScrapeFailure,
-    scrape_replicas,
-    scrape_routers,
-)
+from caravan.engine_scrape import ScrapeFailure
+from scheduler.autoscale.scrape import ReplicaTarget, RouterTarget, scrape_replicas, scrape_routers
 from scheduler.autoscale.signals import ReplicaLoad, RouterQueue, router_queue
 from scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES
 from scheduler.engines.vllm import VLLM_METRIC_NAMES
@@ -101,7 +96,8 @@ class MetricsServer:
             "/router-b/metrics": router_text({"llama-8b": 2}, {"llama-8b": [4.0]}),
             "/router-old/metrics": "# TYPE process_cpu_seconds_total counter\n"
             "process_cpu_seconds_total 1.0\n",
-            "/garbage/metrics": "this is {not prometheus\n",
+            # Only the lines of the wanted names are parsed (caravan.engine_scrape).
+            "/garbage/metrics": "vllm:num_requests_running{not prometheus\n",
         }
 
     async def handle(self, request: web.Request) -> web.StreamResponse:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import dns.asyncquery
@@ -44,6 +45,16 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text(encoding="ascii").split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+async def still_alive(pids: set[int], timeout_s: float) -> list[int]:
+    """The `pids` still alive once all are gone or `timeout_s` has passed (polled)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = sorted(pid for pid in pids if alive(pid))
+        if not left or time.monotonic() >= deadline:
+            return left
+        await asyncio.sleep(0.05)
 
 
 async def start_demo(*args: str) -> asyncio.subprocess.Process:
@@ -117,6 +128,6 @@ async def test_demo_serves_dns_and_leaves_no_process_behind_after_ctrl_c():
             process.kill()
             await process.wait()
     assert process.returncode == 0
-    await asyncio.sleep(0.5)
-    left = sorted(pid for pid in started if alive(pid))
+    # The demo has exited; what it killed may still be exiting.
+    left = await still_alive(started, timeout_s=5)
     assert left == [], f"orphaned processes: {left}"

@@ -7,6 +7,7 @@ import time
 
 from conftest import eventually, example, store_of, submit
 
+from caravan.consul_api import HealthEntry
 from caravan.contract import ENGINE_KEY_ITEM, KVLayout, engine_key_path, model_service_name
 from caravan_cli.local_stack import LocalStack
 from scheduler.render import spec_hash
@@ -134,9 +135,11 @@ async def test_scale_down_drains_the_replica_with_fewest_inflight_requests(tmp_p
 
                 async def load_seen() -> bool:
                     # What the planner picks by: the autoscaler's last scrape of each replica.
-                    seen = autoscaler.inflight_by_alloc
-                    busy_seen = all((seen.get(e.meta["alloc_id"]) or 0) >= 2 for e in busy)
-                    return busy_seen and seen.get(jobs[idle_job].meta["alloc_id"]) == 0
+                    def seen(entry: HealthEntry) -> float | None:
+                        return autoscaler.inflight.of_alloc(profile.name, entry.meta["alloc_id"])
+
+                    busy_seen = all((seen(e) or 0) >= 2 for e in busy)
+                    return busy_seen and seen(jobs[idle_job]) == 0
 
                 await eventually(load_seen, timeout_s=20, interval_s=0.2)
                 await store_of(stack).scale(profile.name, 2)

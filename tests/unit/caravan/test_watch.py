@@ -153,7 +153,10 @@ async def test_watch_cancels_at_once_while_blocked():
     """Cancelling the consumer ends a watch blocked in its fetch immediately."""
     fetch = ScriptedFetch([])
     task = asyncio.create_task(_collect(_fast("w", fetch), 1))
-    await asyncio.sleep(0.05)
+    # Blocked once the watch has called its fetch (which never answers).
+    async with asyncio.timeout(2):
+        while not fetch.calls:
+            await asyncio.sleep(0.001)
     started = time.monotonic()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -99,7 +99,9 @@ async def test_cancelled_waiter_leaves_the_queue() -> None:
     gate, state, _, _ = make_gate(endpoint_entry("a", capacity=1))
     first = await gate.admit(REQUEST, priority=0)
     waiting = asyncio.create_task(gate.admit(REQUEST, priority=0))
-    await asyncio.sleep(0.01)
+    async with asyncio.timeout(2):
+        while gate.queue_depths() != {MODEL: 1}:
+            await asyncio.sleep(0.001)
 
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -145,7 +147,11 @@ async def test_declared_model_with_only_critical_replicas_is_a_cold_start() -> N
 
     try:
         held = asyncio.create_task(gate.admit(REQUEST, priority=0, hold=hold))
-        await asyncio.sleep(0.12)
+        # Held: the first hold, one keep-alive (every 0.05 s) and the demand written.
+        async with asyncio.timeout(2):
+            while holds < 2 or not store.writes:
+                await asyncio.sleep(0.005)
+        assert not held.done()
         swap(state, endpoint_entry("a"))
         admitted = await asyncio.wait_for(held, 1)
     finally:

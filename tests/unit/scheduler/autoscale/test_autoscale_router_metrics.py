@@ -6,13 +6,8 @@ import math
 
 import pytest
 
-from scheduler.autoscale.scrape import (
-    ReplicaTarget,
-    RouterTarget,
-    ScrapeError,
-    ScrapeFailure,
-    parse_router_queues,
-)
+from caravan.engine_scrape import ScrapeError, ScrapeFailure
+from scheduler.autoscale.scrape import ReplicaTarget, RouterTarget, parse_router_queues
 from scheduler.engines.vllm import VLLM_METRIC_NAMES
 
 ROUTER_TEXT = """\
