@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, settings
 from tls_material import TlsMaterial, make_tls_material
+
+# Properties check behaviour, not speed: on a loaded 2-core CI machine one
+# example can take longer than hypothesis's default 200 ms deadline, which
+# would fail a correct property as flaky.
+settings.register_profile("caravan", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("caravan")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
