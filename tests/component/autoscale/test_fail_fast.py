@@ -78,7 +78,9 @@ async def chat(stack: LocalStack) -> tuple[int, dict[str, str], dict[str, Any], 
     body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     started = time.monotonic()
     async with (
-        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ACCEPTANCE_S + 30)) as session,
+        aiohttp.ClientSession(
+            headers=stack.router.headers, timeout=aiohttp.ClientTimeout(total=ACCEPTANCE_S + 30)
+        ) as session,
         session.post(f"{stack.router.base_url}/v1/chat/completions", json=body) as response,
     ):
         document = await response.json(content_type=None)
@@ -89,7 +91,7 @@ async def router_lists_the_model(stack: LocalStack, name: str) -> None:
     """Wait until the router has read the profile (it then holds requests for a cold start)."""
     assert stack.router is not None
     deadline = time.monotonic() + 30
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=stack.router.headers) as session:
         while time.monotonic() < deadline:
             async with session.get(f"{stack.router.base_url}/v1/models") as response:
                 listed = await response.json(content_type=None)

@@ -63,7 +63,9 @@ async def test_a_gpu_class_no_node_has_answers_503_naming_it(stack: LocalStack):
 
     started = time.monotonic()
     async with (
-        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as session,
+        aiohttp.ClientSession(
+            headers=stack.router.headers, timeout=aiohttp.ClientTimeout(total=90)
+        ) as session,
         session.post(f"{stack.router.base_url}/v1/chat/completions", json=body) as response,
     ):
         document = await response.json(content_type=None)
