@@ -66,7 +66,7 @@ async def serve(
     With `nomad_settings` the engines' API keys are read from Nomad Variables.
     With `worker` it serves as one of several processes on one port (`WorkerRole`).
     """
-    flusher = asyncio.create_task(_flush_logs(log_handler)) if log_handler else None
+    flusher = asyncio.create_task(flush_logs_periodically(log_handler)) if log_handler else None
     try:
         await _serve(settings, consul_settings, log_handler, nomad_settings, worker)
     finally:
@@ -76,7 +76,7 @@ async def serve(
             log_handler.flush()
 
 
-async def _flush_logs(handler: BufferedLineHandler) -> None:
+async def flush_logs_periodically(handler: BufferedLineHandler) -> None:
     """Write buffered log lines at least twice a second, even when no new line comes."""
     while True:
         await asyncio.sleep(0.5)

@@ -58,7 +58,7 @@ from caravan.consul_api import ConsulClient, ConsulSettings, ServiceRegistration
 from caravan.errors import HashiError
 from caravan.log_format import BufferedLineHandler
 from router.app import router_registration
-from router.server import WorkerRole, run
+from router.server import WorkerRole, flush_logs_periodically, run
 from router.settings import RouterSettings
 
 if TYPE_CHECKING:
@@ -226,10 +226,18 @@ async def _readable(fd: int) -> None:
 
 def reserve_port(host: str, port: int) -> socket.socket:
     """A socket bound to (host, port) with SO_REUSEPORT and not listening: it holds the
-    port (resolving 0) while the workers bind it too; it never accepts a connection."""
+    port (resolving 0) while the workers bind it too; it never accepts a connection.
+
+    A given port is first bound without SO_REUSEPORT, so that a port another
+    process holds with SO_REUSEPORT (another router with workers, same user)
+    is refused instead of silently shared. OSError when the port is taken.
+    """
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
+    if port != 0:
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(address)
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -258,7 +266,7 @@ def supervise(
         return 1
     with reserved:
         port = int(reserved.getsockname()[1])
-        supervisor = _Supervisor(settings, consul_settings, port)
+        supervisor = _Supervisor(settings, consul_settings, port, log_handler)
         try:
             with asyncio.Runner(loop_factory=loop_factory) as runner:
                 return runner.run(supervisor.run())
@@ -272,8 +280,13 @@ def supervise(
 
 class _Supervisor:
     def __init__(
-        self, settings: RouterSettings, consul_settings: ConsulSettings, port: int
+        self,
+        settings: RouterSettings,
+        consul_settings: ConsulSettings,
+        port: int,
+        log_handler: BufferedLineHandler,
     ) -> None:
+        self.log_handler = log_handler
         self.settings = settings
         self.consul_settings = consul_settings
         self.port = port
@@ -286,6 +299,13 @@ class _Supervisor:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
+        flusher = asyncio.create_task(flush_logs_periodically(self.log_handler))
+        try:
+            return await self._run(stop)
+        finally:
+            flusher.cancel()
+
+    async def _run(self, stop: asyncio.Event) -> int:
         async with (
             ConsulClient(self.consul_settings) as consul,
             aiohttp.ClientSession(

@@ -124,3 +124,13 @@ def test_the_reserved_port_admits_reuseport_listeners_and_nothing_else() -> None
             worker.listen()
         with socket.socket() as stranger, pytest.raises(OSError):
             stranger.bind(("127.0.0.1", port))
+
+
+def test_a_port_another_process_holds_with_reuseport_is_refused_not_shared() -> None:
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        with pytest.raises(OSError, match="in use"):
+            reserve_port("127.0.0.1", other.getsockname()[1])

@@ -178,6 +178,23 @@ async def test_a_worker_that_dies_stops_the_router_with_exit_code_1(
     assert (code, after, survivor_gone) == (1, (), True)
 
 
+async def test_workers_stop_when_the_supervisor_is_killed(
+    consul_pair: tuple[ConsulServer, ConsulClient],
+) -> None:
+    """No orphan keeps serving the port unsupervised (and unregistered)."""
+    server, _ = consul_pair
+    async with router_with_workers(server, 2) as router:
+        pids = worker_pids(router.process.pid)
+        router.process.kill()
+        await router.process.wait()
+
+        async def workers_gone() -> bool:
+            return all(not Path(f"/proc/{pid}").exists() or _is_zombie(pid) for pid in pids)
+
+        await wait_until(workers_gone, timeout_s=30, what="workers stopped")
+    assert len(pids) == 2
+
+
 def _is_zombie(pid: int) -> bool:
     with suppress(OSError):
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
