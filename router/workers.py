@@ -58,6 +58,8 @@ from caravan.consul_api import ConsulClient, ConsulSettings, ServiceRegistration
 from caravan.errors import HashiError
 from caravan.log_format import BufferedLineHandler
 from router.app import router_registration
+from router.http_limits import ConnectionGuard, GuardedAppRunner
+from router.metrics import RouterMetrics
 from router.server import WorkerRole, flush_logs_periodically, run
 from router.settings import RouterSettings
 
@@ -75,6 +77,8 @@ _STOP_GRACE_S = 10.0
 _WORKER_PROBE_TIMEOUT_S = 1.5
 _REGISTER_RETRY_S = (1.0, 2.0, 5.0, 10.0)
 _WORKER_ADMIN_HOST = "127.0.0.1"
+# The supervisor's admin listener serves two routes to a monitoring system.
+_ADMIN_MAX_CONNECTIONS = 64
 
 
 def worker_settings(settings: RouterSettings, port: int) -> RouterSettings:
@@ -313,7 +317,7 @@ class _Supervisor:
             ) as session,
         ):
             self._session = session
-            admin = web.AppRunner(self._admin_app(), access_log=None, handler_cancellation=True)
+            admin = self._admin_runner()
             await admin.setup()
             try:
                 return await self._serve(consul, admin, stop)
@@ -475,6 +479,27 @@ class _Supervisor:
                 worker.process.join(timeout=_STOP_GRACE_S)
 
     # -- the supervisor's admin listener -------------------------------------------------------
+
+    def _admin_runner(self) -> web.AppRunner:
+        """The admin listener, hardened as a single router's is (router.http_limits: header
+        deadline, connection cap); its own connection counts are not exported."""
+        settings = self.settings
+        guard = ConnectionGuard(
+            listener="admin",
+            limit=min(settings.max_connections or _ADMIN_MAX_CONNECTIONS, _ADMIN_MAX_CONNECTIONS),
+            header_timeout_s=settings.header_read_timeout_s,
+            metrics=RouterMetrics(CollectorRegistry()),
+        )
+        return GuardedAppRunner(
+            self._admin_app(),
+            guard=guard,
+            handler_cancellation=True,
+            shutdown_timeout=1.0,
+            access_log=None,
+            keepalive_timeout=settings.keepalive_timeout_s,
+            max_line_size=settings.max_header_field_bytes,
+            max_field_size=settings.max_header_field_bytes,
+        )
 
     def _admin_app(self) -> web.Application:
         app = web.Application(client_max_size=1024, middlewares=[_json_errors])

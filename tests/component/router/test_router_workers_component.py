@@ -179,12 +179,20 @@ async def test_a_worker_that_dies_stops_the_router_with_exit_code_1(
 
 
 async def test_workers_stop_when_the_supervisor_is_killed(
-    consul_pair: tuple[ConsulServer, ConsulClient],
+    consul_pair: tuple[ConsulServer, ConsulClient], http: aiohttp.ClientSession
 ) -> None:
-    """No orphan keeps serving the port unsupervised (and unregistered)."""
+    """No orphan keeps serving the port unsupervised (and unregistered).
+
+    Also: /health lives on the supervisor's admin listener only, whose own
+    errors are OpenAI-shaped JSON.
+    """
     server, _ = consul_pair
     async with router_with_workers(server, 2) as router:
         pids = worker_pids(router.process.pid)
+        async with http.get(router.url + "/health") as response:
+            public_health = response.status
+        async with http.get(router.admin_url + "/nope") as response:
+            admin_unknown = (response.status, (await response.json())["error"]["code"])
         router.process.kill()
         await router.process.wait()
 
@@ -193,6 +201,7 @@ async def test_workers_stop_when_the_supervisor_is_killed(
 
         await wait_until(workers_gone, timeout_s=30, what="workers stopped")
     assert len(pids) == 2
+    assert (public_health, admin_unknown) == (404, (404, "not_found"))
 
 
 def _is_zombie(pid: int) -> bool:
