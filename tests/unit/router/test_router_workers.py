@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import io
+import json
 import socket
 
 import pytest
@@ -9,6 +12,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
+from caravan.log_format import BufferedLineHandler, JsonLineFormatter
+from caravan_cli.router_command import add_commands, run_router
+from router.server import WorkerRole, _fast_request_log
 from router.settings import RouterSettings
 from router.workers import (
     WorkerHealth,
@@ -134,3 +140,25 @@ def test_a_port_another_process_holds_with_reuseport_is_refused_not_shared() -> 
         other.listen()
         with pytest.raises(OSError, match="in use"):
             reserve_port("127.0.0.1", other.getsockname()[1])
+
+
+def test_a_workers_canonical_line_names_the_worker() -> None:
+    stream = io.StringIO()
+    handler = BufferedLineHandler(stream)
+    handler.setFormatter(JsonLineFormatter())
+    write = _fast_request_log(handler, WorkerRole(index=3, ready=lambda _port: None))
+    assert write is not None
+    write({"event": "request", "status": 200})
+    handler.flush()
+    line = json.loads(stream.getvalue().splitlines()[-1])
+    assert (line["worker"], line["status"]) == (3, 200)
+
+
+def test_caravan_router_refuses_zero_workers_naming_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers())
+    args = parser.parse_args(["router", "--workers", "0"])
+    assert run_router(args) == 2
+    assert capsys.readouterr().err.startswith("error: workers: ")
