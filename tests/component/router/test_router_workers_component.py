@@ -43,6 +43,7 @@ async def router_with_workers(server: ConsulServer, workers: int) -> AsyncIterat
         "CONSUL_HTTP_ADDR": server.http_addr,
         "CARAVAN_ROUTER_LOG_FORMAT": "text",
         "CARAVAN_ROUTER_SHUTDOWN_TIMEOUT_S": "20",
+        "CARAVAN_ROUTER_HEADER_READ_TIMEOUT_S": "1",
     }
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "caravan_cli", "router",
@@ -184,7 +185,8 @@ async def test_workers_stop_when_the_supervisor_is_killed(
     """No orphan keeps serving the port unsupervised (and unregistered).
 
     Also: /health lives on the supervisor's admin listener only, whose own
-    errors are OpenAI-shaped JSON.
+    errors are OpenAI-shaped JSON, and which closes a client that never
+    finishes its headers (408), as a single router's admin listener does.
     """
     server, _ = consul_pair
     async with router_with_workers(server, 2) as router:
@@ -193,6 +195,12 @@ async def test_workers_stop_when_the_supervisor_is_killed(
             public_health = response.status
         async with http.get(router.admin_url + "/nope") as response:
             admin_unknown = (response.status, (await response.json())["error"]["code"])
+        host, port = router.admin_url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never ends its headers
+        await writer.drain()
+        slow_answer = await asyncio.wait_for(reader.read(), 15)
+        writer.close()
         router.process.kill()
         await router.process.wait()
 
@@ -202,6 +210,7 @@ async def test_workers_stop_when_the_supervisor_is_killed(
         await wait_until(workers_gone, timeout_s=30, what="workers stopped")
     assert len(pids) == 2
     assert (public_health, admin_unknown) == (404, (404, "not_found"))
+    assert slow_answer.startswith(b"HTTP/1.1 408")
 
 
 def _is_zombie(pid: int) -> bool:
