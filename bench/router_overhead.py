@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/router_overhead.py            # everything, prints the table
     .venv/bin/python bench/router_overhead.py --quick    # shorter phases
+    .venv/bin/python bench/router_overhead.py --per-core-only --cores 1,2   # throughput per core
 
 One run starts, each in its own process: a minimal upstream (aiohttp, a
 fixed chat completion, or a stream of 16 chunks with no delay), devcluster's
@@ -16,6 +17,15 @@ upstream as its static worker. Then the same load goes to each target:
 - unary at fixed concurrency (wrk when installed, else the aiohttp load
   generator): requests/s of one router process, with latency;
 - streaming at a fixed rate: time to the first chunk and to the end.
+
+Throughput per core (`--cores 1,2`, the default up to the machine's cores):
+for each core count n, caravan's router with `CARAVAN_ROUTER_WORKERS=n` and
+vllm-router with `TOKIO_WORKER_THREADS=n`, each pinned with `taskset` to the
+same n cores (vllm-router has no thread-count flag; tokio reads that
+variable), take the same closed-loop load in turn: requests/s, per core, and
+caravan / vllm-router at the same n, measured side by side in one run. The
+load generator and the upstream are not pinned: on a machine with few cores
+they compete with the routers for the same cores.
 
 The load generator is another process (aiohttp for the fixed-rate phases,
 wrk for throughput), so it does not share the router's event loop; on a
@@ -443,6 +453,15 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds not measured")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of every phase")
     parser.add_argument("--quick", action="store_true", help="3-second phases, one repetition")
+    parser.add_argument(
+        "--cores",
+        default=None,
+        help="core counts of the per-core throughput phase, e.g. 1,2 (default: 1,2 up to "
+        "the machine's cores; 0 = skip the phase)",
+    )
+    parser.add_argument(
+        "--per-core-only", action="store_true", help="run only the per-core throughput phase"
+    )
     args = parser.parse_args()
     if args.command == "upstream":
         run_upstream(args.port)
@@ -452,13 +471,24 @@ def main() -> int:
         return 0
     if args.quick:
         args.duration, args.warmup, args.reps = 3.0, 1.0, 1
+    args.cores = _core_counts(args.cores)
     return orchestrate(args)
+
+
+def _core_counts(text: str | None) -> list[int]:
+    available = os.cpu_count() or 1
+    if text is None:
+        return [n for n in (1, 2) if n <= available]
+    counts = [int(part) for part in text.split(",") if part.strip()]
+    if any(n < 0 or n > available for n in counts):
+        raise SystemExit(f"--cores: each count must be within 0..{available} (this machine)")
+    return [n for n in counts if n > 0]
 
 
 def orchestrate(args: argparse.Namespace) -> int:
     python = sys.executable
     with contextlib.ExitStack() as stack:
-        _, up = stack.enter_context(
+        upstream_proc, up = stack.enter_context(
             _started([python, __file__, "upstream"], r"upstream listening on (\d+)")
         )
         _, consul = stack.enter_context(
@@ -491,28 +521,179 @@ def orchestrate(args: argparse.Namespace) -> int:
             # to place it: only the unsafe setting lets the router use it.
             "CARAVAN_ROUTER_ALLOW_UNVERIFIED_ENDPOINTS": "true",
         }
+        vllm_router = os.environ.get("CARAVAN_BENCH_VLLM_ROUTER") or shutil.which("vllm-router")
+        if vllm_router is None:
+            print("vllm-router not found (pip install vllm-router==0.1.17): row skipped")
+        if args.per_core_only:
+            per_core = _per_core(
+                stack,
+                args,
+                env=env,
+                vllm_router=vllm_router,
+                upstream_port=upstream_port,
+                upstream_pid=upstream_proc.process.pid,
+                direct=targets["direct"],
+            )
+            print_per_core(per_core, args)
+            return 0
         _, router = stack.enter_context(
             _started([python, "-m", "router"], r"listening on http://[\d.]+:(\d+)", env=env)
         )
         targets["caravan"] = f"http://127.0.0.1:{router.group(1)}/v1/chat/completions"
-
-        vllm_router = os.environ.get("CARAVAN_BENCH_VLLM_ROUTER") or shutil.which("vllm-router")
-        if vllm_router is None:
-            print("vllm-router not found (pip install vllm-router==0.1.17): row skipped")
-        else:
+        if vllm_router is not None:
             port = _free_port()
-            command = [
-                vllm_router, "--host", "127.0.0.1", "--port", str(port),
-                "--worker-urls", f"http://127.0.0.1:{upstream_port}",
-                "--policy", "round_robin", "--log-level", "warning",
-            ]  # fmt: skip
-            stack.enter_context(_started(command, r"(?i)ready|listening|started"))
+            stack.enter_context(_started(_vllm_command(vllm_router, port, upstream_port), _READY))
             targets["vllm-router"] = f"http://127.0.0.1:{port}/v1/chat/completions"
         for url in targets.values():
             _wait_http(url)
         results = measure_all(targets, args)
+        per_core = (
+            _per_core(
+                stack,
+                args,
+                env=env,
+                vllm_router=vllm_router,
+                upstream_port=upstream_port,
+                upstream_pid=upstream_proc.process.pid,
+                direct=targets["direct"],
+            )
+            if args.cores
+            else None
+        )
     print_table(results, args)
+    if per_core is not None:
+        print_per_core(per_core, args)
     return 0
+
+
+_READY = r"(?i)ready|listening|started"
+
+
+def _vllm_command(vllm_router: str, port: int, upstream_port: int) -> list[str]:
+    return [
+        vllm_router, "--host", "127.0.0.1", "--port", str(port),
+        "--worker-urls", f"http://127.0.0.1:{upstream_port}",
+        "--policy", "round_robin", "--log-level", "warning",
+        # Its metrics listener, on a port of its own (two vllm-routers run side by side).
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
+    ]  # fmt: skip
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and its live descendants (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, stack = 0.0, [pid]
+    while stack:
+        current = stack.pop()
+        try:
+            stat = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(stat[11]) + int(stat[12])) / tick
+            for task in Path(f"/proc/{current}/task").iterdir():
+                stack += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def _pinned(command: list[str], cores: int) -> list[str]:
+    """`command` on cores 0..cores-1 (taskset), or as it is where taskset is missing."""
+    taskset = shutil.which("taskset")
+    return [taskset, "-c", f"0-{cores - 1}", *command] if taskset else command
+
+
+def _per_core(
+    stack: contextlib.ExitStack,
+    args: argparse.Namespace,
+    *,
+    env: dict[str, str],
+    vllm_router: str | None,
+    upstream_port: int,
+    upstream_pid: int,
+    direct: str,
+) -> dict[int, dict[str, dict[str, Any]]]:
+    """Closed-loop throughput of caravan with n workers and vllm-router with n threads,
+    each pinned to the same n cores, for every n in args.cores; interleaved, medians."""
+    targets: dict[tuple[int, str], str] = {}
+    pids: dict[tuple[int, str], int] = {(0, "direct"): upstream_pid}
+    for cores in args.cores:
+        caravan_env = {**env, "CARAVAN_ROUTER_WORKERS": str(cores)}
+        command = _pinned([sys.executable, "-m", "router"], cores)
+        proc, router = stack.enter_context(
+            _started(command, r"listening on http://[\d.]+:(\d+)", env=caravan_env)
+        )
+        targets[cores, "caravan"] = f"http://127.0.0.1:{router.group(1)}/v1/chat/completions"
+        pids[cores, "caravan"] = proc.process.pid
+        if vllm_router is not None:
+            port = _free_port()
+            vllm_env = {**os.environ, "TOKIO_WORKER_THREADS": str(cores)}
+            proc, _ = stack.enter_context(
+                _started(
+                    _pinned(_vllm_command(vllm_router, port, upstream_port), cores),
+                    _READY,
+                    env=vllm_env,
+                )
+            )
+            targets[cores, "vllm-router"] = f"http://127.0.0.1:{port}/v1/chat/completions"
+            pids[cores, "vllm-router"] = proc.process.pid
+    for url in targets.values():
+        _wait_http(url)
+    keys = [(0, "direct"), *targets]
+    urls = {(0, "direct"): direct, **targets}
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {key: [] for key in keys}
+    for rep in range(args.reps):
+        order = keys[rep % len(keys) :] + keys[: rep % len(keys)]
+        for key in order:
+            url = urls[key]
+            cpu_before = _tree_cpu_s(pids[key])
+            row = _wrk(url, concurrency=args.concurrency, duration_s=args.duration) or _load(
+                url, "closed", concurrency=args.concurrency, duration=args.duration
+            )
+            cpu_s = _tree_cpu_s(pids[key]) - cpu_before
+            # Requests per CPU-second of the process tree: what one core would serve,
+            # whatever else the machine's cores were doing meanwhile.
+            row["per_cpu_s"] = row["rps"] * args.duration / cpu_s if cpu_s > 0 else float("nan")
+            runs[key].append(row)
+    table: dict[int, dict[str, dict[str, Any]]] = {}
+    for (cores, name), rows in runs.items():
+        table.setdefault(cores, {})[name] = _median_row(rows)
+    return table
+
+
+def print_per_core(table: dict[int, dict[str, dict[str, Any]]], args: argparse.Namespace) -> None:
+    pinned = "pinned with taskset" if shutil.which("taskset") else "NOT pinned (no taskset)"
+    generator = "wrk -t1" if shutil.which("wrk") else "the aiohttp closed-loop generator"
+    print(
+        f"\nthroughput per core: cores {os.cpu_count()}, {generator} with {args.concurrency} "
+        f"connections, {args.duration:.0f}s per target, median of {args.reps} interleaved "
+        f"repetitions; routers {pinned} to cores 0..n-1, load generator and upstream not "
+        f"pinned (direct, unpinned: {table[0]['direct']['rps']:.0f} req/s)\n"
+    )
+    header = (
+        "| cores n | caravan (n workers) req/s | per core | req per CPU-s | p99 ms | "
+        "vllm-router (n threads) req/s | per core | req per CPU-s | p99 ms | "
+        "caravan / vllm-router req/s | per CPU-s |"
+    )
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for cores in sorted(n for n in table if n > 0):
+        row = table[cores]
+        caravan, peer = row["caravan"], row.get("vllm-router")
+        peer_cells = (
+            f"{peer['rps']:.0f} | {peer['rps'] / cores:.0f} | {peer['per_cpu_s']:.0f} | "
+            f"{peer['p99_ms']:.2f} | {caravan['rps'] / peer['rps']:.2f}x | "
+            f"{caravan['per_cpu_s'] / peer['per_cpu_s']:.2f}x"
+            if peer is not None
+            else "- | - | - | - | - | -"
+        )
+        print(
+            f"| {cores} | {caravan['rps']:.0f} | {caravan['rps'] / cores:.0f} | "
+            f"{caravan['per_cpu_s']:.0f} | {caravan['p99_ms']:.2f} | {peer_cells} |"
+        )
+    print(
+        "\nreq per CPU-s: requests served / CPU seconds of the router's process tree "
+        "(caravan: supervisor and workers) during the phase, so other load on the machine "
+        "does not count against it"
+    )
 
 
 def _free_port() -> int:

@@ -43,6 +43,11 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         type=int,
         help="serve /health and /metrics on this port instead of the public one (0 = any)",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        help="processes serving the one port (SO_REUSEPORT), sharing nothing (default 1)",
+    )
     parser.set_defaults(handler=run_router)
 
 
@@ -55,6 +60,7 @@ def run_router(args: argparse.Namespace) -> int:
         "api_keys_file": args.api_keys_file,
         "admin_host": args.admin_host,
         "admin_port": args.admin_port,
+        "workers": args.workers,
     }
     try:
         settings = RouterSettings(**{k: v for k, v in overrides.items() if v is not None})

@@ -88,6 +88,38 @@ def router_service_id(address: str, port: int) -> str:
     return f"{ROUTER_SERVICE}-{address}-{port}"
 
 
+def router_registration(
+    settings: RouterSettings, port: int, admin_port: int | None
+) -> ServiceRegistration:
+    """The router's service in Consul, its HTTP check on /health (on the admin port if any).
+
+    Shared by a single router process and the supervisor of `--workers N`.
+    """
+    address = advertise_address(settings)
+    check_address, check_port = address, port
+    if admin_port is not None:
+        check_port = admin_port
+        if settings.admin_host not in _WILDCARD_HOSTS:
+            check_address = settings.admin_host
+    host = f"[{check_address}]" if ":" in check_address else check_address
+    return ServiceRegistration(
+        name=ROUTER_SERVICE,
+        service_id=router_service_id(address, port),
+        address=address,
+        port=port,
+        tags=(ROUTER_TAG,),
+        checks=(
+            HttpCheck(
+                url=f"http://{host}:{check_port}/health",
+                interval_s=_HEALTH_CHECK_INTERVAL_S,
+                timeout_s=_HEALTH_CHECK_TIMEOUT_S,
+                deregister_critical_after_s=_DEREGISTER_CRITICAL_AFTER_S,
+                name="router health",
+            ),
+        ),
+    )
+
+
 class RouterRuntime:
     """The router's live objects, reachable from the app (`app[RUNTIME]`) and from tests."""
 
@@ -243,32 +275,9 @@ class RouterRuntime:
         """Register this router in Consul (if enabled) as listening on `port`; the service id."""
         if not self.settings.register_service:
             return None
-        address = advertise_address(self.settings)
-        service_id = self.service_id = router_service_id(address, port)
+        registration = router_registration(self.settings, port, self.admin_port)
+        service_id = self.service_id = router_service_id(advertise_address(self.settings), port)
         self.demand.router_id = service_id
-        # /health lives on the admin listener when there is one.
-        check_address, check_port = address, port
-        if self.admin_port is not None:
-            check_port = self.admin_port
-            if self.settings.admin_host not in _WILDCARD_HOSTS:
-                check_address = self.settings.admin_host
-        host = f"[{check_address}]" if ":" in check_address else check_address
-        registration = ServiceRegistration(
-            name=ROUTER_SERVICE,
-            service_id=service_id,
-            address=address,
-            port=port,
-            tags=(ROUTER_TAG,),
-            checks=(
-                HttpCheck(
-                    url=f"http://{host}:{check_port}/health",
-                    interval_s=_HEALTH_CHECK_INTERVAL_S,
-                    timeout_s=_HEALTH_CHECK_TIMEOUT_S,
-                    deregister_critical_after_s=_DEREGISTER_CRITICAL_AFTER_S,
-                    name="router health",
-                ),
-            ),
-        )
         await self.consul.agent_service_register(registration, replace_existing_checks=True)
         self.registered_id = service_id
         log.info("router_registered", extra={"service_id": service_id})

@@ -19,6 +19,7 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -30,7 +31,7 @@ from caravan.log_format import BufferedLineHandler, configure_logging
 from caravan.nomad_api import NomadClient, NomadSettings
 from router.api_keys import ApiKeyError
 from router.app import RUNTIME, RouterRuntime, app_runner, create_admin_app, create_app, key_ring
-from router.proxy import RequestLog
+from router.proxy import RequestLog, log_request
 from router.settings import RouterSettings
 
 log = logging.getLogger(__name__)
@@ -38,19 +39,36 @@ log = logging.getLogger(__name__)
 _REGISTER_RETRY_S = (1.0, 2.0, 5.0, 10.0)
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerRole:
+    """How a worker of `caravan router --workers N` (router/workers.py) serves.
+
+    It binds the shared public port with SO_REUSEPORT, prints nothing, never
+    registers in Consul, stops on SIGTERM (or when its parent is gone, through
+    `parent_sentinel`) but not on SIGINT (the parent orders the shutdown), and
+    calls `ready(admin_port)` once both its listeners are up.
+    """
+
+    index: int
+    ready: Callable[[int], None]
+    parent_sentinel: int | None = None
+
+
 async def serve(
     settings: RouterSettings,
     consul_settings: ConsulSettings,
     log_handler: BufferedLineHandler | None = None,
     nomad_settings: NomadSettings | None = None,
+    worker: WorkerRole | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then shut down in order (module docstring).
 
     With `nomad_settings` the engines' API keys are read from Nomad Variables.
+    With `worker` it serves as one of several processes on one port (`WorkerRole`).
     """
-    flusher = asyncio.create_task(_flush_logs(log_handler)) if log_handler else None
+    flusher = asyncio.create_task(flush_logs_periodically(log_handler)) if log_handler else None
     try:
-        await _serve(settings, consul_settings, log_handler, nomad_settings)
+        await _serve(settings, consul_settings, log_handler, nomad_settings, worker)
     finally:
         if flusher is not None:
             flusher.cancel()
@@ -58,15 +76,30 @@ async def serve(
             log_handler.flush()
 
 
-async def _flush_logs(handler: BufferedLineHandler) -> None:
+async def flush_logs_periodically(handler: BufferedLineHandler) -> None:
     """Write buffered log lines at least twice a second, even when no new line comes."""
     while True:
         await asyncio.sleep(0.5)
         handler.flush()
 
 
-def _fast_request_log(handler: BufferedLineHandler | None) -> RequestLog | None:
-    """The canonical request line written straight to the buffered log handler."""
+def _fast_request_log(
+    handler: BufferedLineHandler | None, worker: WorkerRole | None = None
+) -> RequestLog | None:
+    """The canonical request line written straight to the buffered log handler.
+
+    A worker's lines carry `worker` (its index), so the lines of one port tell
+    which process served each request.
+    """
+    if worker is not None:
+        index = worker.index
+        base = _fast_request_log(handler) or log_request
+
+        def write_with_worker(fields: dict[str, Any]) -> None:
+            fields["worker"] = index
+            base(fields)
+
+        return write_with_worker
     if handler is None:
         return None
 
@@ -81,11 +114,15 @@ async def _serve(
     consul_settings: ConsulSettings,
     log_handler: BufferedLineHandler | None,
     nomad_settings: NomadSettings | None = None,
+    worker: WorkerRole | None = None,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in (signal.SIGTERM,) if worker else (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    if worker is not None and worker.parent_sentinel is not None:
+        # The parent died without stopping us (SIGKILL): stop rather than serve unsupervised.
+        loop.add_reader(worker.parent_sentinel, stop.set)
     async with ConsulClient(consul_settings) as consul, contextlib.AsyncExitStack() as stack:
         nomad = (
             await stack.enter_async_context(NomadClient(nomad_settings))
@@ -96,10 +133,13 @@ async def _serve(
             settings,
             consul=consul,
             registry=CollectorRegistry(),
-            request_log=_fast_request_log(log_handler),
+            request_log=_fast_request_log(log_handler, worker),
             nomad=nomad,
         )
         runtime = app[RUNTIME]
+        if worker is not None:
+            # Workers share the router's service id; the demand signal names the process.
+            runtime.demand.router_id = f"{runtime.service_id}-worker-{worker.index}"
         runner = app_runner(app, settings)
         admin_runner = (
             app_runner(create_admin_app(runtime), settings, listener="admin")
@@ -116,10 +156,14 @@ async def _serve(
                 await admin_site.start()
                 runtime.admin_port = int(admin_runner.addresses[0][1])
                 admin_host = _shown(settings.admin_host)
-                print(  # noqa: T201
-                    f"caravan router admin on http://{admin_host}:{runtime.admin_port}", flush=True
-                )
-            site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)
+                if worker is None:
+                    print(  # noqa: T201
+                        f"caravan router admin on http://{admin_host}:{runtime.admin_port}",
+                        flush=True,
+                    )
+            site = web.TCPSite(
+                runner, settings.host, settings.port, backlog=1024, reuse_port=worker is not None
+            )
             await site.start()
             port = int(runner.addresses[0][1])
             # Everything allocated so far lives as long as the process: keep it out
@@ -127,7 +171,10 @@ async def _serve(
             gc.freeze()
             registering = asyncio.create_task(_register(runtime, port), name="router-register")
             shown_host = _shown(settings.host)
-            print(f"caravan router listening on http://{shown_host}:{port}", flush=True)  # noqa: T201
+            if worker is None:
+                print(f"caravan router listening on http://{shown_host}:{port}", flush=True)  # noqa: T201
+            else:
+                worker.ready(runtime.admin_port or 0)
             await stop.wait()
             log.info("router_stopping", extra={"shutdown_timeout_s": settings.shutdown_timeout_s})
             registering.cancel()
@@ -177,8 +224,14 @@ def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] |
     return factory
 
 
-def run(settings: RouterSettings, environ: Mapping[str, str]) -> int:
-    """The process entry point shared by `python -m router` and `caravan router`."""
+def run(
+    settings: RouterSettings, environ: Mapping[str, str], worker: WorkerRole | None = None
+) -> int:
+    """The process entry point shared by `python -m router` and `caravan router`.
+
+    With `settings.workers` above 1 this process becomes the supervisor of that
+    many worker processes (router/workers.py); `worker` is set in each of them.
+    """
     handler = configure_logging(settings.log_level, settings.log_format)
     try:
         consul_settings = ConsulSettings.from_env(environ)
@@ -198,10 +251,14 @@ def run(settings: RouterSettings, environ: Mapping[str, str]) -> int:
     except ModuleNotFoundError:
         print("error: event_loop is uvloop but uvloop is not installed", file=sys.stderr)  # noqa: T201
         return 2
+    if settings.workers > 1 and worker is None:
+        from router.workers import supervise  # noqa: PLC0415 - only the supervisor needs it
+
+        return supervise(settings, consul_settings, handler, loop_factory)
     log.info("event_loop_chosen", extra={"event_loop": "uvloop" if loop_factory else "asyncio"})
     try:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            runner.run(serve(settings, consul_settings, handler, nomad_settings))
+            runner.run(serve(settings, consul_settings, handler, nomad_settings, worker))
     except OSError as exc:
         # A taken port or an address that is not ours.
         print(f"error: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)  # noqa: T201

@@ -112,6 +112,10 @@ class RouterSettings(BaseSettings):
     event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "text"] = "json"
+    # Processes serving the one port (SO_REUSEPORT), each with its own event loop,
+    # Consul watches, scrapes and admission state; the parent registers in Consul
+    # and serves /health and /metrics for all of them (router/workers.py).
+    workers: int = Field(default=1, ge=1, le=256)
 
     # -- hardening (router/README.md, docs/security.md "Router hardening") --------
     # Named keys with a priority ceiling and a rate limit: a YAML/JSON list of
