@@ -267,6 +267,7 @@ def _place(
         nodes=inputs.nodes,
         proposed=builder.proposed(),
         penalty_node_ids=want.penalty,
+        alloc_name=want.name,
     )
     result = select_node(context, builder.rng)
     group_name = str(group["Name"])

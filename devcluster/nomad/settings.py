@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_pascal
 
 from devcluster.nomad.gotext import NS_PER_S, parse_go_duration
@@ -40,6 +40,28 @@ def gpu_memory_for(model: str) -> int:
     return GPU_MEMORY_MIB.get(model, DEFAULT_GPU_MEMORY_MIB)
 
 
+class HostVolumeSpec(BaseModel):
+    """A static host volume the client declares (`client { host_volume "name" { ... } }`).
+
+    `path` is a folder on this machine: tasks that mount the volume see it at
+    their `volume_mount` destination (see `devcluster/nomad/volumes.py`).
+    """
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", alias_generator=to_pascal, populate_by_name=True
+    )
+
+    path: str = Field(min_length=1)
+    read_only: bool = False
+
+    @field_validator("path")
+    @classmethod
+    def _path_is_absolute(cls, path: str) -> str:
+        if not Path(path).is_absolute():
+            raise ValueError(f"host volume path {path!r} must be absolute")
+        return path
+
+
 class NodeSpec(BaseModel):
     """One simulated client node (`POST /v1/devcluster/node` takes this, PascalCase too)."""
 
@@ -60,6 +82,8 @@ class NodeSpec(BaseModel):
     gpu_model: str = DEFAULT_GPU_MODEL
     gpu_memory_mib: int | None = Field(default=None, ge=1)
     drivers: tuple[str, ...] = ("raw_exec", "exec", "docker")
+    # Static host volumes by name (Nomad's client `host_volume` blocks).
+    host_volumes: dict[str, HostVolumeSpec] = Field(default_factory=dict)
 
     @property
     def gpu_memory(self) -> int:
