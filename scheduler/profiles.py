@@ -32,6 +32,7 @@ from caravan.contract import (
     MODEL_NAME_PATTERN,
     RESERVED_MODEL_NAMES,
 )
+from scheduler.weights import WeightsCache, check_weights
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -261,6 +262,8 @@ class ModelProfile(BaseModel):
     secrets: dict[str, str] = Field(default_factory=dict)
     autoscaling: Autoscaling | None = None
     metrics: MetricNames | None = None
+    # Where the weights live (a Nomad host or CSI volume) and an optional prefetch.
+    weights: WeightsCache | None = None
 
     @field_validator("name")
     @classmethod
@@ -313,6 +316,7 @@ class ModelProfile(BaseModel):
             self._check_llamacpp()
         self._check_engine_args()
         self._check_scaling()
+        check_weights(self)
         return self
 
     def _check_vllm(self) -> None:
