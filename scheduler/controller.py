@@ -66,11 +66,13 @@ from scheduler.plan import (
     Plan,
     PlanSettings,
     Register,
+    RegisterPrefetch,
     Replace,
     StartDrain,
     drain_record_for,
     plan,
 )
+from scheduler.weights import ObservedPrefetch, observe_prefetch
 from scheduler.world import (
     NS_PER_S,
     DesiredModel,
@@ -332,6 +334,11 @@ class Controller:
             )
             with_allocs = replace(replica, allocs=allocs)
             replicas[replica.job_id] = replace(with_allocs, inflight=self.inflight(with_allocs))
+        prefetch: dict[str, ObservedPrefetch] = {}
+        for job_stub in readout.job_stubs:
+            found = observe_prefetch(job_stub, readout.allocs_by_job.get(str(job_stub["ID"]), []))
+            if found is not None:
+                prefetch[found.model] = found
         models = {r.model for r in replicas.values()} | set(desired.profiles)
         passing: dict[str, bool] = {}
         for model in sorted(models):
@@ -340,7 +347,11 @@ class Controller:
         replicas = {job_id: _with_health(r, passing) for job_id, r in replicas.items()}
         nodes = {str(stub["ID"]): node_from_stub(stub) for stub in readout.node_stubs}
         return Observation(
-            replicas=replicas, nodes=nodes, draining=desired.draining, taken_at=self.clock()
+            replicas=replicas,
+            nodes=nodes,
+            draining=desired.draining,
+            taken_at=self.clock(),
+            prefetch=prefetch,
         )
 
     def _suspect_empty(self, desired: DesiredState, observed: Observation, now: float) -> bool:
@@ -547,6 +558,8 @@ class Controller:
                     await self.engine_keys.remove_replica_key(action.job_id)
             case ClearDrainMarker():
                 await self.store.clear_draining(action.job_id)
+            case RegisterPrefetch():
+                await self.nomad.register_job(action.body)
 
     async def _hand_engine_key(self, model: str, job_id: str) -> None:
         """Before a replica job is registered, its own variable holds the model's key."""

@@ -266,3 +266,17 @@ def test_observed_prefetch_state_and_failure_come_from_nomads_allocations() -> N
     complete = observe_prefetch(_stub(), [_alloc("failed"), _alloc("complete")])
     assert complete is not None
     assert PrefetchState.COMPLETE is complete.state
+
+
+def test_status_names_a_failed_or_running_prefetch() -> None:
+    from scheduler.status import summarise_model  # noqa: PLC0415 - only this test needs it
+    from scheduler.weights import PrefetchGate  # noqa: PLC0415
+
+    profile = _profile(VLLM)
+    failed = PrefetchGate(register=None, ready=False, status="failed: Exit Code: 3", failed=True)
+    shown = summarise_model("qwen", profile, 2, [], prefetch=failed)
+    assert ("prefetch failed", "failed: Exit Code: 3") == (shown.status, shown.prefetch)
+    assert "prefetch job caravan-qwen-prefetch failed: Exit Code: 3" == shown.problem
+    running = PrefetchGate(register=None, ready=False, status="running for 5 s")
+    assert "prefetching" == summarise_model("qwen", profile, 2, [], prefetch=running).status
+    assert "scaled to zero" == summarise_model("qwen", profile, 0, [], prefetch=running).status
