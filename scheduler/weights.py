@@ -43,7 +43,7 @@ HASH_LEN = 16
 COLD_CACHE_STARTUP_FACTOR = 2
 # A prefetch retries twice in place (a flaky download), then fails for good.
 PREFETCH_RESTART_ATTEMPTS = 2
-PREFETCH_RESTART_DELAY_S = 15
+PREFETCH_RESTART_DELAY_S = 5
 PREFETCH_RESTART_INTERVAL_S = 30 * 60
 # Paths that are Nomad's own inside every task.
 _RESERVED_MOUNT_ROOTS = ("/alloc", "/local", "/secrets", "/tmp")  # noqa: S108 - Nomad's task dirs
@@ -57,6 +57,8 @@ CSI_ACCESS_MODES = frozenset(
     }
 )
 DEFAULT_CSI_ACCESS_MODE = "multi-node-reader-only"
+# Replicas that fill a CSI cache themselves (no prefetch) write it from many nodes.
+CSI_SHARED_WRITER_MODE = "multi-node-multi-writer"
 # The claim a prefetch takes on a CSI volume to write it.
 PREFETCH_CSI_ACCESS_MODE = "multi-node-single-writer"
 
@@ -125,6 +127,25 @@ class WeightsCache(BaseModel):
     # Where replicas (and the prefetch) see the volume; the engine's cache.
     path: str = Field(min_length=1)
     prefetch: Prefetch | None = None
+    # How replicas mount the volume. None: read-only with a prefetch (it
+    # filled the cache), read-write without one (the first replica on a cold
+    # cache downloads into it). True without a prefetch: the operator fills it.
+    read_only: bool | None = None
+
+    @model_validator(mode="after")
+    def _prefetched_means_read_only(self) -> Self:
+        if self.prefetch is not None and self.read_only is False:
+            raise ValueError(
+                "weights.read_only: false is for a cache the replicas fill themselves; "
+                "with a prefetch, replicas mount the volume read-only"
+            )
+        return self
+
+    @property
+    def replicas_read_only(self) -> bool:
+        if self.read_only is not None:
+            return self.read_only
+        return self.prefetch is not None
 
     @field_validator("path")
     @classmethod
@@ -169,7 +190,9 @@ def prefetch_job_id(model: str) -> str:
 # -- blocks of a replica job -------------------------------------------------------
 
 
-def _volume_request(weights: WeightsCache, *, read_only: bool) -> dict[str, Any]:
+def _volume_request(
+    weights: WeightsCache, *, read_only: bool, prefetch: bool = False
+) -> dict[str, Any]:
     volume = weights.volume
     request: dict[str, Any] = {
         "Name": VOLUME_NAME,
@@ -178,8 +201,13 @@ def _volume_request(weights: WeightsCache, *, read_only: bool) -> dict[str, Any]
         "ReadOnly": read_only,
     }
     if volume.type is VolumeType.CSI:
-        mode = volume.access_mode or DEFAULT_CSI_ACCESS_MODE
-        request["AccessMode"] = mode if read_only else PREFETCH_CSI_ACCESS_MODE
+        if prefetch:
+            mode = PREFETCH_CSI_ACCESS_MODE
+        elif volume.access_mode is not None:
+            mode = volume.access_mode
+        else:
+            mode = DEFAULT_CSI_ACCESS_MODE if read_only else CSI_SHARED_WRITER_MODE
+        request["AccessMode"] = mode
         request["AttachmentMode"] = volume.attachment_mode or "file-system"
     return request
 
@@ -189,17 +217,18 @@ def _mount(weights: WeightsCache, *, read_only: bool) -> dict[str, Any]:
 
 
 def replica_volumes(profile: ModelProfile) -> dict[str, Any] | None:
-    """The group `Volumes` of a replica: the weights volume, read-only."""
+    """The group `Volumes` of a replica: the weights volume (read-only once filled)."""
     if profile.weights is None:
         return None
-    return {VOLUME_NAME: _volume_request(profile.weights, read_only=True)}
+    weights = profile.weights
+    return {VOLUME_NAME: _volume_request(weights, read_only=weights.replicas_read_only)}
 
 
 def replica_mounts(profile: ModelProfile) -> list[dict[str, Any]] | None:
-    """The task `VolumeMounts` of a replica: the volume at `weights.path`, read-only."""
+    """The task `VolumeMounts` of a replica: the volume at `weights.path`."""
     if profile.weights is None:
         return None
-    return [_mount(profile.weights, read_only=True)]
+    return [_mount(profile.weights, read_only=profile.weights.replicas_read_only)]
 
 
 def cache_env(profile: ModelProfile) -> dict[str, str]:
@@ -216,11 +245,11 @@ def cache_env(profile: ModelProfile) -> dict[str, str]:
 
 
 def startup_timeout_s(profile: ModelProfile, engine_default_s: int) -> int:
-    """A replica's startup timeout: a cold cache (no prefetch) gets longer by default."""
+    """A replica's startup timeout: a cold cache it fills itself gets longer by default."""
     if profile.startup_timeout_s is not None:
         return profile.startup_timeout_s
     weights = profile.weights
-    if weights is not None and weights.prefetch is None:
+    if weights is not None and not weights.replicas_read_only:
         return engine_default_s * COLD_CACHE_STARTUP_FACTOR
     return engine_default_s
 
@@ -303,7 +332,7 @@ def render_prefetch(
                 },
                 # A failed prefetch is shown, not retried on other nodes forever.
                 "ReschedulePolicy": {"Attempts": 0, "Interval": 0, "Unlimited": False},
-                "Volumes": {VOLUME_NAME: _volume_request(weights, read_only=False)},
+                "Volumes": {VOLUME_NAME: _volume_request(weights, read_only=False, prefetch=True)},
                 "Tasks": [task],
             }
         ],

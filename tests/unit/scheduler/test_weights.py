@@ -111,7 +111,7 @@ def test_vllm_env_may_not_set_hf_home_beside_a_cache() -> None:
 
 
 def test_llamacpp_replica_mounts_the_volume_read_only_and_loads_from_it() -> None:
-    job = render(_profile(CPU), 0)["Job"]
+    job = render(_profile(CPU, weights=_weights(read_only=True)), 0)["Job"]
     group = job["TaskGroups"][0]
     task = group["Tasks"][0]
     assert {
@@ -131,13 +131,15 @@ def test_raw_exec_cannot_have_a_weights_volume() -> None:
 
 def test_csi_volume_carries_its_access_and_attachment_modes() -> None:
     volume = {"type": "csi", "source": "weights-vol"}
-    job = render(_profile(CPU, weights=_weights(volume=volume)), 0)["Job"]
+    job = render(_profile(CPU, weights=_weights(volume=volume, read_only=True)), 0)["Job"]
     request = job["TaskGroups"][0]["Volumes"]["weights"]
     assert ("multi-node-reader-only", "file-system", True) == (
         request["AccessMode"],
         request["AttachmentMode"],
         request["ReadOnly"],
     )
+    job = render(_profile(CPU, weights=_weights(volume=volume)), 0)["Job"]
+    assert "multi-node-multi-writer" == job["TaskGroups"][0]["Volumes"]["weights"]["AccessMode"]
     prefetch = {"command": ["cp", "a", "/models/tiny.gguf"], "driver": "exec"}
     body = render_prefetch(
         _profile(CPU, weights=_weights(volume=volume, prefetch=prefetch)), ClusterConfig(), []
@@ -155,6 +157,21 @@ def test_vllm_uses_the_volume_as_its_hf_cache_offline_once_prefetched() -> None:
     assert {"HF_HOME": "/models"} == task["Env"]
 
 
+def test_replicas_write_only_a_cache_they_fill_themselves() -> None:
+    def modes(profile: Any) -> tuple[bool, bool]:
+        group = render(profile, 0)["Job"]["TaskGroups"][0]
+        return group["Volumes"]["weights"]["ReadOnly"], group["Tasks"][0]["VolumeMounts"][0][
+            "ReadOnly"
+        ]
+
+    assert (False, False) == modes(_profile(CPU))
+    assert (True, True) == modes(_profile(CPU, weights=_weights(read_only=True)))
+    prefetched = _weights(prefetch={"command": ["true"], "driver": "exec"})
+    assert (True, True) == modes(_profile(CPU, weights=prefetched))
+    refused = _weights(prefetch={"command": ["true"], "driver": "exec"}, read_only=False)
+    assert "with a prefetch, replicas mount the volume read-only" in _problems(CPU, weights=refused)
+
+
 def test_cold_cache_gets_a_longer_default_startup_timeout() -> None:
     def grace(profile: Any) -> int:
         service = render(profile, 0)["Job"]["TaskGroups"][0]["Services"][0]
@@ -165,6 +182,7 @@ def test_cold_cache_gets_a_longer_default_startup_timeout() -> None:
     assert 600 == grace(_profile(CPU))
     prefetched = _weights(prefetch={"command": ["true"], "driver": "exec"})
     assert 300 == grace(_profile(CPU, weights=prefetched))
+    assert 300 == grace(_profile(CPU, weights=_weights(read_only=True)))
     assert 42 == grace(_profile(CPU, startup_timeout_s=42))
 
 
