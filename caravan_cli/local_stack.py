@@ -50,6 +50,7 @@ from scheduler.autoscale.loop import AutoscalerSettings
 from scheduler.cluster_config import ClusterConfig, LlamaCppSettings
 from scheduler.controller import ControllerSettings
 from scheduler.plan import PlanSettings
+from scheduler.profile_policy import ProfilePolicy
 from scheduler.profiles import ModelProfile
 
 # The Nomad Variables the example profiles' `secrets` name, with placeholder
@@ -90,6 +91,8 @@ class StackOptions:
     secure: bool = True
     # Nomad Variables written before the scheduler starts (path -> items).
     variables: Mapping[str, Mapping[str, str]] = field(default_factory=lambda: EXAMPLE_VARIABLES)
+    # The cluster config's profile policy; None keeps the default.
+    profile_policy: ProfilePolicy | None = None
 
 
 def new_secret() -> str:
@@ -270,6 +273,8 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
         )
         engine = choose_llamacpp_engine(work_dir, prefer_real=options.prefer_real_llama_server)
         config = cluster_config_for(engine)
+        if options.profile_policy is not None:
+            config = config.model_copy(update={"profile_policy": options.profile_policy})
         dev_config = DevClusterConfig(
             consul=ConsulConfig(session_ttl_min_s=1.0),
             nomad=NomadServerSettings(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,10 @@ import pytest
 from conftest import eventually, store_of
 
 from caravan.contract import model_service_name
-from caravan_cli.local_stack import LocalStack
+from caravan_cli.local_stack import LocalStack, StackOptions, local_stack
 from devcluster.llama_server_build import find_llama_server
 from devcluster.nomad.settings import NodeSpec
+from scheduler.profile_policy import ProfilePolicy
 from scheduler.profiles import ModelProfile
 from scheduler.status import StatusReader
 from scheduler.weights import prefetch_job_id
@@ -35,6 +37,24 @@ pytestmark = [
 ]
 
 GGUF = "tiny-llama.gguf"
+
+
+@pytest.fixture
+async def stack(tmp_path: Path) -> AsyncIterator[LocalStack]:
+    """The scheduler tests' stack, with prefetch commands allowed (the copy below is one)."""
+    options = StackOptions(
+        prefer_real_llama_server=False,
+        gpus_per_node=4,
+        autoscale=False,
+        work_dir=tmp_path,
+        resync_s=2.0,
+        replace_lost_after_s=15.0,
+        heartbeat_grace_s=1.0,
+        min_heartbeat_ttl_s=1.0,
+        profile_policy=ProfilePolicy(allow_prefetch_commands=True),
+    )
+    async with local_stack(options) as running:
+        yield running
 
 
 async def _volume_nodes(stack: LocalStack, folder: Path) -> set[str]:
