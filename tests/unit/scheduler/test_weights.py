@@ -298,3 +298,15 @@ def test_status_names_a_failed_or_running_prefetch() -> None:
     running = PrefetchGate(register=None, ready=False, status="running for 5 s")
     assert "prefetching" == summarise_model("qwen", profile, 2, [], prefetch=running).status
     assert "scaled to zero" == summarise_model("qwen", profile, 0, [], prefetch=running).status
+
+
+def test_caravan_render_prints_the_prefetch_job(capsys: pytest.CaptureFixture[str]) -> None:
+    from caravan_cli.main import main  # noqa: PLC0415 - only this test needs the CLI
+
+    (path,) = (str(p) for p in PREFETCH_EXAMPLES if p.stem == "llama-vllm-h100-cached")
+    assert 0 == main(["render", path, "--prefetch"])
+    body = json.loads(capsys.readouterr().out)
+    assert "caravan-llama3-1-8b-prefetch" == body["Job"]["ID"]
+    plain = str(EXAMPLES[0]) if "cached" not in EXAMPLES[0].stem else str(EXAMPLES[1])
+    assert 1 == main(["render", plain, "--prefetch"])
+    assert "weights.prefetch: this profile has no prefetch job" in capsys.readouterr().err
