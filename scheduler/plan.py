@@ -26,7 +26,8 @@ are not draining:
    weights version gets its prefetch job registered (once per version) and
    no new replicas: rules 1, 3 and 4 wait; scaling down still applies.
 6. Replicas of a model with no profile are drained only after the profile's
-   absence has been confirmed for a while: an empty read is suspect.
+   absence has been confirmed for a while: an empty read is suspect. Its
+   prefetch job, if any, is purged after the same confirmation.
 """
 
 from __future__ import annotations
@@ -463,6 +464,34 @@ def _orphans(
     return actions, orphaned, waiting
 
 
+def _orphan_prefetches(
+    desired: Mapping[str, DesiredModel | None],
+    observed: Observation,
+    *,
+    orphaned: dict[str, float],
+    memory: PlannerMemory,
+    settings: PlanSettings,
+    now: float,
+) -> tuple[list[Action], bool]:
+    """Purge the prefetch job of a deleted model once its absence is confirmed."""
+    actions: list[Action] = []
+    waiting = False
+    for model in sorted(set(observed.prefetch) - set(desired)):
+        since = orphaned.get(model, memory.orphaned_since.get(model, now))
+        orphaned[model] = since
+        if now - since < settings.orphan_confirm_s:
+            waiting = True
+            continue
+        actions.append(
+            Deregister(
+                job_id=observed.prefetch[model].job_id,
+                model=model,
+                reason="model has no profile (deleted): its prefetch job goes too",
+            )
+        )
+    return actions, waiting
+
+
 def plan(
     desired: Mapping[str, DesiredModel],
     observed: Observation,
@@ -494,6 +523,11 @@ def plan(
     protected = {**desired, **dict.fromkeys(leave_alone)}
     orphan_actions, orphaned, orphan_wait = _orphans(protected, observed, memory, settings, now)
     actions.extend(orphan_actions)
+    prefetch_actions, prefetch_wait = _orphan_prefetches(
+        protected, observed, orphaned=orphaned, memory=memory, settings=settings, now=now
+    )
+    actions.extend(prefetch_actions)
+    orphan_wait = orphan_wait or prefetch_wait
     if observed.draining:
         waiting = True
     drain_s = {

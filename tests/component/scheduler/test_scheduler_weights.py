@@ -223,3 +223,11 @@ async def test_failed_prefetch_is_shown_and_a_good_one_runs_once(
     assert (prefetch.version, prefetch.job_modify_index) == (after.version, after.job_modify_index)
     runs = (await stack.scheduler.nomad.job_allocations(prefetch_job_id("goodfetch"))).value
     assert ["complete"] == [a.client_status for a in runs]
+
+    # Deleting the failed model removes its prefetch job too.
+    await store_of(stack).delete("badfetch")
+
+    async def purged() -> bool:
+        return await stack.scheduler.nomad.get_job(prefetch_job_id("badfetch")) is None
+
+    await eventually(purged, timeout_s=60)

@@ -8,7 +8,7 @@ from profile_builders import make_vllm
 from world_builders import NOW, NS, alloc, desired, nodes, replica, run_plan, world
 
 from scheduler.cluster_config import ClusterConfig
-from scheduler.plan import Register, RegisterPrefetch, Replace
+from scheduler.plan import Deregister, Register, RegisterPrefetch, Replace
 from scheduler.render import secret_templates
 from scheduler.weights import ObservedPrefetch, PrefetchState, prefetch_job_id, render_prefetch
 
@@ -96,3 +96,17 @@ def test_a_model_without_prefetch_is_not_gated() -> None:
     result = run_plan(desired((profile, 1)), world())
     assert [type(a) for a in result.actions] == [Register]
     assert result.reports[0].prefetch is None
+
+
+def test_a_deleted_models_prefetch_is_purged_after_confirmation() -> None:
+    profile = _profile()
+    seen = _seen(profile, PrefetchState.COMPLETE)
+    first = run_plan({}, seen)
+    assert () == first.actions
+    assert first.requeue_after_s is not None
+    later = run_plan({}, seen, memory=first.memory, now=NOW + 60)
+    (action,) = later.actions
+    assert isinstance(action, Deregister)
+    assert prefetch_job_id(profile.name) == action.job_id
+    # A profile that comes back in time keeps it.
+    assert () == run_plan(desired((profile, 0)), seen, memory=first.memory, now=NOW + 60).actions
