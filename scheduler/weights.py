@@ -139,6 +139,14 @@ class WeightsCache(BaseModel):
                 "weights.read_only: false is for a cache the replicas fill themselves; "
                 "with a prefetch, replicas mount the volume read-only"
             )
+        mode = self.volume.access_mode or ""
+        if mode.endswith("-reader-only") and not self.replicas_read_only:
+            # Nomad refuses a read-write claim in a reader-only mode.
+            raise ValueError(
+                f"weights.volume.access_mode: {mode} volumes are mounted read-only, but "
+                "replicas that fill the cache themselves write it; add a prefetch or "
+                "set weights.read_only: true"
+            )
         return self
 
     @property

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from devcluster.nomad.gotext import multierror
 from devcluster.nomad.model import Node
 
 Json = dict[str, Any]
@@ -146,3 +147,109 @@ def expose_mounts(mounts: Sequence[Mount], task_dir: Path) -> None:
                     f"mount destination {mount.task_path} exists in the task directory"
                 )
         view.symlink_to(mount.host_path, target_is_directory=True)
+
+
+# -- job validation (`VolumeRequest.Validate`, `VolumeMount.Validate`) ---------------
+
+_HOST_ACCESS_MODES = frozenset(
+    {
+        "",
+        "single-node-reader-only",
+        "single-node-writer",
+        "single-node-single-writer",
+        "single-node-multi-writer",
+    }
+)
+_PROPAGATION_MODES = frozenset({"", "private", "host-to-task", "bidirectional"})
+_SELINUX_LABELS = frozenset({"", "z", "Z"})
+
+
+def _csi_errors(request: Mapping[str, Any], count: int) -> list[str]:
+    errors: list[str] = []
+    read_only = bool(request.get("ReadOnly"))
+    per_alloc = bool(request.get("PerAlloc"))
+    attachment = str(request.get("AttachmentMode") or "")
+    if not attachment:
+        errors.append("CSI volumes must have an attachment mode")
+    elif attachment == "block-device" and request.get("MountOptions") is not None:
+        errors.append("block devices cannot have mount options")
+    access = str(request.get("AccessMode") or "")
+    several = count > 1 and not per_alloc
+    if not access:
+        errors.append("CSI volumes must have an access mode")
+    elif access == "single-node-reader-only":
+        if not read_only:
+            errors.append(f"{access} volumes must be read-only")
+        if several:
+            errors.append(f"volume with {access} access mode allows only one reader")
+    elif access == "single-node-writer" and several:
+        errors.append(f"volume with {access} access mode allows only one reader or writer")
+    elif access == "multi-node-reader-only" and not read_only:
+        errors.append(f"{access} volumes must be read-only")
+    elif access == "multi-node-single-writer" and not read_only and several:
+        errors.append(f"volume with {access} access mode allows only one writer")
+    return errors
+
+
+def volume_request_error(
+    request: Mapping[str, Any], job_type: str, count: int, canaries: int
+) -> str | None:
+    """`VolumeRequest.Validate` as Nomad prints it (%v of the error), or None."""
+    kind = str(request.get("Type", ""))
+    if kind not in {"host", "csi"}:
+        return f"volume has unrecognized type {kind}"
+    errors: list[str] = []
+    if not request.get("Source"):
+        errors.append("volume has an empty source")
+    if request.get("PerAlloc"):
+        if job_type in {"system", "sysbatch"}:
+            errors.append("volume cannot be per_alloc for system or sysbatch jobs")
+        if canaries > 0:
+            errors.append("volume cannot be per_alloc when canaries are in use")
+        if request.get("Sticky"):
+            errors.append("volume cannot be per_alloc and sticky at the same time")
+    if kind == "host":
+        if request.get("MountOptions") is not None:
+            errors.append("host volumes cannot have mount options")
+        access = str(request.get("AccessMode") or "")
+        if access == "single-node-reader-only" and not request.get("ReadOnly"):
+            errors.append(f"{access} volumes must be read-only")
+        elif access not in _HOST_ACCESS_MODES:
+            errors.append(f"host volumes cannot be mounted with {access} access mode")
+    else:
+        errors += _csi_errors(request, count)
+    return multierror(errors) if errors else None
+
+
+def group_volume_errors(group: Json, job_type: str) -> list[str]:
+    """`TaskGroup.Validate`'s volume part (sorted by name; Go's map order is random)."""
+    canaries = int((group.get("Update") or {}).get("Canary", 0))
+    count = int(group.get("Count", 0))
+    errors: list[str] = []
+    for name, request in sorted((group.get("Volumes") or {}).items()):
+        error = volume_request_error(request or {}, job_type, count, canaries)
+        if error is not None:
+            errors.append(f"Task group volume validation for {name} failed: {error}")
+    return errors
+
+
+def task_mount_errors(task: Json, group: Json) -> list[str]:
+    """`Task.Validate`'s volume mount part."""
+    volumes = group.get("Volumes") or {}
+    errors: list[str] = []
+    for position, mount in enumerate(task.get("VolumeMounts") or []):
+        volume = str(mount.get("Volume", ""))
+        if volume not in volumes:
+            errors.append(f"Volume Mount ({position}) references undefined volume {volume}")
+        problems: list[str] = []
+        if not volume:
+            problems.append("volume mount references an empty volume")
+        propagation = str(mount.get("PropagationMode") or "")
+        if propagation not in _PROPAGATION_MODES:
+            problems.append(f'volume mount has an invalid propagation mode: "{propagation}"')
+        label = str(mount.get("SELinuxLabel") or "")
+        if label not in _SELINUX_LABELS:
+            problems.append(f'volume mount has an invalid SELinux label: "{label}"')
+        if problems:
+            errors.append(f'Volume Mount ({position}) is invalid: "{multierror(problems)}"')
+    return errors

@@ -183,3 +183,36 @@ async def test_raw_exec_cannot_mount_a_host_volume(
         'prestart hook "volumes" failed: task driver "raw_exec" for "sleep" '
         "does not support host volumes"
     )
+
+
+async def test_volume_and_mount_validation_use_nomads_words(
+    target: NomadTarget, http: aiohttp.ClientSession, unique: str
+) -> None:
+    """A mount of an undeclared volume, a read-write multi-node-reader-only CSI request and a
+    host request with an empty source: HTTP 500 with Nomad's messages."""
+    job_id = f"badvol-{unique}"
+    body = sleeper_job(job_id)
+    group = body["Job"]["TaskGroups"][0]
+    group["Volumes"] = {
+        "a": {"Name": "a", "Type": "host", "Source": ""},
+        "b": {
+            "Name": "b",
+            "Type": "csi",
+            "Source": "vol",
+            "AccessMode": "multi-node-reader-only",
+            "AttachmentMode": "file-system",
+        },
+    }
+    group["Tasks"][0]["VolumeMounts"] = [{"Volume": "nope", "Destination": "/x"}]
+    async with http.put(f"{target.address}/v1/jobs", json=body) as response:
+        text = await response.text()
+        assert 500 == response.status, text
+    assert (
+        "Task group volume validation for a failed: 1 error occurred:\n"
+        "\t* volume has an empty source" in text
+    )
+    assert (
+        "Task group volume validation for b failed: 1 error occurred:\n"
+        "\t* multi-node-reader-only volumes must be read-only" in text
+    )
+    assert "Volume Mount (0) references undefined volume nope" in text

@@ -99,6 +99,14 @@ def test_prefetch_job_renders_to_its_golden_file(path: Path, update_golden: bool
             "'rw' is not one of",
         ),
         ({"weights": _weights(prefetch={})}, "llama.cpp has no default download"),
+        (
+            {
+                "weights": _weights(
+                    volume={"type": "csi", "source": "m", "access_mode": "multi-node-reader-only"}
+                )
+            },
+            "multi-node-reader-only volumes are mounted read-only",
+        ),
         ({"weights": _weights(volume={"type": "nfs", "source": "m"})}, "weights.volume.type"),
     ],
 )
