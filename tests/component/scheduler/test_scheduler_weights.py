@@ -6,7 +6,7 @@ the stack's other nodes have no volume. A llama.cpp model whose GGUF lives
 on the volume lands only on those nodes and the real llama-server loads it
 from there; a failing prefetch is shown in `caravan status` and holds the
 replicas; a succeeding one fills the volume once and is not run again by
-later reconcile passes or a replica's replacement.
+later reconcile passes, a replica's replacement or the death of the node it ran on.
 """
 
 from __future__ import annotations
@@ -205,11 +205,22 @@ async def test_failed_prefetch_is_shown_and_a_good_one_runs_once(
         assert 200 == response.status, await response.text()
     old = {a.id for a in allocs}
 
-    async def replaced() -> bool:
+    async def replaced() -> list[Any] | None:
         now = await _running_replicas(stack, "goodfetch", 2)
-        return now is not None and bool({a.id for a in now} - old)
+        return now if now is not None and {a.id for a in now} - old else None
 
-    await eventually(replaced, timeout_s=120)
+    allocs = await eventually(replaced, timeout_s=120)
+    # The node the prefetch ran on dies: its replicas are replaced on the other
+    # volume node, and the completed prefetch is not run again.
+    (fetched,) = (await stack.scheduler.nomad.job_allocations(prefetch_job_id("goodfetch"))).value
+    await stack.cluster.nomad.kill_node(fetched.node_id)
+    survivor = with_volume - {fetched.node_id}
+
+    async def moved() -> list[Any] | None:
+        now = await _running_replicas(stack, "goodfetch", 2)
+        return now if now is not None and {a.node_id for a in now} == survivor else None
+
+    await eventually(moved, timeout_s=120)
     # Several reconcile passes later (resync every 2 s) the prefetch is the same job
     # version with its one allocation.
     passes = _passes(stack)
