@@ -314,6 +314,8 @@ class Controller:
         # None until read from KV, which a new leader does once.
         self._published: dict[str, str] | None = None
         self._engines: dict[str, AllocEngine] = {}
+        # Models whose prefetch has failed (logged once when it does).
+        self._prefetch_failed: set[str] = set()
 
     async def observe(self, desired: DesiredState) -> Observation:
         """Read Nomad (jobs, allocations, nodes) and Consul health into one snapshot."""
@@ -457,6 +459,7 @@ class Controller:
         for job_id in sorted(unplaced - self._unplaced):
             log.warning("replica_unplaced", extra={"job_id": job_id, "see": "caravan status"})
         self._unplaced = unplaced
+        self._record_prefetch(result)
         for report in result.reports:
             self.metrics.replicas_desired.labels(model=report.model).set(report.desired)
             self.metrics.replicas_live.labels(model=report.model).set(report.live)
@@ -465,6 +468,30 @@ class Controller:
         for name, problem in result.errors.items():
             self.metrics.errors.labels(kind="render").inc()
             log.error("profile_unrenderable", extra={"model": name, "problem": problem})
+
+    def _record_prefetch(self, result: Plan) -> None:
+        """The prefetch gauge per model with a prefetch; one error log when one fails."""
+        failed: set[str] = set()
+        for report in result.reports:
+            if report.prefetch is None:
+                with contextlib.suppress(KeyError):
+                    self.metrics.prefetch_failed.remove(report.model)
+                continue
+            self.metrics.prefetch_failed.labels(model=report.model).set(
+                1 if report.prefetch_failed else 0
+            )
+            if report.prefetch_failed:
+                failed.add(report.model)
+        for model in sorted(self._prefetch_failed - {r.model for r in result.reports}):
+            with contextlib.suppress(KeyError):
+                self.metrics.prefetch_failed.remove(model)
+        reports = {r.model: r for r in result.reports}
+        for model in sorted(failed - self._prefetch_failed):
+            log.error(
+                "prefetch_failed",
+                extra={"model": model, "reason": reports[model].prefetch, "see": "caravan status"},
+            )
+        self._prefetch_failed = failed
 
     async def publish_placements(self, placements: Mapping[str, Placements]) -> None:
         """Write each model's placements where they changed; delete those of models gone.

@@ -25,6 +25,7 @@ class SchedulerMetrics:
     signal_age: Gauge
     cold_start: Histogram
     api_auth_failures: Counter
+    prefetch_failed: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> SchedulerMetrics:
@@ -123,6 +124,12 @@ class SchedulerMetrics:
                 "API requests refused for their credentials, by reason "
                 "(missing, malformed: 401; invalid: 403).",
                 ["reason"],
+                registry=registry,
+            ),
+            prefetch_failed=Gauge(
+                "caravan_scheduler_prefetch_failed",
+                "1 when the model's weights prefetch failed for its current version, else 0.",
+                ["model"],
                 registry=registry,
             ),
         )

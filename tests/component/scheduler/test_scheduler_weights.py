@@ -191,6 +191,17 @@ async def test_failed_prefetch_is_shown_and_a_good_one_runs_once(
     status = await _status(stack).model("goodfetch")
     assert "complete" == status.prefetch
 
+    registry = stack.scheduler.registry
+    gauge = "caravan_scheduler_prefetch_failed"
+
+    async def gauges() -> bool:
+        # The controller's pass may come a moment after what status read from Nomad.
+        return (
+            registry.get_sample_value(gauge, {"model": "badfetch"}),
+            registry.get_sample_value(gauge, {"model": "goodfetch"}),
+        ) == (1.0, 0.0)
+
+    await eventually(gauges, timeout_s=30)
     # The planner never registered a replica of the failed model.
     jobs = (await stack.scheduler.nomad.list_jobs("caravan-badfetch-")).value
     assert [prefetch_job_id("badfetch")] == [str(j["ID"]) for j in jobs]
@@ -242,3 +253,4 @@ async def test_failed_prefetch_is_shown_and_a_good_one_runs_once(
         return await stack.scheduler.nomad.get_job(prefetch_job_id("badfetch")) is None
 
     await eventually(purged, timeout_s=60)
+    assert registry.get_sample_value(gauge, {"model": "badfetch"}) is None
