@@ -400,6 +400,11 @@ def observe_prefetch(
         or not str(stub.get("ID", "")).startswith(JOB_PREFIX)
     ):
         return None
+    # Only the current version's allocations say how this weights version did:
+    # a completed run of an older version must not count as this one's.
+    version = stub.get("Version")
+    if version is not None:
+        allocs = [a for a in allocs if a.get("JobVersion", version) == version]
     statuses = [str(a.get("ClientStatus", "")) for a in allocs]
     failure: str | None = None
     if "complete" in statuses:

@@ -246,6 +246,20 @@ async def test_failed_prefetch_is_shown_and_a_good_one_runs_once(
     runs = (await stack.scheduler.nomad.job_allocations(prefetch_job_id("goodfetch"))).value
     assert ["complete"] == [a.client_status for a in runs]
 
+    # New weights settings are a new weights version: the prefetch runs once more.
+    changed = {**copying, "memory_mb": 1024}
+    await store_of(stack).submit([_profile("goodfetch", 2, {"prefetch": changed})])
+
+    async def ran_again() -> list[Any] | None:
+        runs = (await stack.scheduler.nomad.job_allocations(prefetch_job_id("goodfetch"))).value
+        done = [a for a in runs if a.client_status == "complete"]
+        return runs if len(done) == 2 else None
+
+    runs = await eventually(ran_again, timeout_s=60)
+    assert 2 == len(runs)
+    status = await _status(stack).model("goodfetch")
+    assert "complete" == status.prefetch
+
     # Deleting the failed model removes its prefetch job too.
     await store_of(stack).delete("badfetch")
 

@@ -292,6 +292,15 @@ def test_observed_prefetch_state_and_failure_come_from_nomads_allocations() -> N
     complete = observe_prefetch(_stub(), [_alloc("failed"), _alloc("complete")])
     assert complete is not None
     assert PrefetchState.COMPLETE is complete.state
+    # Re-registered for new weights (version 1): the old version's success does not count.
+    old_run = {**_alloc("complete"), "JobVersion": 0}
+    rerun = observe_prefetch({**_stub(), "Version": 1}, [old_run])
+    assert rerun is not None
+    assert PrefetchState.PENDING is rerun.state
+    new_run = {**_alloc("running"), "JobVersion": 1}
+    running_again = observe_prefetch({**_stub(), "Version": 1}, [old_run, new_run])
+    assert running_again is not None
+    assert PrefetchState.RUNNING is running_again.state
 
 
 def test_status_names_a_failed_or_running_prefetch() -> None:
