@@ -125,11 +125,18 @@ def default_nodes(
     cpu_mhz: int = 9600,
     memory_mb: int = 16384,
     gpu_node_memory_mb: int = 262144,
+    host_volumes: dict[str, HostVolumeSpec] | None = None,
 ) -> tuple[NodeSpec, ...]:
-    """`cpu_nodes` plain nodes, then `gpu_nodes` with `gpus_per_node` GPUs each."""
+    """`cpu_nodes` plain nodes, then `gpu_nodes` with `gpus_per_node` GPUs each
+    (every one declaring `host_volumes`)."""
     per_core = max(cpu_mhz // cores, 1)
     plain = [
-        NodeSpec(cpu_cores=cores, cpu_mhz_per_core=per_core, memory_mb=memory_mb)
+        NodeSpec(
+            cpu_cores=cores,
+            cpu_mhz_per_core=per_core,
+            memory_mb=memory_mb,
+            host_volumes=dict(host_volumes or {}),
+        )
         for _ in range(cpu_nodes)
     ]
     gpu = [
@@ -141,6 +148,7 @@ def default_nodes(
             gpus=gpus_per_node,
             gpu_model=gpu_model,
             gpu_memory_mib=gpu_memory_mib,
+            host_volumes=dict(host_volumes or {}),
         )
         for _ in range(gpu_nodes)
     ]
@@ -159,6 +167,17 @@ def _seconds(text: str) -> float:
     if seconds <= 0:
         raise argparse.ArgumentTypeError(f"duration must be positive, got {text}")
     return seconds
+
+
+def _host_volume(text: str) -> tuple[str, HostVolumeSpec]:
+    """`NAME=PATH[:ro]` for `--host-volume`."""
+    name, sep, rest = text.partition("=")
+    if not sep or not name or not rest:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH[:ro], got {text!r}")
+    path, read_only = (rest[:-3], True) if rest.endswith(":ro") else (rest, False)
+    if not Path(path).is_absolute():
+        raise argparse.ArgumentTypeError(f"host volume {name}: path {path!r} must be absolute")
+    return name, HostVolumeSpec(path=path, read_only=read_only)
 
 
 def add_nomad_arguments(parser: argparse.ArgumentParser) -> None:
@@ -216,6 +235,14 @@ def add_nomad_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--nomad-data-dir", type=Path, default=None, help="alloc dirs (default: temp)"
     )
+    group.add_argument(
+        "--host-volume",
+        action="append",
+        default=[],
+        type=_host_volume,
+        metavar="NAME=PATH[:ro]",
+        help="a host volume every node declares (repeatable; one folder shared by all)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace, *, host: str = "127.0.0.1") -> NomadServerSettings:
@@ -248,5 +275,6 @@ def settings_from_args(args: argparse.Namespace, *, host: str = "127.0.0.1") -> 
             cpu_mhz=args.node_cpu_mhz,
             memory_mb=args.node_memory_mb,
             gpu_node_memory_mb=args.gpu_node_memory_mb,
+            host_volumes=dict(args.host_volume),
         ),
     )

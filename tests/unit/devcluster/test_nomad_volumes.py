@@ -75,3 +75,25 @@ def test_config_is_rewritten_throughout_and_untouched_without_mounts() -> None:
         config, [MOUNT], TASK_DIR
     )
     assert config == rewrite_config(config, [], TASK_DIR)
+
+
+def test_command_line_host_volumes_are_declared_by_every_node() -> None:
+    import argparse  # noqa: PLC0415 - only this test parses flags
+
+    from devcluster.nomad.settings import add_nomad_arguments, settings_from_args  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_nomad_arguments(parser)
+    args = parser.parse_args(
+        ["--nodes", "2", "--gpu-nodes", "1", "--host-volume", "models=/srv/m:ro"]
+    )
+    nodes = settings_from_args(args).nodes
+    assert 3 == len(nodes)
+    assert all(
+        (n.host_volumes["models"].path, n.host_volumes["models"].read_only) == ("/srv/m", True)
+        for n in nodes
+    )
+    with pytest.raises(argparse.ArgumentError, match="path 'rel' must be absolute"):
+        parser.parse_args(["--host-volume", "models=rel"])
+    with pytest.raises(argparse.ArgumentError, match="expected NAME=PATH"):
+        parser.parse_args(["--host-volume", "models"])
