@@ -171,9 +171,10 @@ def summarise_model(
     """The model's line for `caravan list` and the header of `caravan status` (pure)."""
     ready = sum(1 for r in replicas if r.state == "ready")
     problem: str | None = None
-    if prefetch.failed and desired > 0:
-        status = "prefetch failed"
+    if prefetch.failed:
         problem = f"prefetch job {prefetch_job_id(name)} {prefetch.status}"
+    if prefetch.failed and desired > 0 and ready == 0:
+        status = "prefetch failed"
     elif not prefetch.ready and desired > 0 and not replicas:
         status = "prefetching"
     elif desired == 0 and not replicas:

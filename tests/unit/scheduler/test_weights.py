@@ -315,6 +315,17 @@ def test_status_names_a_failed_or_running_prefetch() -> None:
     running = PrefetchGate(register=None, ready=False, status="running for 5 s")
     assert "prefetching" == summarise_model("qwen", profile, 2, [], prefetch=running).status
     assert "scaled to zero" == summarise_model("qwen", profile, 0, [], prefetch=running).status
+    # Replicas of the previous weights still serve: the model is not down, the problem shows.
+    from scheduler.status import ReplicaStatus  # noqa: PLC0415
+
+    serving = ReplicaStatus(
+        job_id="caravan-qwen-0", replica=0, state="ready", current=False, draining=False
+    )
+    shown = summarise_model("qwen", profile, 1, [serving], prefetch=failed)
+    assert ("updating", "prefetch job caravan-qwen-prefetch failed: Exit Code: 3") == (
+        shown.status,
+        shown.problem,
+    )
 
 
 def test_caravan_render_prints_the_prefetch_job(capsys: pytest.CaptureFixture[str]) -> None:
