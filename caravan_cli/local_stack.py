@@ -47,6 +47,7 @@ from router.app import RUNTIME, app_runner, create_app
 from router.settings import RouterSettings
 from scheduler.app import SchedulerProcess, build_scheduler
 from scheduler.cluster_config import ClusterConfig, LlamaCppSettings
+from scheduler.profile_policy import ProfilePolicy
 from scheduler.profiles import ModelProfile
 from scheduler.settings import SchedulerSettings
 
@@ -93,6 +94,9 @@ class StackOptions:
     variables: Mapping[str, Mapping[str, str]] = field(default_factory=lambda: EXAMPLE_VARIABLES)
     # Consul ACLs on, each component with a token of its own policy (None: ACLs off).
     consul_acl: ConsulAcl | None = None
+
+    # The cluster config's profile policy; None keeps the default.
+    profile_policy: ProfilePolicy | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +297,8 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
         engine = choose_llamacpp_engine(work_dir, prefer_real=options.prefer_real_llama_server)
         config = cluster_config_for(engine)
         acl = options.consul_acl
+        if options.profile_policy is not None:
+            config = config.model_copy(update={"profile_policy": options.profile_policy})
         dev_config = DevClusterConfig(
             consul=ConsulConfig(
                 session_ttl_min_s=1.0,

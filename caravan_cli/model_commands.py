@@ -401,6 +401,8 @@ def format_status(model: dict[str, Any], now: float) -> str:
         )
     else:
         lines.append("no replicas")
+    if model.get("prefetch"):
+        lines.append(f"prefetch: {model['prefetch']}")
     autoscaler = model.get("autoscaler") or {}
     signals = autoscaler.get("last_signals") or {}
     if signals:

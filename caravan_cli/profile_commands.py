@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 from scheduler.cluster_config import ClusterConfigError, load_cluster_config
 from scheduler.profiles import ProfileError, load_profile
-from scheduler.render import PlacementHints, RenderError, render
+from scheduler.render import PlacementHints, RenderError, render, secret_templates
+from scheduler.weights import render_prefetch
 
 if TYPE_CHECKING:
     from scheduler.profiles import ModelProfile
@@ -39,6 +40,11 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         default=[],
         metavar="NODE_ID",
         help="Nomad node ID hosting a sibling replica (repeatable; CPU replicas avoid it)",
+    )
+    render_parser.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="print the model's weights prefetch job instead of a replica",
     )
     render_parser.set_defaults(handler=run_render)
 
@@ -90,6 +96,12 @@ def run_render(args: argparse.Namespace) -> int:
             PlacementHints(sibling_nodes=frozenset(args.avoid_node)),
             config,
         )
+        if args.prefetch:
+            prefetch = render_prefetch(profile, config, secret_templates(profile))
+            if prefetch is None:
+                _error(f"{args.file}: weights.prefetch: this profile has no prefetch job")
+                return 1
+            body = prefetch
     except ProfileError as exc:
         for problem in exc.problems:
             _error(f"{args.file}: {problem}")

@@ -73,12 +73,14 @@ from scheduler.plan import (
     Plan,
     PlanSettings,
     Register,
+    RegisterPrefetch,
     Replace,
     StartDrain,
     drain_record_for,
     plan,
 )
 from scheduler.render import RenderError, render
+from scheduler.weights import ObservedPrefetch, observe_prefetch
 from scheduler.world import (
     NS_PER_S,
     DesiredModel,
@@ -323,6 +325,8 @@ class Controller:
         # The last Nomad readout and Consul health, for the failure record.
         self._last_readout: tuple[NomadReadout, dict[str, bool]] | None = None
         self._failure_gauges: set[str] = set()
+        # Models whose prefetch has failed (logged once when it does).
+        self._prefetch_failed: set[str] = set()
 
     async def observe(self, desired: DesiredState) -> Observation:
         """Read Nomad (jobs, allocations, nodes) and Consul health into one snapshot."""
@@ -343,6 +347,11 @@ class Controller:
             )
             with_allocs = replace(replica, allocs=allocs)
             replicas[replica.job_id] = replace(with_allocs, inflight=self.inflight(with_allocs))
+        prefetch: dict[str, ObservedPrefetch] = {}
+        for job_stub in readout.job_stubs:
+            found = observe_prefetch(job_stub, readout.allocs_by_job.get(str(job_stub["ID"]), []))
+            if found is not None:
+                prefetch[found.model] = found
         models = {r.model for r in replicas.values()} | set(desired.profiles)
         passing: dict[str, bool] = {}
         for model in sorted(models):
@@ -352,7 +361,11 @@ class Controller:
         self._last_readout = (readout, passing)
         nodes = {str(stub["ID"]): node_from_stub(stub) for stub in readout.node_stubs}
         return Observation(
-            replicas=replicas, nodes=nodes, draining=desired.draining, taken_at=self.clock()
+            replicas=replicas,
+            nodes=nodes,
+            draining=desired.draining,
+            taken_at=self.clock(),
+            prefetch=prefetch,
         )
 
     def _suspect_empty(self, desired: DesiredState, observed: Observation, now: float) -> bool:
@@ -459,6 +472,7 @@ class Controller:
         for job_id in sorted(unplaced - self._unplaced):
             log.warning("replica_unplaced", extra={"job_id": job_id, "see": "caravan status"})
         self._unplaced = unplaced
+        self._record_prefetch(result)
         for report in result.reports:
             self.metrics.replicas_desired.labels(model=report.model).set(report.desired)
             self.metrics.replicas_live.labels(model=report.model).set(report.live)
@@ -467,6 +481,30 @@ class Controller:
         for name, problem in result.errors.items():
             self.metrics.errors.labels(kind="render").inc()
             log.error("profile_unrenderable", extra={"model": name, "problem": problem})
+
+    def _record_prefetch(self, result: Plan) -> None:
+        """The prefetch gauge per model with a prefetch; one error log when one fails."""
+        failed: set[str] = set()
+        for report in result.reports:
+            if report.prefetch is None:
+                with contextlib.suppress(KeyError):
+                    self.metrics.prefetch_failed.remove(report.model)
+                continue
+            self.metrics.prefetch_failed.labels(model=report.model).set(
+                1 if report.prefetch_failed else 0
+            )
+            if report.prefetch_failed:
+                failed.add(report.model)
+        for model in sorted(self._prefetch_failed - {r.model for r in result.reports}):
+            with contextlib.suppress(KeyError):
+                self.metrics.prefetch_failed.remove(model)
+        reports = {r.model: r for r in result.reports}
+        for model in sorted(failed - self._prefetch_failed):
+            log.error(
+                "prefetch_failed",
+                extra={"model": model, "reason": reports[model].prefetch, "see": "caravan status"},
+            )
+        self._prefetch_failed = failed
 
     async def publish_placements(self, placements: Mapping[str, Placements]) -> None:
         """Write each model's placements where they changed; delete those of models gone.
@@ -615,6 +653,8 @@ class Controller:
                     await self.engine_keys.remove_replica_key(action.job_id)
             case ClearDrainMarker():
                 await self.store.clear_draining(action.job_id)
+            case RegisterPrefetch():
+                await self.nomad.register_job(action.body)
 
     async def _hand_engine_key(self, model: str, job_id: str) -> None:
         """Before a replica job is registered, its own variable holds the model's key."""

@@ -27,6 +27,7 @@ class SchedulerMetrics:
     api_auth_failures: Counter
     autoscale_overridden: Gauge
     model_failed: Gauge
+    prefetch_failed: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> SchedulerMetrics:
@@ -136,6 +137,12 @@ class SchedulerMetrics:
             model_failed=Gauge(
                 "caravan_scheduler_model_failed",
                 "1 while every replica of the model has failed for good (KV failed/<name>).",
+                ["model"],
+                registry=registry,
+            ),
+            prefetch_failed=Gauge(
+                "caravan_scheduler_prefetch_failed",
+                "1 when the model's weights prefetch failed for its current version, else 0.",
                 ["model"],
                 registry=registry,
             ),

@@ -24,8 +24,12 @@ are not draining:
 4. A replica whose only allocation was lost on a dead node and that Nomad has
    not replaced in time is re-registered with fresh placement hints.
 5. Draining replicas are deregistered after their drain window.
+5a. A model whose `weights.prefetch` has not succeeded for its current
+   weights version gets its prefetch job registered (once per version) and
+   no new replicas: rules 1, 3 and 4 wait; scaling down still applies.
 6. Replicas of a model with no profile are drained only after the profile's
-   absence has been confirmed for a while: an empty read is suspect.
+   absence has been confirmed for a while: an empty read is suspect. Its
+   prefetch job, if any, is purged after the same confirmation.
 """
 
 from __future__ import annotations
@@ -36,7 +40,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from caravan.contract import DrainRecord, replica_job_id
-from scheduler.render import PlacementHints, RenderError, render, spec_hash
+from scheduler.render import PlacementHints, RenderError, render, secret_templates, spec_hash
+from scheduler.weights import (
+    NO_PREFETCH,
+    PrefetchGate,
+    prefetch_gate,
+    prefetch_job_id,
+    render_prefetch,
+)
 from scheduler.world import (
     DesiredModel,
     Observation,
@@ -100,7 +111,17 @@ class ClearDrainMarker:
     reason: str
 
 
-Action = Register | Replace | StartDrain | Deregister | ClearDrainMarker
+@dataclass(frozen=True, slots=True)
+class RegisterPrefetch:
+    """Register a model's prefetch batch job (absent, or its weights version changed)."""
+
+    job_id: str
+    model: str
+    body: dict[str, Any] = field(repr=False)
+    reason: str
+
+
+Action = Register | Replace | StartDrain | Deregister | ClearDrainMarker | RegisterPrefetch
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +150,10 @@ class ModelReport:
     outdated: int
     draining: int
     unplaced: tuple[str, ...] = ()
+    # The prefetch job's state in words ("running for 30 s", "failed: ..."); None: no prefetch.
+    prefetch: str | None = None
+    # The prefetch failed for this weights version: replicas wait until the profile changes.
+    prefetch_failed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,12 +260,15 @@ class _ModelPlanner:
         used = {r.replica for r in self.observed.of_model(self.profile_name)}
         target = self.desired.count
 
-        self._replace_lost(live)
+        gate = self._prefetch_gate()
+        if gate.ready:
+            self._replace_lost(live)
         if len(live) < target:
-            self._scale_up(live, used, target - len(live))
+            if gate.ready:
+                self._scale_up(live, used, target - len(live))
         elif len(live) > target:
             self._scale_down(live, outdated, ready, len(live) - target)
-        elif outdated:
+        elif outdated and gate.ready:
             self._surge(live, used, outdated, ready)
         self._note_unplaced(live)
         return ModelReport(
@@ -251,7 +279,32 @@ class _ModelPlanner:
             outdated=len(outdated),
             draining=len(replicas) - len(live),
             unplaced=tuple(self.unplaced),
+            prefetch=gate.status,
+            prefetch_failed=gate.failed,
         )
+
+    def _prefetch_gate(self) -> PrefetchGate:
+        """Register the prefetch job if needed; replicas wait until it has succeeded."""
+        profile = self.desired.profile
+        weights = profile.weights
+        if weights is None or weights.prefetch is None:
+            return NO_PREFETCH
+        body = render_prefetch(profile, self.config, secret_templates(profile))
+        gate = prefetch_gate(
+            body, self.observed.prefetch.get(profile.name), self.now, weights.prefetch.timeout_s
+        )
+        if gate.register is not None:
+            self.actions.append(
+                RegisterPrefetch(
+                    job_id=prefetch_job_id(profile.name),
+                    model=profile.name,
+                    body=gate.register,
+                    reason=gate.status or "prefetch",
+                )
+            )
+        if not gate.ready and not gate.failed:
+            self.waiting = True
+        return gate
 
     def _replace_lost(self, live: list[ObservedReplica]) -> None:
         for replica in live:
@@ -412,6 +465,34 @@ def _orphans(
     return actions, orphaned, waiting
 
 
+def _orphan_prefetches(
+    desired: Mapping[str, DesiredModel | None],
+    observed: Observation,
+    *,
+    orphaned: dict[str, float],
+    memory: PlannerMemory,
+    settings: PlanSettings,
+    now: float,
+) -> tuple[list[Action], bool]:
+    """Purge the prefetch job of a deleted model once its absence is confirmed."""
+    actions: list[Action] = []
+    waiting = False
+    for model in sorted(set(observed.prefetch) - set(desired)):
+        since = orphaned.get(model, memory.orphaned_since.get(model, now))
+        orphaned[model] = since
+        if now - since < settings.orphan_confirm_s:
+            waiting = True
+            continue
+        actions.append(
+            Deregister(
+                job_id=observed.prefetch[model].job_id,
+                model=model,
+                reason="model has no profile (deleted): its prefetch job goes too",
+            )
+        )
+    return actions, waiting
+
+
 def plan(
     desired: Mapping[str, DesiredModel],
     observed: Observation,
@@ -443,6 +524,11 @@ def plan(
     protected = {**desired, **dict.fromkeys(leave_alone)}
     orphan_actions, orphaned, orphan_wait = _orphans(protected, observed, memory, settings, now)
     actions.extend(orphan_actions)
+    prefetch_actions, prefetch_wait = _orphan_prefetches(
+        protected, observed, orphaned=orphaned, memory=memory, settings=settings, now=now
+    )
+    actions.extend(prefetch_actions)
+    orphan_wait = orphan_wait or prefetch_wait
     if observed.draining:
         waiting = True
     drain_s = {

@@ -16,10 +16,14 @@ reads and writes on the node. So, by default:
   `--api-key`) or give the engine's clients the node's file system
   (`--allowed-local-media-path`, llama.cpp `--path`, `--slot-save-path`) are
   refused;
-- an `image` other than the cluster's configured engine images is refused.
+- an `image` other than the cluster's configured engine images is refused,
+  for the engine and for a `weights.prefetch`;
+- a `weights.prefetch` with its own `command` (or the `exec` driver) is
+  refused: only the default `hf download <model>` runs.
 
 An operator allows more with the cluster config's `profile_policy`
-(`allow_env`, `allow_engine_args`, `allowed_images`) and refuses more with
+(`allow_env`, `allow_engine_args`, `allowed_images`, `allow_prefetch_commands`)
+and refuses more with
 `deny_env`/`deny_engine_args`. Names ending in `*` are prefixes.
 
 `policy_problems` is pure: one line per refusal, each naming the field and
@@ -120,6 +124,10 @@ class ProfilePolicy(BaseModel):
     # More names (or `PREFIX*`) to refuse, on top of the defaults.
     deny_env: tuple[str, ...] = ()
     deny_engine_args: tuple[str, ...] = ()
+    # Whether a profile's weights.prefetch may run its own command (or the exec
+    # driver): code of the submitter's choosing, with the profile's secrets and
+    # write access to the weights volume. The default `hf download` may always run.
+    allow_prefetch_commands: bool = False
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:
@@ -209,6 +217,28 @@ def image_problems(
     return [message]
 
 
+def prefetch_problems(
+    profile: ModelProfile, policy: ProfilePolicy, cluster_images: Iterable[str]
+) -> list[str]:
+    """A prefetch's image is an image like the engine's; its own command needs the policy."""
+    weights = profile.weights
+    if weights is None or weights.prefetch is None:
+        return []
+    prefetch = weights.prefetch
+    problems = [
+        f"weights.prefetch.{line}"
+        for line in image_problems(prefetch.image, policy, cluster_images)
+    ]
+    if (prefetch.command or prefetch.driver == "exec") and not policy.allow_prefetch_commands:
+        problems.append(
+            "weights.prefetch.command: a prefetch that runs its own command (or the exec "
+            "driver) runs code of the profile's choosing with its secrets and write access to "
+            "the weights volume; an operator may allow it with "
+            "profile_policy.allow_prefetch_commands in the cluster config"
+        )
+    return problems
+
+
 def policy_problems(
     profile: ModelProfile, policy: ProfilePolicy, *, cluster_images: Iterable[str] = ()
 ) -> list[str]:
@@ -219,4 +249,5 @@ def policy_problems(
         *env_problems(profile.secrets, policy, field="secrets"),
         *engine_arg_problems(profile.engine, profile.engine_args, policy),
         *image_problems(profile.image, policy, cluster_images),
+        *prefetch_problems(profile, policy, cluster_images),
     ]

@@ -35,6 +35,7 @@ from caravan.contract import (
 from scheduler.engines.base import resolve_metrics
 from scheduler.engines.kinds import Driver, Engine
 from scheduler.engines.registry import adapter_for, engine_key_env_names
+from scheduler.weights import WeightsCache, check_weights
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -237,6 +238,8 @@ class ModelProfile(BaseModel):
     secrets: dict[str, str] = Field(default_factory=dict)
     autoscaling: Autoscaling | None = None
     metrics: MetricNames | None = None
+    # Where the weights live (a Nomad host or CSI volume) and an optional prefetch.
+    weights: WeightsCache | None = None
 
     @field_validator("name")
     @classmethod
@@ -292,6 +295,7 @@ class ModelProfile(BaseModel):
         adapter.check_profile(self)
         self._check_engine_args(adapter.managed_flags)
         self._check_scaling()
+        check_weights(self)
         return self
 
     def _check_engine_args(self, managed: frozenset[str]) -> None:

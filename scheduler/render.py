@@ -36,10 +36,12 @@ from caravan.contract import (
     replica_job_id,
     replica_key_path,
 )
+from scheduler import weights
 from scheduler.cluster_config import ClusterConfig
 from scheduler.engines.base import resolve_metrics
 from scheduler.engines.registry import adapter_for
 from scheduler.gpu_classes import GpuClass, UnknownGpuClassError, lookup_gpu_class
+from scheduler.profiles import Driver
 
 if TYPE_CHECKING:
     from scheduler.engines.base import EngineAdapter
@@ -164,7 +166,7 @@ def _service(
     config: ClusterConfig,
     gpu_class_name: str,
 ) -> dict[str, Any]:
-    startup_s = adapter.startup_timeout_s(profile)
+    startup_s = weights.startup_timeout_s(profile, adapter.startup_timeout_s(profile))
     return {
         "Name": model_service_name(profile.name),
         "PortLabel": HTTP_PORT_LABEL,
@@ -207,15 +209,21 @@ def _env_template(path: str, lines: list[tuple[str, str]], dest: str) -> dict[st
     }
 
 
-def _templates(
-    profile: ModelProfile, adapter: EngineAdapter, config: ClusterConfig, job_id: str
-) -> list[dict[str, Any]]:
+def secret_templates(profile: ModelProfile) -> list[dict[str, Any]]:
+    """The `template` blocks that read the profile's secrets (references only)."""
     templates: list[dict[str, Any]] = []
     by_path: dict[str, list[tuple[str, str]]] = {}
     for name, ref in profile.secret_refs().items():
         by_path.setdefault(ref.path, []).append((name, ref.item))
     for number, (path, lines) in enumerate(sorted(by_path.items())):
         templates.append(_env_template(path, lines, f"profile-secrets-{number}.env"))
+    return templates
+
+
+def _templates(
+    profile: ModelProfile, adapter: EngineAdapter, config: ClusterConfig, job_id: str
+) -> list[dict[str, Any]]:
+    templates = secret_templates(profile)
     if config.engine_api_keys:
         # The scheduler writes the model's key into the replica job's own
         # variable path before registering the job.
@@ -245,6 +253,16 @@ def _task(
     templates = _templates(profile, adapter, config, job_id)
     if templates:
         task["Templates"] = templates
+    mounts = weights.replica_mounts(profile)
+    if mounts is not None:
+        if task["Driver"] == Driver.RAW_EXEC.value:
+            raise RenderError(
+                "weights",
+                "the raw_exec driver cannot mount volumes (Nomad has no mounts for it); "
+                "set driver: docker",
+            )
+        task["Env"] = dict(sorted({**task["Env"], **weights.cache_env(profile)}.items()))
+        task["VolumeMounts"] = mounts
     return task
 
 
@@ -285,7 +303,7 @@ def _job_without_hash(profile: ModelProfile, replica: int, config: ClusterConfig
         )
     adapter = adapter_for(profile.engine)
     gpu_class_name = profile.gpu.gpu_class if profile.gpu is not None else ""
-    startup_s = adapter.startup_timeout_s(profile)
+    startup_s = weights.startup_timeout_s(profile, adapter.startup_timeout_s(profile))
     job_id = replica_job_id(profile.name, replica)
     job: dict[str, Any] = {
         "ID": job_id,
@@ -346,6 +364,9 @@ def _job_without_hash(profile: ModelProfile, replica: int, config: ClusterConfig
             }
         ],
     }
+    volumes = weights.replica_volumes(profile)
+    if volumes is not None:
+        job["TaskGroups"][0]["Volumes"] = volumes
     if config.region is not None:
         job["Region"] = config.region
     return job

@@ -20,7 +20,15 @@ from scheduler.controller import HealthSource, NomadReads, read_nomad
 from scheduler.model_store import DesiredState, ModelStore, UnknownModelError
 from scheduler.placement_explain import ReplicaAsk, explain_failed_groups
 from scheduler.profiles import ModelProfile
-from scheduler.render import render, spec_hash
+from scheduler.render import render, secret_templates, spec_hash
+from scheduler.weights import (
+    NO_PREFETCH,
+    PrefetchGate,
+    observe_prefetch,
+    prefetch_gate,
+    prefetch_job_id,
+    render_prefetch,
+)
 from scheduler.world import NS_PER_S, NodeView, node_from_stub, replica_from_job_stub
 
 
@@ -61,6 +69,8 @@ class ModelStatus:
     override: Mapping[str, Any] | None = None
     # Why every replica failed for good: {"reason": ..., "since": unix seconds}.
     failure: Mapping[str, Any] | None = None
+    # The prefetch job in words ("running for 30 s", "complete", "failed: ..."); None: none.
+    prefetch: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -202,6 +212,7 @@ def summarise_model(
     *,
     override: ScaleOverride | None = None,
     failure: ModelFailure | None = None,
+    prefetch: PrefetchGate = NO_PREFETCH,
 ) -> ModelStatus:
     """The model's line for `caravan list` and the header of `caravan status` (pure).
 
@@ -209,8 +220,15 @@ def summarise_model(
     is the scheduler's record that every replica failed for good.
     """
     ready = sum(1 for r in replicas if r.state == "ready")
+    problem: str | None = None
+    if prefetch.failed:
+        problem = f"prefetch job {prefetch_job_id(name)} {prefetch.status}"
     if failure is not None and ready == 0:
         status = "failed"
+    elif prefetch.failed and desired > 0 and ready == 0:
+        status = "prefetch failed"
+    elif not prefetch.ready and desired > 0 and not replicas:
+        status = "prefetching"
     elif desired == 0 and not replicas:
         status = "scaled to zero"
     elif ready >= desired and all(r.current for r in replicas if not r.draining):
@@ -234,9 +252,11 @@ def summarise_model(
         max=profile.replicas.max,
         status=status,
         replicas=tuple(replicas),
+        problem=problem,
         autoscaler=autoscaler,
         override=None if override is None else {"count": override.count, "until": override.until},
         failure=None if failure is None else {"reason": failure.reason, "since": failure.since},
+        prefetch=prefetch.status,
     )
 
 
@@ -349,6 +369,7 @@ class StatusReader:
             except ValueError:
                 autoscaler = {"error": "autoscaler state in KV is unreadable"}
         override = state.overrides.get(name)
+        gate = self._prefetch(profile, state, jobs, allocs_by_job, now)
         return summarise_model(
             name,
             profile,
@@ -357,4 +378,27 @@ class StatusReader:
             autoscaler,
             override=override if override is not None and override.in_force(now) else None,
             failure=state.failures.get(name),
+            prefetch=gate,
         )
+
+    def _prefetch(
+        self,
+        profile: ModelProfile,
+        state: DesiredState,
+        jobs: list[dict[str, Any]],
+        allocs_by_job: dict[str, list[Mapping[str, Any]]],
+        now: float,
+    ) -> PrefetchGate:
+        """The model's prefetch as the planner sees it (same render, same gate)."""
+        weights = profile.weights
+        if weights is None or weights.prefetch is None:
+            return NO_PREFETCH
+        observed = None
+        for stub in jobs:
+            found = observe_prefetch(stub, allocs_by_job.get(str(stub.get("ID", "")), []))
+            if found is not None and found.model == profile.name:
+                observed = found
+        body = render_prefetch(
+            profile, state.cluster_config or self.config, secret_templates(profile)
+        )
+        return prefetch_gate(body, observed, now, weights.prefetch.timeout_s)

@@ -17,6 +17,7 @@ from caravan.contract import JOB_PREFIX, MANAGED_BY_VALUE, DrainRecord, JobMetaK
 
 if TYPE_CHECKING:
     from scheduler.profiles import ModelProfile
+    from scheduler.weights import ObservedPrefetch
 
 NS_PER_S = 1_000_000_000
 
@@ -103,6 +104,8 @@ class Observation:
     # Wall-clock time the observation was taken (seconds), to compare with
     # Nomad's nanosecond timestamps.
     taken_at: float
+    # Each model's prefetch job as Nomad reports it (models with one only).
+    prefetch: Mapping[str, ObservedPrefetch] = field(default_factory=dict)
 
     def of_model(self, model: str) -> list[ObservedReplica]:
         return sorted(

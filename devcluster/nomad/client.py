@@ -65,6 +65,13 @@ from devcluster.nomad.templates import (
     write_task_templates,
 )
 from devcluster.nomad.variables import VariableStore, workload_may_read
+from devcluster.nomad.volumes import (
+    VolumeMountError,
+    expose_mounts,
+    resolve_mounts,
+    rewrite_config,
+    rewrite_env,
+)
 
 Json = dict[str, Any]
 
@@ -176,6 +183,18 @@ class TaskRunner:
             (task_dir / sub).mkdir(parents=True, exist_ok=True)
         self._write_dispatch_payload(task_dir / "local")
         self.emit(TaskEvent("Task Setup", self.now(), message="Building Task Directory"))
+        try:
+            mounts = resolve_mounts(self.task, runner.group, client.node, runner.alloc.name)
+            expose_mounts(mounts, task_dir)
+        except VolumeMountError as exc:
+            # A failed prestart hook is not recoverable: the task is dead and failed.
+            self.emit(
+                TaskEvent("Task hook failed", self.now(), message=str(exc), fails_task=True),
+                state="dead",
+                failed=True,
+                finished_at_ns=self.now(),
+            )
+            return
         tracker = RestartTracker(
             policy=self.task.get("RestartPolicy") or {},
             restart_on_success=runner.job.get("Type") in {"service", "system"},
@@ -195,12 +214,13 @@ class TaskRunner:
                 runner.alloc, runner.job, self.task, client.node, runner.alloc_dir
             )
             env.update(template_env)  # template env overrides the task's env, as in Nomad
+            env = rewrite_env(env, mounts, task_dir)
             exit_result: ExitResult | None = None
             start_error: DriverError | None = None
             try:
                 spec = resolve_launch(
                     str(self.task.get("Driver", "")),
-                    self._interpolated_config(env),
+                    rewrite_config(self._interpolated_config(env), mounts, task_dir),
                     env=env,
                     ports=runner.alloc.resources.ports,
                     host_ip=client.node.address,

@@ -14,7 +14,7 @@ import signal
 import uuid
 
 from devcluster.nomad.matching import Attribute
-from devcluster.nomad.model import DeviceGroup, DeviceInstance, Node
+from devcluster.nomad.model import DeviceGroup, DeviceInstance, HostVolume, Node
 from devcluster.nomad.settings import NodeSpec
 
 NOMAD_VERSION = "1.10.5"
@@ -128,4 +128,8 @@ def node_from_spec(
         devices=gpu_devices(spec, node_id),
         http_port=NODE_HTTP_PORT,
         registered_at_ns=registered_at_ns,
+        host_volumes={
+            name: HostVolume(path=volume.path, read_only=volume.read_only)
+            for name, volume in spec.host_volumes.items()
+        },
     )

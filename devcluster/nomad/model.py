@@ -87,6 +87,18 @@ class DrainStrategy:
 
 
 @dataclass(frozen=True, slots=True)
+class HostVolume:
+    """A static host volume of a client node (`ClientHostVolumeConfig`)."""
+
+    path: str
+    read_only: bool = False
+
+    def to_api(self, name: str) -> Json:
+        # `ID` is set only for dynamic host volumes, which devcluster does not have.
+        return {"Name": name, "Path": self.path, "ReadOnly": self.read_only, "ID": ""}
+
+
+@dataclass(frozen=True, slots=True)
 class Node:
     id: str
     name: str
@@ -115,6 +127,8 @@ class Node:
     events: tuple[Json, ...] = ()
     create_index: int = 0
     modify_index: int = 0
+    # Static host volumes: name -> (path, read_only), Nomad's `ClientHostVolumeConfig`.
+    host_volumes: Mapping[str, HostVolume] = field(default_factory=dict)
 
     @property
     def cpu_total_mhz(self) -> int:
@@ -174,6 +188,12 @@ class Node:
             "MaxDynamicPort": self.max_dynamic_port,
         }
 
+    def _host_volumes_api(self) -> Json | None:
+        """`map[string]*ClientHostVolumeConfig`; null when the client declares none."""
+        if not self.host_volumes:
+            return None
+        return {name: volume.to_api(name) for name, volume in sorted(self.host_volumes.items())}
+
     @staticmethod
     def _reserved_api() -> Json:
         return {
@@ -209,7 +229,7 @@ class Node:
             "Drivers": self._drivers_api(),
             "CSIControllerPlugins": None,
             "CSINodePlugins": None,
-            "HostVolumes": None,
+            "HostVolumes": self._host_volumes_api(),
             "HostNetworks": None,
             "LastDrain": self.last_drain,
             "CreateIndex": self.create_index,
@@ -232,7 +252,7 @@ class Node:
             "Status": self.status,
             "StatusDescription": self.status_description,
             "Drivers": self._drivers_api(),
-            "HostVolumes": None,
+            "HostVolumes": self._host_volumes_api(),
             "LastDrain": self.last_drain,
             "CreateIndex": self.create_index,
             "ModifyIndex": self.modify_index,

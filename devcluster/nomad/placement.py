@@ -9,7 +9,8 @@ The pipeline is Nomad's generic stack, in its order:
 
 1. shuffle the ready, eligible, non-draining nodes of the job's datacenters and pool;
 2. feasibility: job constraints, drivers, group and task constraints, device
-   presence, network mode, `distinct_hosts`, `distinct_property`;
+   presence, network mode, static host volumes, `distinct_hosts`,
+   `distinct_property`;
 3. ranking: bin-packing fit (ports, devices, cores, CPU, memory, disk), job
    anti-affinity, rescheduling penalty, node affinities, spread, averaged;
 4. the limit iterator (visit about log2(n) fitting nodes, skipping up to 3
@@ -60,6 +61,7 @@ IMPLICIT_SPREAD_TARGET = "*"
 FILTER_MISSING_DRIVERS = "missing drivers"
 FILTER_MISSING_DEVICES = "missing devices"
 FILTER_MISSING_NETWORK = "missing network"
+FILTER_MISSING_HOST_VOLUMES = "missing compatible host volumes"
 
 
 @dataclass(slots=True)
@@ -135,6 +137,8 @@ class PlacementContext:
     # Non-terminal allocations per node id, including this plan's placements.
     proposed: Mapping[str, Sequence[Allocation]]
     penalty_node_ids: frozenset[str] = frozenset()
+    # The allocation's name (`job.group[index]`): `per_alloc` volume sources use its suffix.
+    alloc_name: str = ""
 
 
 # -- targets -------------------------------------------------------------
@@ -254,6 +258,28 @@ def _has_devices(node: Node, requests: list[Json]) -> bool:
     return True
 
 
+def _has_host_volumes(node: Node, group: Json, alloc_name: str) -> bool:
+    """Nomad's `HostVolumeChecker` for static host volumes (CSI requests are skipped).
+
+    Every `host` request needs a volume of its `Source` on the node (with
+    `PerAlloc`, the source plus the allocation's `[index]` suffix), and a
+    read-write request cannot use a volume the client declares read-only.
+    Sticky requests need dynamic host volumes, which devcluster does not have.
+    """
+    for request in (group.get("Volumes") or {}).values():
+        if str(request.get("Type", "")) != "host":
+            continue
+        source = str(request.get("Source", ""))
+        if request.get("PerAlloc"):
+            source += alloc_name[alloc_name.rfind("[") :] if "[" in alloc_name else ""
+        volume = node.host_volumes.get(source)
+        if volume is None or request.get("Sticky"):
+            return False
+        if volume.read_only and not request.get("ReadOnly"):
+            return False
+    return True
+
+
 def _wants_distinct_hosts(constraints: Sequence[Mapping[str, Any]]) -> bool:
     for constraint in constraints:
         if constraint.get("Operand") == DISTINCT_HOSTS:
@@ -326,6 +352,8 @@ def _feasibility_reason(
     networks = context.group.get("Networks") or []
     if networks and networks[0].get("Mode", "host") not in {"", "host"}:
         return FILTER_MISSING_NETWORK
+    if not _has_host_volumes(node, context.group, context.alloc_name):
+        return FILTER_MISSING_HOST_VOLUMES
     if _collides_distinct_hosts(context, node):
         return DISTINCT_HOSTS
     return _distinct_property_reason(context, node, nodes_by_id)

@@ -267,6 +267,7 @@ def _place(
         nodes=inputs.nodes,
         proposed=builder.proposed(),
         penalty_node_ids=want.penalty,
+        alloc_name=want.name,
     )
     result = select_node(context, builder.rng)
     group_name = str(group["Name"])
@@ -332,7 +333,19 @@ def _plan_group(
     current_version = int(job.get("Version", 0)) if job is not None else 0
     job_id = str((job or {}).get("ID") or (allocs[0].job_id if allocs else ""))
 
+    batch = str((job or {}).get("Type", "")) == "batch"
     for alloc in sorted(allocs, key=lambda a: (a.index, a.create_index)):
+        if (
+            batch
+            and group is not None
+            and alloc.client_status == "complete"
+            and alloc.job_version == current_version
+        ):
+            # Nomad's `shouldFilter`: a batch allocation that ran successfully is
+            # done and keeps its slot, even on a node that is down since.
+            occupied.setdefault(alloc.name, alloc)
+            updates.ignore += 1
+            continue
         if alloc.server_terminal or alloc.client_status in {"lost", "complete"}:
             continue
         if group is None:

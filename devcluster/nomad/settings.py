@@ -41,6 +41,28 @@ def gpu_memory_for(model: str) -> int:
     return GPU_MEMORY_MIB.get(model, DEFAULT_GPU_MEMORY_MIB)
 
 
+class HostVolumeSpec(BaseModel):
+    """A static host volume the client declares (`client { host_volume "name" { ... } }`).
+
+    `path` is a folder on this machine: tasks that mount the volume see it at
+    their `volume_mount` destination (see `devcluster/nomad/volumes.py`).
+    """
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", alias_generator=to_pascal, populate_by_name=True
+    )
+
+    path: str = Field(min_length=1)
+    read_only: bool = False
+
+    @field_validator("path")
+    @classmethod
+    def _path_is_absolute(cls, path: str) -> str:
+        if not Path(path).is_absolute():
+            raise ValueError(f"host volume path {path!r} must be absolute")
+        return path
+
+
 class NodeSpec(BaseModel):
     """One simulated client node (`POST /v1/devcluster/node` takes this, PascalCase too)."""
 
@@ -61,6 +83,8 @@ class NodeSpec(BaseModel):
     gpu_model: str = DEFAULT_GPU_MODEL
     gpu_memory_mib: int | None = Field(default=None, ge=1)
     drivers: tuple[str, ...] = ("raw_exec", "exec", "docker")
+    # Static host volumes by name (Nomad's client `host_volume` blocks).
+    host_volumes: dict[str, HostVolumeSpec] = Field(default_factory=dict)
 
     @field_validator("node_pool")
     @classmethod
@@ -114,11 +138,18 @@ def default_nodes(
     memory_mb: int = 16384,
     gpu_node_memory_mb: int = 262144,
     gpu_node_pool: str = "default",
+    host_volumes: dict[str, HostVolumeSpec] | None = None,
 ) -> tuple[NodeSpec, ...]:
-    """`cpu_nodes` plain nodes, then `gpu_nodes` GPU nodes (in `gpu_node_pool`)."""
+    """`cpu_nodes` plain nodes, then `gpu_nodes` GPU nodes (in `gpu_node_pool`), every
+    one declaring `host_volumes`."""
     per_core = max(cpu_mhz // cores, 1)
     plain = [
-        NodeSpec(cpu_cores=cores, cpu_mhz_per_core=per_core, memory_mb=memory_mb)
+        NodeSpec(
+            cpu_cores=cores,
+            cpu_mhz_per_core=per_core,
+            memory_mb=memory_mb,
+            host_volumes=dict(host_volumes or {}),
+        )
         for _ in range(cpu_nodes)
     ]
     gpu = [
@@ -131,6 +162,7 @@ def default_nodes(
             gpus=gpus_per_node,
             gpu_model=gpu_model,
             gpu_memory_mib=gpu_memory_mib,
+            host_volumes=dict(host_volumes or {}),
         )
         for _ in range(gpu_nodes)
     ]
@@ -149,6 +181,17 @@ def _seconds(text: str) -> float:
     if seconds <= 0:
         raise argparse.ArgumentTypeError(f"duration must be positive, got {text}")
     return seconds
+
+
+def _host_volume(text: str) -> tuple[str, HostVolumeSpec]:
+    """`NAME=PATH[:ro]` for `--host-volume`."""
+    name, sep, rest = text.partition("=")
+    if not sep or not name or not rest:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH[:ro], got {text!r}")
+    path, read_only = (rest[:-3], True) if rest.endswith(":ro") else (rest, False)
+    if not Path(path).is_absolute():
+        raise argparse.ArgumentTypeError(f"host volume {name}: path {path!r} must be absolute")
+    return name, HostVolumeSpec(path=path, read_only=read_only)
 
 
 def add_nomad_arguments(parser: argparse.ArgumentParser) -> None:
@@ -211,6 +254,14 @@ def add_nomad_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--nomad-data-dir", type=Path, default=None, help="alloc dirs (default: temp)"
     )
+    group.add_argument(
+        "--host-volume",
+        action="append",
+        default=[],
+        type=_host_volume,
+        metavar="NAME=PATH[:ro]",
+        help="a host volume every node declares (repeatable; one folder shared by all)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace, *, host: str = "127.0.0.1") -> NomadServerSettings:
@@ -244,5 +295,6 @@ def settings_from_args(args: argparse.Namespace, *, host: str = "127.0.0.1") -> 
             memory_mb=args.node_memory_mb,
             gpu_node_memory_mb=args.gpu_node_memory_mb,
             gpu_node_pool=args.gpu_node_pool,
+            host_volumes=dict(args.host_volume),
         ),
     )

@@ -25,6 +25,7 @@ from devcluster.nomad.matching import (
     parse_version_constraint,
     validate_regexp,
 )
+from devcluster.nomad.volumes import group_volume_errors, task_mount_errors
 
 Json = dict[str, Any]
 
@@ -755,6 +756,7 @@ def task_errors(task: Json, group: Json, job_type: str) -> list[str]:
         errors.append(
             "Dispatch Payload validation failed: destination escapes allocation directory"
         )
+    errors += task_mount_errors(task, group)
     return errors
 
 
@@ -819,6 +821,7 @@ def group_errors(group: Json, job: Json) -> list[str]:
             errors.append(f"Task {position} redefines '{task_name}' from task {seen[task_name]}")
         else:
             seen[task_name] = position
+    errors += group_volume_errors(group, job_type)
     nested = _nested(_network_errors(group))
     if nested is not None:
         errors.append(f"Task group network validation failed: {nested}")

@@ -199,7 +199,7 @@ class LlamaCppAdapter:
             config.llamacpp.cuda_image if profile.uses_gpu else config.llamacpp.image
         )
         task_config: dict[str, Any] = {"image": image, "args": args, "ports": [HTTP_PORT_LABEL]}
-        if profile.model.startswith("/"):
+        if profile.model.startswith("/") and profile.weights is None:
             # The model file lives on the node; mount its folder read-only at
             # the same path so `-m` needs no rewriting.
             folder = profile.model.rsplit("/", 1)[0] or "/"

@@ -79,3 +79,9 @@ def test_status_explains_pending_replicas_and_autoscaler_decisions():
     assert "autoscaler signals: inflight_per_replica=9.0, kv_cache_per_replica=unknown" in lines
     assert "last cold start: 12.5s from demand to ready" in lines
     assert "autoscaler last decision 10s ago: up to 2: in-flight 9 > 4" in lines
+
+
+def test_status_shows_the_weights_prefetch():
+    text = format_status(model(prefetch="failed: Terminated: Exit Code: 1"), now=100.0)
+    assert "prefetch: failed: Terminated: Exit Code: 1" in text.splitlines()
+    assert "prefetch" not in format_status(model(), now=100.0)

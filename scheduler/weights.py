@@ -1,0 +1,474 @@
+"""Where a model's weights live: a Nomad host or CSI volume, and an optional prefetch.
+
+A profile's `weights` block names a volume (Nomad's group `volume` block),
+the path replicas mount it at (`volume_mount`, read-only), and optionally a
+`prefetch`: a Nomad batch job, `caravan-<model>-prefetch`, that fills the
+volume once (mounted read-write) before any replica is registered.
+
+Everything here is pure: the profile schema, the blocks `render` adds to a
+replica job, the prefetch job itself, and `prefetch_gate`, which tells the
+planner from what Nomad reports (and `now`) whether replicas may be placed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from caravan.contract import JOB_PREFIX, MANAGED_BY_VALUE, JobMetaKey
+
+if TYPE_CHECKING:
+    from scheduler.cluster_config import ClusterConfig
+    from scheduler.profiles import ModelProfile
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+NS_PER_S = 1_000_000_000
+VOLUME_NAME = "weights"
+PREFETCH_GROUP = "prefetch"
+PREFETCH_TASK = "prefetch"
+PREFETCH_SUFFIX = "-prefetch"
+# Job Meta of the prefetch job: which model it fills (JobMetaKey.MODEL) and this kind.
+PREFETCH_KIND_KEY = "caravan_kind"
+PREFETCH_KIND = "prefetch"
+HASH_LEN = 16
+# Without a prefetch the first replica on a cold cache downloads the weights
+# itself: its default startup timeout is the engine's times this factor.
+COLD_CACHE_STARTUP_FACTOR = 2
+# A prefetch retries twice in place (a flaky download), then fails for good.
+PREFETCH_RESTART_ATTEMPTS = 2
+PREFETCH_RESTART_DELAY_S = 5
+PREFETCH_RESTART_INTERVAL_S = 30 * 60
+# Paths that are Nomad's own inside every task.
+_RESERVED_MOUNT_ROOTS = ("/alloc", "/local", "/secrets", "/tmp")  # noqa: S108 - Nomad's task dirs
+CSI_ACCESS_MODES = frozenset(
+    {
+        "single-node-reader-only",
+        "single-node-writer",
+        "multi-node-reader-only",
+        "multi-node-single-writer",
+        "multi-node-multi-writer",
+    }
+)
+DEFAULT_CSI_ACCESS_MODE = "multi-node-reader-only"
+# Replicas that fill a CSI cache themselves (no prefetch) write it from many nodes.
+CSI_SHARED_WRITER_MODE = "multi-node-multi-writer"
+# The claim a prefetch takes on a CSI volume to write it.
+PREFETCH_CSI_ACCESS_MODE = "multi-node-single-writer"
+
+
+class VolumeType(StrEnum):
+    HOST = "host"
+    CSI = "csi"
+
+
+class WeightsVolume(BaseModel):
+    """The Nomad volume that holds the weights: a client host volume or a CSI volume."""
+
+    model_config = _FROZEN
+
+    type: VolumeType
+    # The host volume's name in the clients' `host_volume` blocks, or the CSI volume ID.
+    source: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-\[\]]+$")
+    # CSI only (Nomad's `access_mode` / `attachment_mode`).
+    access_mode: str | None = None
+    attachment_mode: Literal["file-system"] | None = None
+
+    @model_validator(mode="after")
+    def _modes_fit_the_type(self) -> Self:
+        if self.type is VolumeType.HOST:
+            if self.access_mode is not None or self.attachment_mode is not None:
+                raise ValueError(
+                    "weights.volume: access_mode and attachment_mode are for type: csi only"
+                )
+        elif self.access_mode is not None and self.access_mode not in CSI_ACCESS_MODES:
+            raise ValueError(
+                f"weights.volume.access_mode: {self.access_mode!r} is not one of "
+                f"{', '.join(sorted(CSI_ACCESS_MODES))}"
+            )
+        return self
+
+
+class Prefetch(BaseModel):
+    """A batch job that fills the volume once before replicas are placed."""
+
+    model_config = _FROZEN
+
+    # The command line (argv). vLLM's default: `hf download <model>` into HF_HOME.
+    command: tuple[str, ...] = ()
+    driver: Literal["docker", "exec"] = "docker"
+    # For docker: the image (default: the cluster's vLLM image, which has `hf`).
+    image: str | None = Field(default=None, min_length=1)
+    cpu_mhz: int = Field(default=1000, ge=100)
+    memory_mb: int = Field(default=2048, ge=64)
+    # After this long without success `caravan status` says the prefetch is stuck.
+    timeout_s: int = Field(default=3600, ge=60)
+
+    @field_validator("command")
+    @classmethod
+    def _command_has_no_blank(cls, command: tuple[str, ...]) -> tuple[str, ...]:
+        if command and not command[0].strip():
+            raise ValueError("weights.prefetch.command: the first item must be the program")
+        return command
+
+
+class WeightsCache(BaseModel):
+    """`weights:` in a profile: where the weights live and how they get there."""
+
+    model_config = _FROZEN
+
+    volume: WeightsVolume
+    # Where replicas (and the prefetch) see the volume; the engine's cache.
+    path: str = Field(min_length=1)
+    prefetch: Prefetch | None = None
+    # How replicas mount the volume. None: read-only with a prefetch (it
+    # filled the cache), read-write without one (the first replica on a cold
+    # cache downloads into it). True without a prefetch: the operator fills it.
+    read_only: bool | None = None
+
+    @model_validator(mode="after")
+    def _prefetched_means_read_only(self) -> Self:
+        if self.prefetch is not None and self.read_only is False:
+            raise ValueError(
+                "weights.read_only: false is for a cache the replicas fill themselves; "
+                "with a prefetch, replicas mount the volume read-only"
+            )
+        mode = self.volume.access_mode or ""
+        if mode.endswith("-reader-only") and not self.replicas_read_only:
+            # Nomad refuses a read-write claim in a reader-only mode.
+            raise ValueError(
+                f"weights.volume.access_mode: {mode} volumes are mounted read-only, but "
+                "replicas that fill the cache themselves write it; add a prefetch or "
+                "set weights.read_only: true"
+            )
+        return self
+
+    @property
+    def replicas_read_only(self) -> bool:
+        if self.read_only is not None:
+            return self.read_only
+        return self.prefetch is not None
+
+    @field_validator("path")
+    @classmethod
+    def _path_is_a_clean_absolute_folder(cls, path: str) -> str:
+        clean = posixpath.normpath(path)
+        if not path.startswith("/") or clean != path.rstrip("/") or clean == "/":
+            raise ValueError(
+                f"weights.path: {path!r} must be an absolute folder path such as /models"
+            )
+        for root in _RESERVED_MOUNT_ROOTS:
+            if clean == root or clean.startswith(f"{root}/"):
+                raise ValueError(f"weights.path: {path!r} is inside Nomad's task folder {root}")
+        return clean
+
+
+def check_weights(profile: ModelProfile) -> None:
+    """Rules across `weights` and the rest of the profile (raises ValueError)."""
+    weights = profile.weights
+    if weights is None:
+        return
+    engine = profile.engine.value
+    if engine == "llamacpp":
+        if not profile.model.startswith(f"{weights.path}/"):
+            raise ValueError(
+                f"weights.path: llama.cpp loads `model` from the volume, so model "
+                f"({profile.model!r}) must be a file under {weights.path}/"
+            )
+        if weights.prefetch is not None and not weights.prefetch.command:
+            raise ValueError(
+                "weights.prefetch.command: llama.cpp has no default download; give the "
+                "command that writes the GGUF under weights.path"
+            )
+    elif "HF_HOME" in profile.env:
+        raise ValueError("env: HF_HOME is set by weights.path (the volume is vLLM's cache)")
+
+
+def prefetch_job_id(model: str) -> str:
+    """`caravan-<model>-prefetch`: one per model (its spec hash is the weights version)."""
+    return f"{JOB_PREFIX}{model}{PREFETCH_SUFFIX}"
+
+
+# -- blocks of a replica job -------------------------------------------------------
+
+
+def _volume_request(
+    weights: WeightsCache, *, read_only: bool, prefetch: bool = False
+) -> dict[str, Any]:
+    volume = weights.volume
+    request: dict[str, Any] = {
+        "Name": VOLUME_NAME,
+        "Type": volume.type.value,
+        "Source": volume.source,
+        "ReadOnly": read_only,
+    }
+    if volume.type is VolumeType.CSI:
+        if prefetch:
+            mode = PREFETCH_CSI_ACCESS_MODE
+        elif volume.access_mode is not None:
+            mode = volume.access_mode
+        else:
+            mode = DEFAULT_CSI_ACCESS_MODE if read_only else CSI_SHARED_WRITER_MODE
+        request["AccessMode"] = mode
+        request["AttachmentMode"] = volume.attachment_mode or "file-system"
+    return request
+
+
+def _mount(weights: WeightsCache, *, read_only: bool) -> dict[str, Any]:
+    return {"Volume": VOLUME_NAME, "Destination": weights.path, "ReadOnly": read_only}
+
+
+def replica_volumes(profile: ModelProfile) -> dict[str, Any] | None:
+    """The group `Volumes` of a replica: the weights volume (read-only once filled)."""
+    if profile.weights is None:
+        return None
+    weights = profile.weights
+    return {VOLUME_NAME: _volume_request(weights, read_only=weights.replicas_read_only)}
+
+
+def replica_mounts(profile: ModelProfile) -> list[dict[str, Any]] | None:
+    """The task `VolumeMounts` of a replica: the volume at `weights.path`."""
+    if profile.weights is None:
+        return None
+    return [_mount(profile.weights, read_only=profile.weights.replicas_read_only)]
+
+
+def cache_env(profile: ModelProfile) -> dict[str, str]:
+    """Environment that points the engine at the volume (vLLM's Hugging Face cache)."""
+    weights = profile.weights
+    if weights is None or profile.engine.value != "vllm":
+        return {}
+    env = {"HF_HOME": weights.path}
+    if weights.prefetch is not None:
+        # The prefetch filled the cache: never reach out (and never write the
+        # read-only mount) from a replica.
+        env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def startup_timeout_s(profile: ModelProfile, engine_default_s: int) -> int:
+    """A replica's startup timeout: a cold cache it fills itself gets longer by default."""
+    if profile.startup_timeout_s is not None:
+        return profile.startup_timeout_s
+    weights = profile.weights
+    if weights is not None and not weights.replicas_read_only:
+        return engine_default_s * COLD_CACHE_STARTUP_FACTOR
+    return engine_default_s
+
+
+# -- the prefetch job ----------------------------------------------------------------
+
+
+def _prefetch_command(profile: ModelProfile, prefetch: Prefetch) -> tuple[str, ...]:
+    if prefetch.command:
+        return prefetch.command
+    return ("hf", "download", profile.model)
+
+
+def _prefetch_task_config(
+    profile: ModelProfile, prefetch: Prefetch, config: ClusterConfig
+) -> dict[str, Any]:
+    program, *args = _prefetch_command(profile, prefetch)
+    if prefetch.driver == "exec":
+        return {"command": program, "args": args}
+    return {
+        "image": prefetch.image or config.vllm.image,
+        # The vLLM image's entrypoint is the server: replace it.
+        "entrypoint": [program],
+        "args": args,
+    }
+
+
+def _canonical_hash(document: Any) -> str:
+    text = json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(text).hexdigest()[:HASH_LEN]
+
+
+def render_prefetch(
+    profile: ModelProfile, config: ClusterConfig, templates: list[dict[str, Any]]
+) -> dict[str, Any] | None:
+    """The `PUT /v1/jobs` body of the model's prefetch job, or None when it has none.
+
+    `templates` are the profile's secret templates (as `render` makes them), so
+    the download can use HF_TOKEN without the job carrying its value.
+    """
+    weights = profile.weights
+    if weights is None or weights.prefetch is None:
+        return None
+    prefetch = weights.prefetch
+    job_id = prefetch_job_id(profile.name)
+    env = {"HF_HOME": weights.path} if profile.engine.value == "vllm" else {}
+    task: dict[str, Any] = {
+        "Name": PREFETCH_TASK,
+        "Driver": prefetch.driver,
+        "Config": _prefetch_task_config(profile, prefetch, config),
+        "Env": env,
+        "Resources": {"CPU": prefetch.cpu_mhz, "MemoryMB": prefetch.memory_mb},
+        "VolumeMounts": [_mount(weights, read_only=False)],
+    }
+    if templates:
+        task["Templates"] = templates
+    job: dict[str, Any] = {
+        "ID": job_id,
+        "Name": job_id,
+        "Type": "batch",
+        "Namespace": config.namespace,
+        "Priority": config.priority,
+        "Datacenters": list(config.datacenters),
+        "Meta": {
+            JobMetaKey.MODEL: profile.name,
+            JobMetaKey.ENGINE: profile.engine.value,
+            JobMetaKey.MANAGED_BY: MANAGED_BY_VALUE,
+            PREFETCH_KIND_KEY: PREFETCH_KIND,
+        },
+        "Constraints": [{"LTarget": "${attr.kernel.name}", "RTarget": "linux", "Operand": "="}],
+        "TaskGroups": [
+            {
+                "Name": PREFETCH_GROUP,
+                "Count": 1,
+                "RestartPolicy": {
+                    "Attempts": PREFETCH_RESTART_ATTEMPTS,
+                    "Interval": PREFETCH_RESTART_INTERVAL_S * NS_PER_S,
+                    "Delay": PREFETCH_RESTART_DELAY_S * NS_PER_S,
+                    "Mode": "fail",
+                },
+                # A failed prefetch is shown, not retried on other nodes forever.
+                "ReschedulePolicy": {"Attempts": 0, "Interval": 0, "Unlimited": False},
+                "Volumes": {VOLUME_NAME: _volume_request(weights, read_only=False, prefetch=True)},
+                "Tasks": [task],
+            }
+        ],
+    }
+    if config.region is not None:
+        job["Region"] = config.region
+    job["Meta"][JobMetaKey.SPEC_HASH] = _canonical_hash(job)
+    return {"Job": job}
+
+
+# -- what Nomad reports, and the planner's gate ---------------------------------------
+
+
+class PrefetchState(StrEnum):
+    ABSENT = "absent"
+    PENDING = "pending"
+    RUNNING = "running"
+    COMPLETE = "complete"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class ObservedPrefetch:
+    """A prefetch job as Nomad reports it, decoded once at the edge."""
+
+    job_id: str
+    model: str
+    spec_hash: str
+    state: PrefetchState
+    submit_time_ns: int
+    # Why it failed, in Nomad's words (the failing task event), when it did.
+    failure: str | None = None
+
+
+def _failure_text(alloc: Mapping[str, Any]) -> str:
+    states = alloc.get("TaskStates") or {}
+    for state in states.values():
+        events = [e for e in (state or {}).get("Events") or [] if isinstance(e, Mapping)]
+        for event in reversed(events):
+            message = str(event.get("DisplayMessage") or "")
+            if event.get("Type") in {"Terminated", "Driver Failure", "Task hook failed"}:
+                return f"{event.get('Type')}: {message}" if message else str(event.get("Type"))
+        for event in reversed(events):
+            if event.get("FailsTask") and event.get("DisplayMessage"):
+                return str(event["DisplayMessage"])
+    return "allocation failed"
+
+
+def observe_prefetch(
+    stub: Mapping[str, Any], allocs: list[Mapping[str, Any]]
+) -> ObservedPrefetch | None:
+    """A prefetch job from its `?meta=true` stub and allocation stubs; None if not one."""
+    meta = stub.get("Meta") or {}
+    if (
+        meta.get(PREFETCH_KIND_KEY) != PREFETCH_KIND
+        or meta.get(JobMetaKey.MANAGED_BY) != MANAGED_BY_VALUE
+        or not str(stub.get("ID", "")).startswith(JOB_PREFIX)
+    ):
+        return None
+    # Only the current version's allocations say how this weights version did:
+    # a completed run of an older version must not count as this one's.
+    version = stub.get("Version")
+    if version is not None:
+        allocs = [a for a in allocs if a.get("JobVersion", version) == version]
+    statuses = [str(a.get("ClientStatus", "")) for a in allocs]
+    failure: str | None = None
+    if "complete" in statuses:
+        state = PrefetchState.COMPLETE
+    elif "running" in statuses:
+        state = PrefetchState.RUNNING
+    elif statuses and all(s in {"failed", "lost"} for s in statuses):
+        state = PrefetchState.FAILED
+        latest = max(allocs, key=lambda a: int(a.get("ModifyTime") or 0))
+        failure = _failure_text(latest)
+    else:
+        state = PrefetchState.PENDING
+    return ObservedPrefetch(
+        job_id=str(stub["ID"]),
+        model=str(meta.get(JobMetaKey.MODEL, "")),
+        spec_hash=str(meta.get(JobMetaKey.SPEC_HASH, "")),
+        state=state,
+        submit_time_ns=int(stub.get("SubmitTime") or 0),
+        failure=failure,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchGate:
+    """The planner's view of a model's prefetch in this pass."""
+
+    # Register this body (absent, or the weights version changed); None: nothing to do.
+    register: dict[str, Any] | None
+    # Replicas may be registered (no prefetch, or it completed for this version).
+    ready: bool
+    # For `caravan status` and fail-fast: e.g. "running 120 s", "failed: ...".
+    status: str | None
+    # The prefetch failed for this version: will not recover without a change.
+    failed: bool = False
+
+
+NO_PREFETCH = PrefetchGate(register=None, ready=True, status=None)
+
+
+def prefetch_gate(
+    body: dict[str, Any] | None, observed: ObservedPrefetch | None, now: float, timeout_s: int
+) -> PrefetchGate:
+    """Whether replicas may be placed, and whether to (re-)register the prefetch job.
+
+    Pure: `body` is `render_prefetch`'s result, `observed` Nomad's view of the
+    job, `now` wall-clock seconds (compared with the job's SubmitTime).
+    """
+    if body is None:
+        return NO_PREFETCH
+    want_hash = str(body["Job"]["Meta"][JobMetaKey.SPEC_HASH])
+    if observed is None or observed.spec_hash != want_hash:
+        why = "not run yet" if observed is None else "weights changed"
+        return PrefetchGate(register=body, ready=False, status=f"registering ({why})")
+    if observed.state is PrefetchState.COMPLETE:
+        return PrefetchGate(register=None, ready=True, status="complete")
+    if observed.state is PrefetchState.FAILED:
+        return PrefetchGate(
+            register=None,
+            ready=False,
+            status=f"failed: {observed.failure or 'allocation failed'}",
+            failed=True,
+        )
+    age_s = max(0, int(now - observed.submit_time_ns / NS_PER_S))
+    status = f"{observed.state.value} for {age_s} s"
+    if age_s > timeout_s:
+        status += f" (over its {timeout_s} s timeout: see `nomad alloc logs`)"
+    return PrefetchGate(register=None, ready=False, status=status)
