@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
 from router.metrics import RouterMetrics, RouterStateView
+from router.workers import merge_expositions
 from scheduler.metrics import SchedulerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +51,9 @@ def caravan_metric_families() -> list[Metric]:
     registry = CollectorRegistry()
     SchedulerMetrics.create(registry)
     RouterMetrics(registry).add_state_collector(_empty_router_state)
-    return list(registry.collect())
+    # The multi-worker supervisor adds one family of its own to the workers' merged scrape.
+    supervisor = [f for f in merge_expositions({0: None}) if f.name == "caravan_router_worker_up"]
+    return [*registry.collect(), *supervisor]
 
 
 def exported_series_names() -> frozenset[str]:

@@ -28,6 +28,7 @@ from test_grafana_dashboard import (
 from caravan.contract import KVLayout, ModelFailure, ScaleOverride
 from caravan_cli.main import build_parser
 from router.metrics import EndpointGauge, RouterMetrics, RouterStateCollector, RouterStateView
+from router.workers import merge_expositions
 from scheduler.metrics import SchedulerMetrics
 
 OPERATIONS_DOC = ROOT / "docs" / "operations.md"
@@ -73,6 +74,8 @@ def label_names_by_family() -> dict[str, frozenset[str]]:
     wrappers += [value for value in vars(router).values() if isinstance(value, MetricWrapperBase)]
     labels = {metric._name: frozenset(metric._labelnames) for metric in wrappers}
     for family in RouterStateCollector(_one_of_everything).collect():
+        labels[family.name] = frozenset(family.samples[0].labels)
+    for family in merge_expositions({0: None}):
         labels[family.name] = frozenset(family.samples[0].labels)
     return labels
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from nomad_builders import make_node
 
 from devcluster.nomad.volumes import (
     Mount,
@@ -13,7 +14,6 @@ from devcluster.nomad.volumes import (
     rewrite_config,
     rewrite_path,
 )
-from tests.unit.devcluster.nomad_builders import make_node
 
 TASK_DIR = Path("/data/alloc/a1/server")
 MOUNT = Mount(volume="models", host_path="/srv/models", task_path="/models", read_only=True)
