@@ -170,6 +170,7 @@ class RouterRuntime:
             timeout_s=self.settings.scrape_timeout_s,
             metrics=self.metrics,
             clock=self.clock,
+            cost=self.settings.balancer_config().cost,
         )
         try:
             async with asyncio.TaskGroup() as group:

@@ -13,7 +13,7 @@ happen in the same loop step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -26,11 +26,22 @@ from router.breaker import (
     record_success,
     release_probe,
 )
+from router.cost_model import (
+    CacheFigures,
+    CostConfig,
+    cache_hit_factor,
+    cached_tokens,
+    foreign_queue,
+    index_capacity_blocks,
+    learned_rate,
+)
 from router.endpoints import CheckStatus
+from router.prefix_index import BlockIndex
 
 if TYPE_CHECKING:
     from caravan.engine_metrics import EngineLoad
-    from router.endpoints import EndpointSnapshot
+    from router.endpoints import Endpoint, EndpointSnapshot
+    from router.prefix_index import PromptShape
 
 
 @dataclass(slots=True)
@@ -46,6 +57,27 @@ class EndpointLiveState:
     # The last successful scrape of the engine, and when it was taken (router clock).
     load: EngineLoad | None = None
     load_scraped_at: float | None = None
+    # -- token-level accounting for the cost model (router.cost_model) --
+    # Requests sent here that have not produced their first token, and their
+    # estimated uncached prompt tokens (the prefill work this router queued).
+    prefilling: int = 0
+    queued_prefill_tokens: float = 0.0
+    # The prompt blocks this router sent here, within the engine's KV capacity.
+    prefix: BlockIndex = field(default_factory=BlockIndex)
+    # Prefill tokens per second learned from observed times to first token.
+    prefill_rate_tps: float | None = None
+    # Typical prompt (estimated tokens) sent here; sizes other routers' queue.
+    mean_prompt_tokens: float | None = None
+    # The engine's KV capacity and prefix-cache counters at the last scrape.
+    cache: CacheFigures | None = None
+    # Engine-confirmed share of the index's predicted hits, in [0, 1].
+    cache_hit_factor: float = 1.0
+    # What the index predicted since the last cache figures (tokens hit, queried).
+    predicted_hits: float = 0.0
+    predicted_queries: float = 0.0
+    # This router's own prefilling / decoding requests when the load was scraped.
+    prefilling_at_scrape: float = 0.0
+    decoding_at_scrape: float = 0.0
 
 
 LiveStates = dict[str, EndpointLiveState]
@@ -143,6 +175,9 @@ def record_load(live: LiveStates, endpoint_id: str, load: EngineLoad, now: float
     if state is not None:
         state.load = load
         state.load_scraped_at = now
+        # What of the engine's figures is this router's own, at the same moment.
+        state.prefilling_at_scrape = float(state.prefilling)
+        state.decoding_at_scrape = float(state.in_flight - state.prefilling)
 
 
 def forget_load(live: LiveStates, endpoint_id: str) -> None:
@@ -151,3 +186,136 @@ def forget_load(live: LiveStates, endpoint_id: str) -> None:
     if state is not None:
         state.load = None
         state.load_scraped_at = None
+
+
+@dataclass(slots=True)
+class Prefill:
+    """One request's prefill on one endpoint, from send to first token; see `end_prefill`."""
+
+    endpoint_id: str
+    uncached_tokens: float
+    # Prefill tokens ahead of it plus its own, and requests decoding, at send time.
+    work_tokens: float
+    running: float
+    sent_at: float
+    # The endpoint's engine default rate, which bounds what one observation teaches.
+    default_rate: float
+    done: bool = False
+
+
+def begin_prefill(
+    live: LiveStates,
+    endpoint: Endpoint,
+    shape: PromptShape,
+    now: float,
+    config: CostConfig,
+    *,
+    max_age_s: float,
+) -> Prefill | None:
+    """Count the prompt just sent to this endpoint (after `start_request`).
+
+    Queues its uncached tokens, records its blocks in the endpoint's index
+    (within the engine's KV capacity) and notes what the index predicted, for
+    the engine's prefix-cache counters to confirm. None for an unknown endpoint.
+    """
+    state = live.get(endpoint.id)
+    if state is None:
+        return None
+    tokens = float(shape.tokens)
+    believed = cached_tokens(state, shape, config)
+    raw = believed / state.cache_hit_factor if state.cache_hit_factor > 0 else believed
+    uncached = max(0.0, tokens - believed)
+    foreign_tokens, foreign_running = foreign_queue(endpoint, state, now, config, max_age_s)
+    # in_flight already counts this request (start_request ran); it is not decoding.
+    running = max(0, state.in_flight - 1 - state.prefilling) + foreign_running
+    prefill = Prefill(
+        endpoint_id=endpoint.id,
+        uncached_tokens=uncached,
+        work_tokens=state.queued_prefill_tokens + foreign_tokens + uncached,
+        running=running,
+        sent_at=now,
+        default_rate=config.default_rate(endpoint.engine),
+    )
+    state.prefilling += 1
+    state.queued_prefill_tokens += uncached
+    state.predicted_hits += min(raw, tokens)
+    state.predicted_queries += tokens
+    state.mean_prompt_tokens = (
+        tokens
+        if state.mean_prompt_tokens is None
+        else state.mean_prompt_tokens + 0.1 * (tokens - state.mean_prompt_tokens)
+    )
+    state.prefix.record(shape.blocks, index_capacity_blocks(state, config))
+    return prefill
+
+
+def end_prefill(
+    live: LiveStates,
+    prefill: Prefill,
+    now: float,
+    config: CostConfig,
+    *,
+    first_token: bool,
+) -> None:
+    """The request's prefill is over: its first token came (`first_token`), or it ended.
+
+    Only a first token teaches the endpoint's rate; calling it twice is harmless.
+    """
+    if prefill.done:
+        return
+    prefill.done = True
+    state = live.get(prefill.endpoint_id)
+    if state is None:
+        return
+    state.prefilling = max(0, state.prefilling - 1)
+    state.queued_prefill_tokens = max(0.0, state.queued_prefill_tokens - prefill.uncached_tokens)
+    if state.prefilling == 0:
+        state.queued_prefill_tokens = 0.0  # no float dust left behind
+    if first_token:
+        rate = learned_rate(
+            state.prefill_rate_tps,
+            work_tokens=prefill.work_tokens,
+            running=prefill.running,
+            observed_s=now - prefill.sent_at,
+            default=prefill.default_rate,
+            config=config,
+        )
+        if rate is not None:
+            state.prefill_rate_tps = rate
+
+
+def record_cache_figures(
+    live: LiveStates, endpoint_id: str, figures: CacheFigures, config: CostConfig
+) -> None:
+    """Store the engine's KV capacity and prefix counters; correct the index by them.
+
+    The index shrinks at once to a smaller reported capacity. The counters'
+    growth since the last scrape, against what the index predicted meanwhile,
+    updates how far the index is trusted. A counter that went down (engine
+    restart) only resets the comparison.
+    """
+    state = live.get(endpoint_id)
+    if state is None:
+        return
+    previous = state.cache
+    state.cache = figures
+    state.prefix.shrink(index_capacity_blocks(state, config))
+    if (
+        previous is not None
+        and previous.prefix_queries is not None
+        and previous.prefix_hits is not None
+        and figures.prefix_queries is not None
+        and figures.prefix_hits is not None
+        and figures.prefix_queries >= previous.prefix_queries
+        and figures.prefix_hits >= previous.prefix_hits
+    ):
+        state.cache_hit_factor = cache_hit_factor(
+            state.cache_hit_factor,
+            predicted_hits=state.predicted_hits,
+            predicted_queries=state.predicted_queries,
+            engine_hits=figures.prefix_hits - previous.prefix_hits,
+            engine_queries=figures.prefix_queries - previous.prefix_queries,
+            config=config,
+        )
+    state.predicted_hits = 0.0
+    state.predicted_queries = 0.0

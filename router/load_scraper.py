@@ -31,8 +31,9 @@ from collections.abc import Callable
 import aiohttp
 
 from caravan.engine_metrics import EngineMetricsParseError, MetricNames, parse_engine_load
+from router.cost_model import CACHE_FIGURE_NAMES, CostConfig, parse_cache_figures
 from router.endpoints import CheckStatus, Endpoint
-from router.live_state import forget_load, record_load
+from router.live_state import forget_load, record_cache_figures, record_load
 from router.metrics import RouterMetrics
 from router.routing_state import RoutingState
 
@@ -47,6 +48,13 @@ def relevant_lines(text: str, names: MetricNames) -> str:
     return "\n".join(line for line in text.splitlines() if line.startswith(wanted)) + "\n"
 
 
+def _cache_lines(text: str) -> str:
+    """The lines that can carry the cost model's cache figures (router.cost_model)."""
+    return (
+        "\n".join(line for line in text.splitlines() if line.startswith(CACHE_FIGURE_NAMES)) + "\n"
+    )
+
+
 class LoadScraper:
     def __init__(
         self,
@@ -57,8 +65,10 @@ class LoadScraper:
         timeout_s: float,
         metrics: RouterMetrics,
         clock: Callable[[], float] = time.monotonic,
+        cost: CostConfig | None = None,
     ) -> None:
         self._session = session
+        self._cost = cost or CostConfig()
         self._state = state
         self._interval_s = interval_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -92,6 +102,7 @@ class LoadScraper:
             load = parse_engine_load(
                 relevant_lines(text, endpoint.metric_names), endpoint.metric_names
             )
+            figures = parse_cache_figures(_cache_lines(text))
         except asyncio.CancelledError:
             raise
         except (aiohttp.ClientResponseError, EngineMetricsParseError) as exc:
@@ -102,6 +113,7 @@ class LoadScraper:
             self._failed(endpoint, exc)
             return
         record_load(self._state.live, endpoint.id, load, self._clock())
+        record_cache_figures(self._state.live, endpoint.id, figures, self._cost)
 
     def _failed(self, endpoint: Endpoint, exc: BaseException) -> None:
         self._metrics.scrape_failures.inc()
