@@ -76,7 +76,7 @@ CARAVAN_POLICIES = (
     "predicted_ttft",
 )
 VLLM_ROUTER_POLICIES = ("cache_aware", "power_of_two")
-LOADS = {"light": 0.35, "near": 0.85, "over": 1.15}
+LOADS = {"light": 0.25, "near": 0.6, "over": 0.85}
 WORKLOADS = ("shared", "unique", "mixed")
 
 
@@ -229,7 +229,9 @@ def scaled_trace(
     """The trace at `load` x the fleet's prefill capacity under round robin."""
     probe = build_trace(workload, seed, duration_s, 1.0)
     per_request = round_robin_work(probe, fleet.engines)
-    requests_per_unit = len(probe) / duration_s
+    # Later turns run past the arrival window: the rate is over the whole span.
+    span = max((r.at for r in probe), default=duration_s)
+    requests_per_unit = len(probe) / max(span, 1e-9)
     target_rps = load * fleet.engines * fleet.prefill_tokens_per_s / per_request
     return build_trace(workload, seed, duration_s, target_rps / max(requests_per_unit, 1e-9))
 
@@ -463,16 +465,23 @@ def started(
 
 
 def free_ports(count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [int(sock.getsockname()[1]) for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+    """Ports that are free now, below the ephemeral range (32768 on Linux).
+
+    The engines are restarted on the same ports for every cell; a port from
+    the ephemeral range could meanwhile be taken by any outgoing connection.
+    """
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < count:
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 async def register_engines(consul_addr: str, ports: list[int], fleet: Fleet) -> None:
@@ -760,13 +769,21 @@ def orchestrate(args: argparse.Namespace) -> int:
                     order = targets[rep % len(targets) :] + targets[: rep % len(targets)]
                     for target in order:
                         cell = Cell(workload, load, target, rep)
-                        asyncio.run(
-                            run_cell(
-                                cell, trace, consul_addr=consul_addr, ports=ports, fleet=fleet,
-                                vllm_router=vllm_router, system_tokens=system_tokens,
-                                seed=args.seed,
-                            )
-                        )  # fmt: skip
+                        for attempt in (1, 2):
+                            try:
+                                asyncio.run(
+                                    run_cell(
+                                        cell, trace, consul_addr=consul_addr, ports=ports,
+                                        fleet=fleet, vllm_router=vllm_router,
+                                        system_tokens=system_tokens, seed=args.seed,
+                                    )
+                                )  # fmt: skip
+                                break
+                            except RuntimeError as exc:
+                                # Something did not start (a port taken meanwhile): once more.
+                                print(f"  {target}: {exc}; attempt {attempt}", flush=True)
+                                if attempt == 2:
+                                    raise
                         cells.append(cell)
                         print(
                             f"  {target} rep {rep}: TTFT p50 {cell.ttft_ms['p50']:.0f} ms, "

@@ -45,7 +45,7 @@ class RouterSettings(BaseSettings):
     forward_authorization: bool = False
 
     # -- routing ----------------------------------------------------------------
-    policy: Policy = Policy.PREFIX_AFFINITY
+    policy: Policy = Policy.PREDICTED_TTFT
     affinity_prefix_chars: int = Field(default=100, ge=1)
     load_factor: float = Field(default=1.25, ge=1.0)
     # A request with no x-caravan-priority header gets this (lower goes first).
