@@ -223,7 +223,9 @@ def begin_prefill(
         return None
     tokens = float(shape.tokens)
     believed = cached_tokens(state, shape, config)
-    raw = believed / state.cache_hit_factor if state.cache_hit_factor > 0 else believed
+    # What the index alone predicts (before the engine's correction), so that a
+    # factor driven to 0 can still recover when the engine's hits come back.
+    raw = min(tokens, state.prefix.matched(shape.blocks) * config.shape.block_tokens)
     uncached = max(0.0, tokens - believed)
     foreign_tokens, foreign_running = foreign_queue(endpoint, state, now, config, max_age_s)
     # in_flight already counts this request (start_request ran); it is not decoding.

@@ -411,3 +411,21 @@ def test_never_picks_a_filtered_endpoint(
         assert picked_id(result) in (passing or usable)
     else:
         assert isinstance(result, NotPicked)
+
+
+def test_a_distrusted_index_recovers_when_the_engine_hits_again() -> None:
+    """Predictions are counted from the index itself, so a factor at 0 can climb back."""
+    snapshot = four()
+    live = live_for(snapshot)
+    shape = request_for(5, "x").prompt
+    assert shape is not None
+    live["e3"].cache_hit_factor = 0.0
+    record_cache_figures(live, "e3", CacheFigures(None, 0, 0), COST)
+    for _ in range(2):
+        start_request(live, "e3", CONFIG.breaker, NOW)
+        begin_prefill(live, snapshot.by_id["e3"], shape, NOW, COST, max_age_s=5)
+    hits = live["e3"].predicted_hits
+    assert hits > 0
+    queries = live["e3"].predicted_queries
+    record_cache_figures(live, "e3", CacheFigures(None, queries, hits), COST)
+    assert live["e3"].cache_hit_factor == pytest.approx(COST.cache_factor_alpha)
