@@ -227,13 +227,17 @@ def scaled_trace(
     workload: str, load: float, seed: int, duration_s: float, fleet: Fleet
 ) -> list[TraceRequest]:
     """The trace at `load` x the fleet's prefill capacity under round robin."""
-    probe = build_trace(workload, seed, duration_s, 1.0)
+    # A dense probe (many requests), so the work per request and the request
+    # rate it is scaled from are not the noise of a dozen samples.
+    probe_scale = 20.0
+    probe = build_trace(workload, seed, duration_s, probe_scale)
     per_request = round_robin_work(probe, fleet.engines)
     # Later turns run past the arrival window: the rate is over the whole span.
     span = max((r.at for r in probe), default=duration_s)
     requests_per_unit = len(probe) / max(span, 1e-9)
     target_rps = load * fleet.engines * fleet.prefill_tokens_per_s / per_request
-    return build_trace(workload, seed, duration_s, target_rps / max(requests_per_unit, 1e-9))
+    scale = probe_scale * target_rps / max(requests_per_unit, 1e-9)
+    return build_trace(workload, seed, duration_s, scale)
 
 
 # -- the engines (one process, one event loop, N instances) ---------------------------------
@@ -724,6 +728,8 @@ def print_tables(cells: list[Cell], fleet: Fleet, args: argparse.Namespace) -> N
 
 
 def orchestrate(args: argparse.Namespace) -> int:
+    # SIGTERM unwinds like Ctrl-C, so every started process is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     fleet = Fleet(engines=args.engines)
     vllm_router = os.environ.get("CARAVAN_BENCH_VLLM_ROUTER") or shutil.which("vllm-router")
     targets = args.targets.split(",") if args.targets else None

@@ -5,9 +5,10 @@ For one candidate endpoint, the estimate is
     ttft = base_s + (queued + uncached) / rate * (1 + interference * running)
 
 - `queued`: prompt tokens still to prefill ahead of this request there. This
-  router's own share is exact at the request level (the uncached tokens of
-  every request it sent there that has not produced its first token yet,
-  `EndpointLiveState.queued_prefill_tokens`). Other routers' requests only
+  router's own share: the uncached tokens of every request it sent there
+  that has not produced its first token yet, less what the engine has
+  prefilled since it started on them (a drain clock at the endpoint's rate,
+  moved by every first token that comes early or late). Other routers' requests only
   show in the engine's scraped `waiting` count: the excess over this router's
   own requests at scrape time, times the typical prompt, drained at the
   endpoint's rate for the scrape's age (a one-second-old queue has partly
@@ -204,6 +205,20 @@ def foreign_queue(
     return queued, max(0.0, running)
 
 
+def own_queue(state: EndpointLiveState, now: float, rate: float) -> float:
+    """Prefill tokens this router queued there that the engine has not worked through yet.
+
+    The sum of the prefilling requests' uncached tokens, less what the engine
+    prefilled since it started on them (its drain clock): a long prompt that
+    is nearly done weighs what is left of it.
+    """
+    queued = state.queued_prefill_tokens
+    busy_until = state.prefill_busy_until
+    if busy_until is None:
+        return queued
+    return min(queued, max(0.0, busy_until - now) * rate)
+
+
 def estimate(
     endpoint: Endpoint,
     state: EndpointLiveState,
@@ -218,9 +233,9 @@ def estimate(
     cached = cached_tokens(state, shape, config) if shape is not None else 0.0
     uncached = max(0.0, tokens - cached)
     foreign_tokens, foreign_running = foreign_queue(endpoint, state, now, config, max_age_s)
-    queued = state.queued_prefill_tokens + foreign_tokens
-    running = state.in_flight - state.prefilling + foreign_running
     rate = prefill_rate(endpoint, state, config)
+    queued = own_queue(state, now, rate) + foreign_tokens
+    running = state.in_flight - state.prefilling + foreign_running
     seconds = config.base_s + (queued + uncached) / rate * (
         1.0 + config.interference_per_seq * max(0.0, running)
     )

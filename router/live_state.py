@@ -34,6 +34,8 @@ from router.cost_model import (
     foreign_queue,
     index_capacity_blocks,
     learned_rate,
+    own_queue,
+    prefill_rate,
 )
 from router.endpoints import CheckStatus
 from router.prefix_index import BlockIndex
@@ -62,6 +64,10 @@ class EndpointLiveState:
     # estimated uncached prompt tokens (the prefill work this router queued).
     prefilling: int = 0
     queued_prefill_tokens: float = 0.0
+    # When the engine will have prefilled all of them, if it works through them
+    # in order at the endpoint's rate (moved by every first token that comes
+    # early or late); None when nothing is prefilling.
+    prefill_busy_until: float | None = None
     # The prompt blocks this router sent here, within the engine's KV capacity.
     prefix: BlockIndex = field(default_factory=BlockIndex)
     # Prefill tokens per second learned from observed times to first token.
@@ -200,6 +206,8 @@ class Prefill:
     sent_at: float
     # The endpoint's engine default rate, which bounds what one observation teaches.
     default_rate: float
+    # When its first token is expected (the endpoint's drain clock at send time).
+    expected_at: float
     done: bool = False
 
 
@@ -230,13 +238,18 @@ def begin_prefill(
     foreign_tokens, foreign_running = foreign_queue(endpoint, state, now, config, max_age_s)
     # in_flight already counts this request (start_request ran); it is not decoding.
     running = max(0, state.in_flight - 1 - state.prefilling) + foreign_running
+    rate = prefill_rate(endpoint, state, config)
+    ahead = own_queue(state, now, rate)
+    start = max(now, state.prefill_busy_until or now)
+    state.prefill_busy_until = start + uncached / rate
     prefill = Prefill(
         endpoint_id=endpoint.id,
         uncached_tokens=uncached,
-        work_tokens=state.queued_prefill_tokens + foreign_tokens + uncached,
+        work_tokens=ahead + foreign_tokens + uncached,
         running=running,
         sent_at=now,
         default_rate=config.default_rate(endpoint.engine),
+        expected_at=state.prefill_busy_until,
     )
     state.prefilling += 1
     state.queued_prefill_tokens += uncached
@@ -273,6 +286,10 @@ def end_prefill(
     state.queued_prefill_tokens = max(0.0, state.queued_prefill_tokens - prefill.uncached_tokens)
     if state.prefilling == 0:
         state.queued_prefill_tokens = 0.0  # no float dust left behind
+        state.prefill_busy_until = None
+    elif first_token and state.prefill_busy_until is not None:
+        # The engine is as early or late on everything behind this request.
+        state.prefill_busy_until = max(now, state.prefill_busy_until + now - prefill.expected_at)
     if first_token:
         rate = learned_rate(
             state.prefill_rate_tps,

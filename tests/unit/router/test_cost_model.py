@@ -280,6 +280,7 @@ class TestPredictedTtftPicker:
         home = send(snapshot, live, request)
         assert request.prompt is not None
         live[home].queued_prefill_tokens = 20 * request.prompt.tokens
+        live[home].prefill_busy_until = NOW + 20 * request.prompt.tokens / 1000
         assert picked_id(run_pick(snapshot, live, request)) != home
 
     def test_unique_prompts_spread_like_rotation(self) -> None:
@@ -429,3 +430,43 @@ def test_a_distrusted_index_recovers_when_the_engine_hits_again() -> None:
     queries = live["e3"].predicted_queries
     record_cache_figures(live, "e3", CacheFigures(None, queries, hits), COST)
     assert live["e3"].cache_hit_factor == pytest.approx(COST.cache_factor_alpha)
+
+
+class TestDrainClock:
+    def test_a_prompt_nearly_prefilled_weighs_what_is_left_of_it(self) -> None:
+        snapshot = four()
+        live = live_for(snapshot)
+        endpoint = snapshot.by_id["e0"]
+        big = PromptShape(blocks=(), tokens=4000, ring_key=1)
+        start_request(live, "e0", CONFIG.breaker, NOW)
+        begin_prefill(live, endpoint, big, NOW, COST, max_age_s=5)
+        rate = COST.vllm_prefill_tokens_per_s
+        small = PromptShape(blocks=(), tokens=100, ring_key=2)
+        at_send = estimate(endpoint, live["e0"], small, NOW, COST, max_age_s=5)
+        later = estimate(endpoint, live["e0"], small, NOW + 3000 / rate, COST, max_age_s=5)
+        assert at_send.seconds - later.seconds == pytest.approx(3000 / rate)
+
+    def test_a_late_first_token_delays_everything_behind_it(self) -> None:
+        snapshot = four()
+        live = live_for(snapshot)
+        endpoint = snapshot.by_id["e0"]
+        shape = PromptShape(blocks=(), tokens=2000, ring_key=1)
+        prefills = []
+        for _ in range(2):
+            start_request(live, "e0", CONFIG.breaker, NOW)
+            prefills.append(begin_prefill(live, endpoint, shape, NOW, COST, max_age_s=5))
+        first = prefills[0]
+        assert first is not None
+        expected = live["e0"].prefill_busy_until
+        assert expected is not None
+        end_prefill(live, first, first.expected_at + 1.0, COST, first_token=False)
+        assert live["e0"].prefill_busy_until == expected  # an end without a token says nothing
+        second = prefills[1]
+        assert second is not None
+        start_request(live, "e0", CONFIG.breaker, NOW)
+        third = begin_prefill(live, endpoint, shape, NOW, COST, max_age_s=5)
+        assert third is not None
+        end_prefill(live, second, second.expected_at + 0.5, COST, first_token=True)
+        assert live["e0"].prefill_busy_until == pytest.approx(third.expected_at + 0.5)
+        end_prefill(live, third, NOW + 9, COST, first_token=True)
+        assert live["e0"].prefill_busy_until is None
