@@ -214,9 +214,11 @@ def own_queue(state: EndpointLiveState, now: float, rate: float) -> float:
     """
     queued = state.queued_prefill_tokens
     busy_until = state.prefill_busy_until
-    if busy_until is None:
+    if busy_until is None or now >= busy_until:
+        # Past the clock with requests still prefilling: the engine is slower
+        # than the rate says (an unlearned default, a stall); count them whole.
         return queued
-    return min(queued, max(0.0, busy_until - now) * rate)
+    return min(queued, (busy_until - now) * rate)
 
 
 def estimate(

@@ -175,15 +175,39 @@ def finish_request(
         del live[lease.endpoint_id]
 
 
-def record_load(live: LiveStates, endpoint_id: str, load: EngineLoad, now: float) -> None:
-    """Store a scrape of the endpoint's engine; a scrape of a vanished endpoint is dropped."""
+def own_counts(live: LiveStates, endpoint_id: str) -> tuple[int, int] | None:
+    """This router's (prefilling, decoding) requests on the endpoint, for `record_load`."""
+    state = live.get(endpoint_id)
+    if state is None:
+        return None
+    return state.prefilling, state.in_flight - state.prefilling
+
+
+def record_load(
+    live: LiveStates,
+    endpoint_id: str,
+    load: EngineLoad,
+    now: float,
+    *,
+    own_before: tuple[int, int] | None = None,
+) -> None:
+    """Store a scrape of the endpoint's engine; a scrape of a vanished endpoint is dropped.
+
+    `own_before` is `own_counts` when the scrape was sent: the engine counted
+    somewhere in between, so the larger of then and now is taken as this
+    router's share, and a request that got its first token meanwhile is never
+    mistaken for another router's queued one.
+    """
     state = live.get(endpoint_id)
     if state is not None:
         state.load = load
         state.load_scraped_at = now
-        # What of the engine's figures is this router's own, at the same moment.
-        state.prefilling_at_scrape = float(state.prefilling)
-        state.decoding_at_scrape = float(state.in_flight - state.prefilling)
+        prefilling, decoding = state.prefilling, state.in_flight - state.prefilling
+        if own_before is not None:
+            prefilling = max(prefilling, own_before[0])
+            decoding = max(decoding, own_before[1])
+        state.prefilling_at_scrape = float(prefilling)
+        state.decoding_at_scrape = float(decoding)
 
 
 def forget_load(live: LiveStates, endpoint_id: str) -> None:

@@ -33,7 +33,7 @@ import aiohttp
 from caravan.engine_metrics import EngineMetricsParseError, MetricNames, parse_engine_load
 from router.cost_model import CACHE_FIGURE_NAMES, CostConfig, parse_cache_figures
 from router.endpoints import CheckStatus, Endpoint
-from router.live_state import forget_load, record_cache_figures, record_load
+from router.live_state import forget_load, own_counts, record_cache_figures, record_load
 from router.metrics import RouterMetrics
 from router.routing_state import RoutingState
 
@@ -94,6 +94,7 @@ class LoadScraper:
 
     async def _scrape(self, endpoint: Endpoint) -> None:
         url = endpoint.base_url + endpoint.metrics_path
+        own_before = own_counts(self._state.live, endpoint.id)
         try:
             async with self._session.get(
                 url, timeout=self._timeout, raise_for_status=True
@@ -112,7 +113,7 @@ class LoadScraper:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             self._failed(endpoint, exc)
             return
-        record_load(self._state.live, endpoint.id, load, self._clock())
+        record_load(self._state.live, endpoint.id, load, self._clock(), own_before=own_before)
         record_cache_figures(self._state.live, endpoint.id, figures, self._cost)
 
     def _failed(self, endpoint: Endpoint, exc: BaseException) -> None:

@@ -26,6 +26,7 @@ from router.cost_model import (
     CostConfig,
     cache_hit_factor,
     estimate,
+    foreign_queue,
     learned_rate,
     parse_cache_figures,
 )
@@ -35,6 +36,7 @@ from router.live_state import (
     LiveStates,
     begin_prefill,
     end_prefill,
+    own_counts,
     record_cache_figures,
     record_load,
     start_request,
@@ -470,3 +472,43 @@ class TestDrainClock:
         assert live["e0"].prefill_busy_until == pytest.approx(third.expected_at + 0.5)
         end_prefill(live, third, NOW + 9, COST, first_token=True)
         assert live["e0"].prefill_busy_until is None
+
+
+def test_an_engine_behind_its_clock_counts_its_queue_whole() -> None:
+    """A default rate far above the engine's must not make a busy engine look free."""
+    snapshot = four()
+    live = live_for(snapshot)
+    endpoint = snapshot.by_id["e0"]
+    big = PromptShape(blocks=(), tokens=4000, ring_key=1)
+    start_request(live, "e0", CONFIG.breaker, NOW)
+    begin_prefill(live, endpoint, big, NOW, COST, max_age_s=5)
+    busy_until = live["e0"].prefill_busy_until
+    assert busy_until is not None
+    small = PromptShape(blocks=(), tokens=100, ring_key=2)
+    idle = estimate(endpoint, EndpointLiveState(), small, NOW, COST, max_age_s=5)
+    late = estimate(endpoint, live["e0"], small, busy_until + 0.5, COST, max_age_s=5)
+    assert late.seconds - idle.seconds == pytest.approx(4000 / COST.vllm_prefill_tokens_per_s)
+
+
+def test_a_first_token_during_the_scrape_is_not_another_routers_queue() -> None:
+    """The engine counted the request as waiting; by the answer it had its first token."""
+    snapshot = four()
+    live = live_for(snapshot)
+    endpoint = snapshot.by_id["e0"]
+    shape = PromptShape(blocks=(), tokens=1500, ring_key=1)
+    start_request(live, "e0", CONFIG.breaker, NOW)
+    prefill = begin_prefill(live, endpoint, shape, NOW, COST, max_age_s=5)
+    assert prefill is not None
+    before = own_counts(live, "e0")
+    end_prefill(live, prefill, NOW + 0.3, COST, first_token=True)
+    load = EngineLoad(running=0, waiting=1, kv_cache_usage=0.1)
+    record_load(live, "e0", load, NOW + 0.31, own_before=before)
+    probe = PromptShape(blocks=(), tokens=100, ring_key=2)
+    assert foreign_queue(endpoint, live["e0"], NOW + 0.31, COST, 5.0) == (0.0, 0.0)
+    naive = live_for(snapshot)
+    naive["e0"].mean_prompt_tokens = 1500.0
+    record_load(naive, "e0", load, NOW + 0.31)
+    assert foreign_queue(endpoint, naive["e0"], NOW + 0.31, COST, 5.0)[0] > 0
+    assert estimate(endpoint, live["e0"], probe, NOW + 0.31, COST, max_age_s=5).seconds < (
+        estimate(endpoint, naive["e0"], probe, NOW + 0.31, COST, max_age_s=5).seconds
+    )
