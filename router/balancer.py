@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, assert_never
 
 from router.affinity import DEFAULT_LOAD_FACTOR, load_bound, within_load_bound
 from router.breaker import BreakerPhase, BreakerPolicy, allows_request
-from router.cost_model import CostConfig, estimate
+from router.cost_model import CostConfig, estimate, peer_rate
 from router.endpoints import CheckStatus, Endpoint
 from router.live_state import EndpointLiveState
 
@@ -393,9 +393,16 @@ def ttft_estimates(
     candidates: Sequence[Candidate], request: RequestFeatures, now: float, config: BalancerConfig
 ) -> list[float]:
     """Each candidate's predicted time to first token for the request, in seconds."""
+    peer = peer_rate(state for _, state in candidates)
     return [
         estimate(
-            endpoint, state, request.prompt, now, config.cost, max_age_s=config.load_max_age_s
+            endpoint,
+            state,
+            request.prompt,
+            now,
+            config.cost,
+            max_age_s=config.load_max_age_s,
+            peer=peer,
         ).seconds
         for endpoint, state in candidates
     ]

@@ -40,6 +40,8 @@ from caravan.engine_metrics import EngineMetricsParseError
 from router.prefix_index import ShapeConfig
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from router.endpoints import Endpoint
     from router.live_state import EndpointLiveState
     from router.prefix_index import PromptShape
@@ -158,10 +160,28 @@ def _int_label(value: str | None) -> int | None:
     return number if number > 0 else None
 
 
-def prefill_rate(endpoint: Endpoint, state: EndpointLiveState, config: CostConfig) -> float:
-    """Tokens per second: learned if anything was, else the engine's default."""
+def prefill_rate(
+    endpoint: Endpoint,
+    state: EndpointLiveState,
+    config: CostConfig,
+    peer_rate: float | None = None,
+) -> float:
+    """Tokens per second: learned if anything was, else its peers', else the engine's default.
+
+    `peer_rate` is what the endpoint's fellow replicas learned (same model):
+    a replica that has served nothing yet must not look several times faster
+    than the others because the default is optimistic, or a burst piles onto it.
+    """
     learned = state.prefill_rate_tps
-    return learned if learned is not None else config.default_rate(endpoint.engine)
+    if learned is not None:
+        return learned
+    return peer_rate if peer_rate is not None else config.default_rate(endpoint.engine)
+
+
+def peer_rate(states: Iterable[EndpointLiveState]) -> float | None:
+    """The mean learned prefill rate of these endpoints; None when none has learned one."""
+    learned = [state.prefill_rate_tps for state in states if state.prefill_rate_tps is not None]
+    return sum(learned) / len(learned) if learned else None
 
 
 def index_capacity_blocks(state: EndpointLiveState, config: CostConfig) -> int:
@@ -185,7 +205,13 @@ def cached_tokens(state: EndpointLiveState, shape: PromptShape, config: CostConf
 
 
 def foreign_queue(
-    endpoint: Endpoint, state: EndpointLiveState, now: float, config: CostConfig, max_age_s: float
+    endpoint: Endpoint,
+    state: EndpointLiveState,
+    now: float,
+    config: CostConfig,
+    max_age_s: float,
+    *,
+    peer: float | None = None,
 ) -> tuple[float, float]:
     """Other routers' (queued prefill tokens, running requests) there, from the last scrape."""
     load = state.load
@@ -201,7 +227,7 @@ def foreign_queue(
         waiting = 0.0
     prompt = state.mean_prompt_tokens or float(config.default_prompt_tokens)
     age = max(0.0, now - at)
-    queued = max(0.0, waiting * prompt - prefill_rate(endpoint, state, config) * age)
+    queued = max(0.0, waiting * prompt - prefill_rate(endpoint, state, config, peer) * age)
     return queued, max(0.0, running)
 
 
@@ -229,13 +255,19 @@ def estimate(
     config: CostConfig,
     *,
     max_age_s: float,
+    peer: float | None = None,
 ) -> Estimate:
-    """The request's predicted time to first token on this endpoint (module docstring)."""
+    """The request's predicted time to first token on this endpoint (module docstring).
+
+    `peer` is the mean rate its fellow replicas learned (`peer_rate`).
+    """
     tokens = float(shape.tokens) if shape is not None else 0.0
     cached = cached_tokens(state, shape, config) if shape is not None else 0.0
     uncached = max(0.0, tokens - cached)
-    foreign_tokens, foreign_running = foreign_queue(endpoint, state, now, config, max_age_s)
-    rate = prefill_rate(endpoint, state, config)
+    foreign_tokens, foreign_running = foreign_queue(
+        endpoint, state, now, config, max_age_s, peer=peer
+    )
+    rate = prefill_rate(endpoint, state, config, peer)
     queued = own_queue(state, now, rate) + foreign_tokens
     running = state.in_flight - state.prefilling + foreign_running
     seconds = config.base_s + (queued + uncached) / rate * (

@@ -512,3 +512,16 @@ def test_a_first_token_during_the_scrape_is_not_another_routers_queue() -> None:
     assert estimate(endpoint, live["e0"], probe, NOW + 0.31, COST, max_age_s=5).seconds < (
         estimate(endpoint, naive["e0"], probe, NOW + 0.31, COST, max_age_s=5).seconds
     )
+
+
+def test_a_replica_that_learned_nothing_borrows_its_peers_rate() -> None:
+    """A burst does not pile onto the one replica still on the optimistic default rate."""
+    snapshot = four()
+    live = live_for(snapshot)
+    for endpoint_id in ("e0", "e1", "e2"):
+        live[endpoint_id].prefill_rate_tps = 5000.0
+    chosen = [
+        send(snapshot, live, RequestFeatures(MODEL, prompt=PromptShape((), 2000, n)))
+        for n in range(4)
+    ]
+    assert sorted(chosen) == ["e0", "e1", "e2", "e3"]
