@@ -31,7 +31,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     parser.add_argument(
         "--policy",
         choices=[policy.value for policy in Policy],
-        help="balancing policy (default prefix_affinity)",
+        help="balancing policy (default predicted_ttft)",
     )
     parser.add_argument(
         "--api-keys-file",

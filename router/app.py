@@ -241,6 +241,7 @@ class RouterRuntime:
             metrics=self.metrics,
             clock=self.clock,
             engine_keys=self.engine_keys,
+            cost=self.settings.balancer_config().cost,
         )
         try:
             async with asyncio.TaskGroup() as group:

@@ -20,6 +20,14 @@ candidates, because it is the only signal that moves between scrapes), engine
 queue and KV-cache usage from the last scrape. A scrape older than
 `load_max_age_s`, or none at all, scores as saturated, never idle; when every
 candidate is unknown on a dimension, that dimension is neutral (fail open).
+
+`predicted_ttft` scores each candidate by its predicted time to first token
+(`router.cost_model.estimate`: queued prefill tokens, the request's uncached
+tokens by the endpoint's prefix index, over the learned prefill rate, plus
+decode interference) and picks the minimum. Estimates within a small band of
+the best are a tie, decided by the hash ring walked from the prompt's prefix
+key: a prefix no engine holds yet starts at the same place in every router,
+and no random draw makes routers that saw the same traffic disagree.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from typing import TYPE_CHECKING, assert_never
 
 from router.affinity import DEFAULT_LOAD_FACTOR, load_bound, within_load_bound
 from router.breaker import BreakerPhase, BreakerPolicy, allows_request
+from router.cost_model import CostConfig, estimate, peer_rate
 from router.endpoints import CheckStatus, Endpoint
 from router.live_state import EndpointLiveState
 
@@ -39,6 +48,7 @@ if TYPE_CHECKING:
 
     from router.endpoints import EndpointSnapshot, ModelEndpoints
     from router.live_state import LiveStates
+    from router.prefix_index import PromptShape
 
 
 class Policy(StrEnum):
@@ -46,7 +56,8 @@ class Policy(StrEnum):
     LEAST_INFLIGHT = "least_inflight"
     POWER_OF_TWO = "power_of_two"
     LOAD_AWARE = "load_aware"
-    PREFIX_AFFINITY = "prefix_affinity"  # the default; falls back to LOAD_AWARE
+    PREFIX_AFFINITY = "prefix_affinity"  # falls back to LOAD_AWARE
+    PREDICTED_TTFT = "predicted_ttft"  # the cost model (router.cost_model)
 
 
 class NoEndpointReason(StrEnum):
@@ -78,6 +89,7 @@ class BalancerConfig:
     in_flight_weight: float = 1.0
     queue_weight: float = 2.0
     kv_cache_weight: float = 2.0
+    cost: CostConfig = field(default_factory=CostConfig)
 
     def __post_init__(self) -> None:
         for name in ("load_max_age_s", "queue_threshold", "kv_cache_threshold"):
@@ -97,6 +109,7 @@ class RequestFeatures:
     model: str
     affinity_key: int | None = None  # router.affinity.affinity_key of the body
     exclude: frozenset[str] = frozenset()  # endpoint ids already tried by this request
+    prompt: PromptShape | None = None  # router.prefix_index.prompt_shape of the body
 
 
 @dataclass(slots=True)
@@ -158,6 +171,8 @@ def pick(
             chosen = _prefix_affinity(
                 model_endpoints, candidates, request, now=now, config=config, memory=memory
             )
+        case Policy.PREDICTED_TTFT:
+            chosen = _predicted_ttft(model_endpoints, candidates, request, now=now, config=config)
         case _:
             assert_never(policy)
     return Picked(chosen)
@@ -372,6 +387,64 @@ def _prefix_affinity(
     ]
     pool = within or candidates
     return _max_score(pool, load_scores(pool, now, config), memory.rng)
+
+
+def ttft_estimates(
+    candidates: Sequence[Candidate], request: RequestFeatures, now: float, config: BalancerConfig
+) -> list[float]:
+    """Each candidate's predicted time to first token for the request, in seconds."""
+    peer = peer_rate(state for _, state in candidates)
+    return [
+        estimate(
+            endpoint,
+            state,
+            request.prompt,
+            now,
+            config.cost,
+            max_age_s=config.load_max_age_s,
+            peer=peer,
+        ).seconds
+        for endpoint, state in candidates
+    ]
+
+
+def _predicted_ttft(
+    model_endpoints: ModelEndpoints,
+    candidates: Sequence[Candidate],
+    request: RequestFeatures,
+    *,
+    now: float,
+    config: BalancerConfig,
+) -> Endpoint:
+    """The smallest predicted time to first token; near-ties go to the prefix's ring order.
+
+    A request with no prompt key breaks ties by in-flight relative to capacity,
+    then by endpoint id. Deterministic: no random draw.
+    """
+    estimates = ttft_estimates(candidates, request, now, config)
+    best = min(estimates)
+    band = best + max(config.cost.tie_abs_s, config.cost.tie_rel * best)
+    tied = {
+        endpoint.id: (endpoint, state, seconds)
+        for (endpoint, state), seconds in zip(candidates, estimates, strict=True)
+        if seconds <= band
+    }
+    if len(tied) == 1:
+        return next(iter(tied.values()))[0]
+    key = request.prompt.ring_key if request.prompt is not None else None
+    if key is not None:
+        for endpoint_id in model_endpoints.ring.walk(key):
+            chosen = tied.get(endpoint_id)
+            if chosen is not None:
+                return chosen[0]
+    return min(
+        tied.values(),
+        key=lambda item: (
+            item[1].in_flight / item[0].capacity if item[0].capacity else float(item[1].in_flight),
+            item[2],
+            item[0].id,
+        ),
+    )[0]
 
 
 def _engine_pressure(state: EndpointLiveState, now: float, config: BalancerConfig) -> float | None:

@@ -13,7 +13,7 @@ happen in the same loop step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -26,11 +26,24 @@ from router.breaker import (
     record_success,
     release_probe,
 )
+from router.cost_model import (
+    CacheFigures,
+    CostConfig,
+    cache_hit_factor,
+    cached_tokens,
+    foreign_queue,
+    index_capacity_blocks,
+    learned_rate,
+    own_queue,
+    prefill_rate,
+)
 from router.endpoints import CheckStatus
+from router.prefix_index import BlockIndex
 
 if TYPE_CHECKING:
     from caravan.engine_metrics import EngineLoad
-    from router.endpoints import EndpointSnapshot
+    from router.endpoints import Endpoint, EndpointSnapshot
+    from router.prefix_index import PromptShape
 
 
 @dataclass(slots=True)
@@ -46,6 +59,31 @@ class EndpointLiveState:
     # The last successful scrape of the engine, and when it was taken (router clock).
     load: EngineLoad | None = None
     load_scraped_at: float | None = None
+    # -- token-level accounting for the cost model (router.cost_model) --
+    # Requests sent here that have not produced their first token, and their
+    # estimated uncached prompt tokens (the prefill work this router queued).
+    prefilling: int = 0
+    queued_prefill_tokens: float = 0.0
+    # When the engine will have prefilled all of them, if it works through them
+    # in order at the endpoint's rate (moved by every first token that comes
+    # early or late); None when nothing is prefilling.
+    prefill_busy_until: float | None = None
+    # The prompt blocks this router sent here, within the engine's KV capacity.
+    prefix: BlockIndex = field(default_factory=BlockIndex)
+    # Prefill tokens per second learned from observed times to first token.
+    prefill_rate_tps: float | None = None
+    # Typical prompt (estimated tokens) sent here; sizes other routers' queue.
+    mean_prompt_tokens: float | None = None
+    # The engine's KV capacity and prefix-cache counters at the last scrape.
+    cache: CacheFigures | None = None
+    # Engine-confirmed share of the index's predicted hits, in [0, 1].
+    cache_hit_factor: float = 1.0
+    # What the index predicted since the last cache figures (tokens hit, queried).
+    predicted_hits: float = 0.0
+    predicted_queries: float = 0.0
+    # This router's own prefilling / decoding requests when the load was scraped.
+    prefilling_at_scrape: float = 0.0
+    decoding_at_scrape: float = 0.0
 
 
 LiveStates = dict[str, EndpointLiveState]
@@ -137,12 +175,39 @@ def finish_request(
         del live[lease.endpoint_id]
 
 
-def record_load(live: LiveStates, endpoint_id: str, load: EngineLoad, now: float) -> None:
-    """Store a scrape of the endpoint's engine; a scrape of a vanished endpoint is dropped."""
+def own_counts(live: LiveStates, endpoint_id: str) -> tuple[int, int] | None:
+    """This router's (prefilling, decoding) requests on the endpoint, for `record_load`."""
+    state = live.get(endpoint_id)
+    if state is None:
+        return None
+    return state.prefilling, state.in_flight - state.prefilling
+
+
+def record_load(
+    live: LiveStates,
+    endpoint_id: str,
+    load: EngineLoad,
+    now: float,
+    *,
+    own_before: tuple[int, int] | None = None,
+) -> None:
+    """Store a scrape of the endpoint's engine; a scrape of a vanished endpoint is dropped.
+
+    `own_before` is `own_counts` when the scrape was sent: the engine counted
+    somewhere in between, so the larger of then and now is taken as this
+    router's share, and a request that got its first token meanwhile is never
+    mistaken for another router's queued one.
+    """
     state = live.get(endpoint_id)
     if state is not None:
         state.load = load
         state.load_scraped_at = now
+        prefilling, decoding = state.prefilling, state.in_flight - state.prefilling
+        if own_before is not None:
+            prefilling = max(prefilling, own_before[0])
+            decoding = max(decoding, own_before[1])
+        state.prefilling_at_scrape = float(prefilling)
+        state.decoding_at_scrape = float(decoding)
 
 
 def forget_load(live: LiveStates, endpoint_id: str) -> None:
@@ -151,3 +216,149 @@ def forget_load(live: LiveStates, endpoint_id: str) -> None:
     if state is not None:
         state.load = None
         state.load_scraped_at = None
+
+
+@dataclass(slots=True)
+class Prefill:
+    """One request's prefill on one endpoint, from send to first token; see `end_prefill`."""
+
+    endpoint_id: str
+    uncached_tokens: float
+    # Prefill tokens ahead of it plus its own, and requests decoding, at send time.
+    work_tokens: float
+    running: float
+    sent_at: float
+    # The endpoint's engine default rate, which bounds what one observation teaches.
+    default_rate: float
+    # When its first token is expected (the endpoint's drain clock at send time).
+    expected_at: float
+    done: bool = False
+
+
+def begin_prefill(
+    live: LiveStates,
+    endpoint: Endpoint,
+    shape: PromptShape,
+    now: float,
+    config: CostConfig,
+    *,
+    max_age_s: float,
+) -> Prefill | None:
+    """Count the prompt just sent to this endpoint (after `start_request`).
+
+    Queues its uncached tokens, records its blocks in the endpoint's index
+    (within the engine's KV capacity) and notes what the index predicted, for
+    the engine's prefix-cache counters to confirm. None for an unknown endpoint.
+    """
+    state = live.get(endpoint.id)
+    if state is None:
+        return None
+    tokens = float(shape.tokens)
+    believed = cached_tokens(state, shape, config)
+    # What the index alone predicts (before the engine's correction), so that a
+    # factor driven to 0 can still recover when the engine's hits come back.
+    raw = min(tokens, state.prefix.matched(shape.blocks) * config.shape.block_tokens)
+    uncached = max(0.0, tokens - believed)
+    foreign_tokens, foreign_running = foreign_queue(endpoint, state, now, config, max_age_s)
+    # in_flight already counts this request (start_request ran); it is not decoding.
+    running = max(0, state.in_flight - 1 - state.prefilling) + foreign_running
+    rate = prefill_rate(endpoint, state, config)
+    ahead = own_queue(state, now, rate)
+    start = max(now, state.prefill_busy_until or now)
+    state.prefill_busy_until = start + uncached / rate
+    prefill = Prefill(
+        endpoint_id=endpoint.id,
+        uncached_tokens=uncached,
+        work_tokens=ahead + foreign_tokens + uncached,
+        running=running,
+        sent_at=now,
+        default_rate=config.default_rate(endpoint.engine),
+        expected_at=state.prefill_busy_until,
+    )
+    state.prefilling += 1
+    state.queued_prefill_tokens += uncached
+    state.predicted_hits += min(raw, tokens)
+    state.predicted_queries += tokens
+    state.mean_prompt_tokens = (
+        tokens
+        if state.mean_prompt_tokens is None
+        else state.mean_prompt_tokens + 0.1 * (tokens - state.mean_prompt_tokens)
+    )
+    state.prefix.record(shape.blocks, index_capacity_blocks(state, config))
+    return prefill
+
+
+def end_prefill(
+    live: LiveStates,
+    prefill: Prefill,
+    now: float,
+    config: CostConfig,
+    *,
+    first_token: bool,
+) -> None:
+    """The request's prefill is over: its first token came (`first_token`), or it ended.
+
+    Only a first token teaches the endpoint's rate; calling it twice is harmless.
+    """
+    if prefill.done:
+        return
+    prefill.done = True
+    state = live.get(prefill.endpoint_id)
+    if state is None:
+        return
+    state.prefilling = max(0, state.prefilling - 1)
+    state.queued_prefill_tokens = max(0.0, state.queued_prefill_tokens - prefill.uncached_tokens)
+    if state.prefilling == 0:
+        state.queued_prefill_tokens = 0.0  # no float dust left behind
+        state.prefill_busy_until = None
+    elif first_token and state.prefill_busy_until is not None:
+        # The engine is as early or late on everything behind this request.
+        state.prefill_busy_until = max(now, state.prefill_busy_until + now - prefill.expected_at)
+    if first_token:
+        rate = learned_rate(
+            state.prefill_rate_tps,
+            work_tokens=prefill.work_tokens,
+            running=prefill.running,
+            observed_s=now - prefill.sent_at,
+            default=prefill.default_rate,
+            config=config,
+        )
+        if rate is not None:
+            state.prefill_rate_tps = rate
+
+
+def record_cache_figures(
+    live: LiveStates, endpoint_id: str, figures: CacheFigures, config: CostConfig
+) -> None:
+    """Store the engine's KV capacity and prefix counters; correct the index by them.
+
+    The index shrinks at once to a smaller reported capacity. The counters'
+    growth since the last scrape, against what the index predicted meanwhile,
+    updates how far the index is trusted. A counter that went down (engine
+    restart) only resets the comparison.
+    """
+    state = live.get(endpoint_id)
+    if state is None:
+        return
+    previous = state.cache
+    state.cache = figures
+    state.prefix.shrink(index_capacity_blocks(state, config))
+    if (
+        previous is not None
+        and previous.prefix_queries is not None
+        and previous.prefix_hits is not None
+        and figures.prefix_queries is not None
+        and figures.prefix_hits is not None
+        and figures.prefix_queries >= previous.prefix_queries
+        and figures.prefix_hits >= previous.prefix_hits
+    ):
+        state.cache_hit_factor = cache_hit_factor(
+            state.cache_hit_factor,
+            predicted_hits=state.predicted_hits,
+            predicted_queries=state.predicted_queries,
+            engine_hits=figures.prefix_hits - previous.prefix_hits,
+            engine_queries=figures.prefix_queries - previous.prefix_queries,
+            config=config,
+        )
+    state.predicted_hits = 0.0
+    state.predicted_queries = 0.0

@@ -28,14 +28,29 @@ from collections.abc import Callable
 
 import aiohttp
 
-from caravan.engine_scrape import MAX_METRICS_BYTES, ScrapeError, scrape_engine
+from caravan.engine_metrics import EngineMetricsParseError, parse_engine_load
+from caravan.engine_scrape import (
+    MAX_METRICS_BYTES,
+    ScrapeError,
+    ScrapeFailure,
+    fetch_metrics_text,
+    relevant_lines,
+)
+from router.cost_model import CACHE_FIGURE_NAMES, CostConfig, parse_cache_figures
 from router.endpoints import CheckStatus, Endpoint
 from router.engine_keys import EngineKeySource
-from router.live_state import forget_load, record_load
+from router.live_state import forget_load, own_counts, record_cache_figures, record_load
 from router.metrics import RouterMetrics
 from router.routing_state import RoutingState
 
 log = logging.getLogger(__name__)
+
+
+def _cache_lines(text: str) -> str:
+    """The lines that can carry the cost model's cache figures (router.cost_model)."""
+    return (
+        "\n".join(line for line in text.splitlines() if line.startswith(CACHE_FIGURE_NAMES)) + "\n"
+    )
 
 
 class LoadScraper:
@@ -50,10 +65,12 @@ class LoadScraper:
         clock: Callable[[], float] = time.monotonic,
         engine_keys: EngineKeySource | None = None,
         max_bytes: int = MAX_METRICS_BYTES,
+        cost: CostConfig | None = None,
     ) -> None:
         self._max_bytes = max_bytes
         self._engine_keys = engine_keys
         self._session = session
+        self._cost = cost or CostConfig()
         self._state = state
         self._interval_s = interval_s
         self._timeout_s = timeout_s
@@ -80,21 +97,30 @@ class LoadScraper:
     async def _scrape(self, endpoint: Endpoint) -> None:
         # llama-server guards /metrics with its API key (vLLM does not; the key is harmless there).
         key = None if self._engine_keys is None else self._engine_keys.key_for(endpoint.service)
+        own_before = own_counts(self._state.live, endpoint.id)
         try:
-            load = await scrape_engine(
+            text = await fetch_metrics_text(
                 self._session,
                 endpoint.base_url + endpoint.metrics_path,
-                endpoint.metric_names,
                 timeout_s=self._timeout_s,
                 max_bytes=self._max_bytes,
                 api_key=key,
             )
+            # The same page feeds the load and the cost model's cache figures.
+            try:
+                load = parse_engine_load(
+                    relevant_lines(text, endpoint.metric_names), endpoint.metric_names
+                )
+                figures = parse_cache_figures(_cache_lines(text))
+            except EngineMetricsParseError as exc:
+                raise ScrapeError(ScrapeFailure.MALFORMED, "not Prometheus text format") from exc
         except ScrapeError as exc:
             if exc.failure.engine_answered:
                 forget_load(self._state.live, endpoint.id)
             self._failed(endpoint, exc)
             return
-        record_load(self._state.live, endpoint.id, load, self._clock())
+        record_load(self._state.live, endpoint.id, load, self._clock(), own_before=own_before)
+        record_cache_figures(self._state.live, endpoint.id, figures, self._cost)
 
     def _failed(self, endpoint: Endpoint, exc: ScrapeError) -> None:
         self._metrics.scrape_failures.inc()

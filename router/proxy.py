@@ -40,7 +40,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -88,9 +88,10 @@ from router.errors import (
     error_body,
     retry_after_s,
 )
-from router.live_state import Outcome
+from router.live_state import Outcome, Prefill, begin_prefill, end_prefill
 from router.metrics import OTHER_MODEL, FailoverOutcome, RequestOutcome, RouterMetrics
 from router.replacement import replacement_outcome, waits_for_replacement
+from router.prefix_index import prompt_shape
 from router.routing_state import RoutingState
 from router.settings import RouterSettings
 
@@ -188,6 +189,8 @@ class Exchange:
     features: RequestFeatures | None = None
     priority: int = 0
     headers: Headers = field(default_factory=list)
+    # The current attempt's prefill, counted until its first token (cost model).
+    prefill: Prefill | None = None
 
     def retry_features(self) -> RequestFeatures:
         """The balancer's view of this request, minus the endpoints it already tried."""
@@ -195,9 +198,7 @@ class Exchange:
             raise RuntimeError("request not parsed")
         if not self.tried:
             return self.features
-        return RequestFeatures(
-            self.features.model, self.features.affinity_key, frozenset(self.tried)
-        )
+        return replace(self.features, exclude=frozenset(self.tried))
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +253,9 @@ class Proxy:
         self._id_counter = itertools.count()
         self._api_keys = tuple(key.get_secret_value().encode() for key in settings.api_keys)
         self._use_affinity = settings.policy is Policy.PREFIX_AFFINITY
+        self._use_cost = settings.policy is Policy.PREDICTED_TTFT
+        self._cost = settings.balancer_config().cost
+        self._load_max_age_s = settings.load_max_age_s
         self._unary_timeout = aiohttp.ClientTimeout(
             total=None,
             sock_connect=settings.connect_timeout_s,
@@ -352,6 +356,7 @@ class Proxy:
                 if self._use_affinity
                 else None
             ),
+            prompt=prompt_shape(payload, self._cost.shape) if self._use_cost else None,
         )
         exchange.priority = self._priority(request)
         exchange.headers = self._upstream_headers(request, exchange.request_id)
@@ -401,6 +406,7 @@ class Proxy:
             outcome = Outcome.NO_VERDICT
             raise
         finally:
+            self._end_prefill(exchange, first_token=False)
             self._gate.finish(admitted, outcome)
 
     # -- streaming ---------------------------------------------------------------------
@@ -562,6 +568,7 @@ class Proxy:
                 else:
                     # Closing the connection tells the engine to stop generating.
                     upstream.close()
+            self._end_prefill(exchange, first_token=False)
             self._gate.finish(admitted, outcome)
 
     async def _stream_refused(
@@ -671,6 +678,7 @@ class Proxy:
         if forwarded and not exchange.forwarded:
             exchange.forwarded = True
             exchange.ttfb_s = self._clock() - exchange.started
+            self._end_prefill(exchange, first_token=True)
         try:
             await response.write(data)
         except (ConnectionError, aiohttp.ClientConnectionError) as exc:
@@ -748,12 +756,34 @@ class Proxy:
             raise
         exchange.attempts += 1
         exchange.endpoint_id = admitted.endpoint.id
+        prompt = exchange.features.prompt if exchange.features is not None else None
+        if prompt is not None:
+            exchange.prefill = begin_prefill(
+                self._state.live,
+                admitted.endpoint,
+                prompt,
+                self._clock(),
+                self._cost,
+                max_age_s=self._load_max_age_s,
+            )
         return admitted
 
     def _waits_for_replacement(self, error: UpstreamError, *, mid_stream: bool) -> bool:
         return self._settings.hold_for_replacement and waits_for_replacement(
             error, mid_stream=mid_stream
         )
+
+    def _end_prefill(self, exchange: Exchange, *, first_token: bool) -> None:
+        """The attempt's first token came (it teaches the endpoint's rate) or it ended."""
+        if exchange.prefill is not None:
+            end_prefill(
+                self._state.live,
+                exchange.prefill,
+                self._clock(),
+                self._cost,
+                first_token=first_token,
+            )
+            exchange.prefill = None
 
     def _retry_or_raise(self, exchange: Exchange, admitted: Admitted, error: UpstreamError) -> None:
         exchange.tried.add(admitted.endpoint.id)

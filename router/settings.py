@@ -19,6 +19,8 @@ from caravan.contract import KVLayout
 from router.admission import AdmissionPolicy
 from router.balancer import BalancerConfig, Policy
 from router.breaker import BreakerPolicy
+from router.cost_model import CostConfig
+from router.prefix_index import ShapeConfig
 
 MIB = 1024 * 1024
 
@@ -49,7 +51,7 @@ class RouterSettings(BaseSettings):
     engine_api_keys: bool = True
 
     # -- routing ----------------------------------------------------------------
-    policy: Policy = Policy.PREFIX_AFFINITY
+    policy: Policy = Policy.PREDICTED_TTFT
     affinity_prefix_chars: int = Field(default=100, ge=1)
     load_factor: float = Field(default=1.25, ge=1.0)
     # A request with no x-caravan-priority header gets this (lower goes first).
@@ -143,6 +145,18 @@ class RouterSettings(BaseSettings):
     admin_host: str = "127.0.0.1"
     admin_port: int | None = Field(default=None, ge=0, le=65535)
 
+    # -- predicted_ttft cost model (router/cost_model.py) ---------------------------
+    # Prompts are cut into blocks of this many characters for the prefix index.
+    prefix_block_chars: int = Field(default=128, ge=16)
+    # Characters per token when the router estimates a prompt's tokens.
+    chars_per_token: float = Field(default=4.0, gt=0)
+    # Prefill rates assumed until the router has learned an endpoint's own.
+    vllm_prefill_tokens_per_s: float = Field(default=20000.0, gt=0)
+    llamacpp_prefill_tokens_per_s: float = Field(default=2000.0, gt=0)
+    other_prefill_tokens_per_s: float = Field(default=5000.0, gt=0)
+    # KV capacity the prefix index assumes for an engine that does not report one.
+    default_kv_cache_tokens: int = Field(default=65536, ge=1)
+
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
@@ -188,6 +202,15 @@ class RouterSettings(BaseSettings):
             ),
             load_max_age_s=self.load_max_age_s,
             load_factor=self.load_factor,
+            cost=CostConfig(
+                shape=ShapeConfig(
+                    block_chars=self.prefix_block_chars, chars_per_token=self.chars_per_token
+                ),
+                vllm_prefill_tokens_per_s=self.vllm_prefill_tokens_per_s,
+                llamacpp_prefill_tokens_per_s=self.llamacpp_prefill_tokens_per_s,
+                other_prefill_tokens_per_s=self.other_prefill_tokens_per_s,
+                default_kv_cache_tokens=self.default_kv_cache_tokens,
+            ),
         )
 
     def admission_policy(self) -> AdmissionPolicy:

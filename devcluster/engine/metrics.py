@@ -50,7 +50,13 @@ class VllmMetrics:
     """vLLM's scheduler, token, prefix-cache and latency metrics for one instance."""
 
     def __init__(
-        self, *, model_name: str, max_model_len: int, block_size: int, prefix_caching: bool
+        self,
+        *,
+        model_name: str,
+        max_model_len: int,
+        block_size: int,
+        prefix_caching: bool,
+        num_gpu_blocks: int | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         labels = ("model_name", "engine")
@@ -147,13 +153,15 @@ class VllmMetrics:
             buckets=_REQUEST_LATENCY_BUCKETS,
             registry=reg,
         ).labels(*values)
+        # vLLM writes every CacheConfig field as a label (`metrics_info()`),
+        # num_gpu_blocks included once the KV cache is sized.
         cache_info = Gauge(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
-            ("block_size", "enable_prefix_caching", "engine"),
+            ("block_size", "enable_prefix_caching", "num_gpu_blocks", "engine"),
             registry=reg,
         )
-        cache_info.labels(str(block_size), str(prefix_caching), "0").set(1)
+        cache_info.labels(str(block_size), str(prefix_caching), str(num_gpu_blocks), "0").set(1)
         self._seen_queries = 0
         self._seen_hits = 0
         self._seen_preemptions = 0

@@ -123,6 +123,7 @@ class SimulatedEngine:
                 max_model_len=settings.max_model_len,
                 block_size=settings.perf.block_size,
                 prefix_caching=settings.perf.prefix_caching,
+                num_gpu_blocks=settings.perf.total_blocks,
             )
         else:
             self.shape = LlamacppShape()

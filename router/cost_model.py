@@ -1,0 +1,326 @@
+"""The predicted time to first token of a request on an endpoint (pure, clock passed in).
+
+For one candidate endpoint, the estimate is
+
+    ttft = base_s + (queued + uncached) / rate * (1 + interference * running)
+
+- `queued`: prompt tokens still to prefill ahead of this request there. This
+  router's own share: the uncached tokens of every request it sent there
+  that has not produced its first token yet, less what the engine has
+  prefilled since it started on them (a drain clock at the endpoint's rate,
+  moved by every first token that comes early or late). Other routers' requests only
+  show in the engine's scraped `waiting` count: the excess over this router's
+  own requests at scrape time, times the typical prompt, drained at the
+  endpoint's rate for the scrape's age (a one-second-old queue has partly
+  gone), is added.
+- `uncached`: the request's estimated prompt tokens minus the prefix the
+  endpoint's `BlockIndex` believes it holds, scaled down by how much of its
+  predicted hits the engine's own prefix-cache counters confirmed.
+- `rate`: prefill tokens per second, learned per endpoint from the streams it
+  served (work ahead of the request over its observed time to first token),
+  seeded by a per-engine default.
+- `running`: requests decoding there (this router's, plus other routers'
+  from the scrape); each slows a prefill step a little.
+
+`parse_cache_figures` reads the engine figures the model uses beyond
+`EngineLoad` (vLLM's KV capacity and prefix-cache counters); engines that do
+not report them (llama.cpp) fall back to the configured capacity and to an
+index that is trusted as it is.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from caravan.engine_metrics import EngineMetricsParseError
+from router.prefix_index import ShapeConfig
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from router.endpoints import Endpoint
+    from router.live_state import EndpointLiveState
+    from router.prefix_index import PromptShape
+
+VLLM_CACHE_CONFIG = "vllm:cache_config_info"
+VLLM_PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+VLLM_PREFIX_HITS = "vllm:prefix_cache_hits_total"
+CACHE_FIGURE_NAMES = (VLLM_CACHE_CONFIG, VLLM_PREFIX_QUERIES, VLLM_PREFIX_HITS)
+
+
+@dataclass(frozen=True, slots=True)
+class CostConfig:
+    """The cost model's constants; rates and capacities here are only the defaults."""
+
+    shape: ShapeConfig = field(default_factory=ShapeConfig)
+    # Prefill tokens per second before anything is learned, by the endpoint's engine.
+    vllm_prefill_tokens_per_s: float = 20000.0
+    llamacpp_prefill_tokens_per_s: float = 2000.0
+    other_prefill_tokens_per_s: float = 5000.0
+    # KV capacity (tokens) the index assumes when the engine does not report one.
+    default_kv_cache_tokens: int = 65536
+    # Fixed part of every time to first token (one engine step).
+    base_s: float = 0.02
+    # Each running sequence slows prefill by this fraction (decode shares the step).
+    interference_per_seq: float = 0.005
+    # Learning: weight of a new observation, and the smallest work worth learning from.
+    rate_alpha: float = 0.2
+    min_learn_tokens: int = 256
+    cache_factor_alpha: float = 0.3
+    # Prompt size assumed for another router's queued request until this one has seen any.
+    default_prompt_tokens: int = 512
+    # Estimates this close to the best are a tie, decided by the ring (no herding).
+    tie_abs_s: float = 0.005
+    tie_rel: float = 0.05
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vllm_prefill_tokens_per_s",
+            "llamacpp_prefill_tokens_per_s",
+            "other_prefill_tokens_per_s",
+            "default_kv_cache_tokens",
+            "default_prompt_tokens",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("base_s", "interference_per_seq", "tie_abs_s", "tie_rel"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("rate_alpha", "cache_factor_alpha"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+
+    def default_rate(self, engine: str) -> float:
+        if engine == "vllm":
+            return self.vllm_prefill_tokens_per_s
+        if engine == "llamacpp":
+            return self.llamacpp_prefill_tokens_per_s
+        return self.other_prefill_tokens_per_s
+
+
+@dataclass(frozen=True, slots=True)
+class CacheFigures:
+    """Engine figures beyond `EngineLoad`; None where the engine does not report them."""
+
+    kv_cache_tokens: int | None
+    prefix_queries: float | None  # counter, tokens
+    prefix_hits: float | None  # counter, tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """One endpoint's predicted time to first token for one request."""
+
+    seconds: float
+    cached_tokens: float  # of the request's prompt, believed cached there
+    uncached_tokens: float
+
+
+def parse_cache_figures(text: str) -> CacheFigures:
+    """vLLM's KV capacity (cache_config_info's num_gpu_blocks x block_size) and prefix counters.
+
+    Label sets (engine cores) are summed. Raises EngineMetricsParseError on bad text.
+    """
+    kv_tokens = 0
+    kv_seen = False
+    totals: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == VLLM_CACHE_CONFIG:
+                    blocks = _int_label(sample.labels.get("num_gpu_blocks"))
+                    size = _int_label(sample.labels.get("block_size"))
+                    if blocks is not None and size is not None:
+                        kv_tokens += blocks * size
+                        kv_seen = True
+                elif sample.name in (VLLM_PREFIX_QUERIES, VLLM_PREFIX_HITS) and not math.isnan(
+                    sample.value
+                ):
+                    totals[sample.name] = totals.get(sample.name, 0.0) + float(sample.value)
+    except (ValueError, IndexError, KeyError, TypeError) as exc:
+        raise EngineMetricsParseError(f"malformed Prometheus exposition text: {exc}") from exc
+    return CacheFigures(
+        kv_cache_tokens=kv_tokens if kv_seen and kv_tokens > 0 else None,
+        prefix_queries=totals.get(VLLM_PREFIX_QUERIES),
+        prefix_hits=totals.get(VLLM_PREFIX_HITS),
+    )
+
+
+def _int_label(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        return None
+    return number if number > 0 else None
+
+
+def prefill_rate(
+    endpoint: Endpoint,
+    state: EndpointLiveState,
+    config: CostConfig,
+    peer_rate: float | None = None,
+) -> float:
+    """Tokens per second: learned if anything was, else its peers', else the engine's default.
+
+    `peer_rate` is what the endpoint's fellow replicas learned (same model):
+    a replica that has served nothing yet must not look several times faster
+    than the others because the default is optimistic, or a burst piles onto it.
+    """
+    learned = state.prefill_rate_tps
+    if learned is not None:
+        return learned
+    return peer_rate if peer_rate is not None else config.default_rate(endpoint.engine)
+
+
+def peer_rate(states: Iterable[EndpointLiveState]) -> float | None:
+    """The mean learned prefill rate of these endpoints; None when none has learned one."""
+    learned = [state.prefill_rate_tps for state in states if state.prefill_rate_tps is not None]
+    return sum(learned) / len(learned) if learned else None
+
+
+def index_capacity_blocks(state: EndpointLiveState, config: CostConfig) -> int:
+    """How many blocks the index may hold for this endpoint (its engine's KV capacity)."""
+    figures = state.cache
+    tokens = (
+        figures.kv_cache_tokens
+        if figures is not None and figures.kv_cache_tokens is not None
+        else config.default_kv_cache_tokens
+    )
+    return int(tokens // config.shape.block_tokens)
+
+
+def cached_tokens(state: EndpointLiveState, shape: PromptShape, config: CostConfig) -> float:
+    """The request's prompt tokens the endpoint is believed to hold."""
+    if not shape.blocks:
+        return 0.0
+    matched = state.prefix.matched(shape.blocks)
+    believed = min(float(shape.tokens), matched * config.shape.block_tokens)
+    return believed * state.cache_hit_factor
+
+
+def foreign_queue(
+    endpoint: Endpoint,
+    state: EndpointLiveState,
+    now: float,
+    config: CostConfig,
+    max_age_s: float,
+    *,
+    peer: float | None = None,
+) -> tuple[float, float]:
+    """Other routers' (queued prefill tokens, running requests) there, from the last scrape."""
+    load = state.load
+    at = state.load_scraped_at
+    if load is None or at is None or now - at > max_age_s:
+        return 0.0, 0.0
+    waiting = (load.waiting or 0.0) - state.prefilling_at_scrape
+    running = (load.running or 0.0) - state.decoding_at_scrape
+    # The engine counts this router's prefilling requests as waiting or as
+    # running (chunked prefill); whichever way, they are not foreign.
+    if waiting < 0:
+        running += waiting
+        waiting = 0.0
+    prompt = state.mean_prompt_tokens or float(config.default_prompt_tokens)
+    age = max(0.0, now - at)
+    queued = max(0.0, waiting * prompt - prefill_rate(endpoint, state, config, peer) * age)
+    return queued, max(0.0, running)
+
+
+def own_queue(state: EndpointLiveState, now: float, rate: float) -> float:
+    """Prefill tokens this router queued there that the engine has not worked through yet.
+
+    The sum of the prefilling requests' uncached tokens, less what the engine
+    prefilled since it started on them (its drain clock): a long prompt that
+    is nearly done weighs what is left of it.
+    """
+    queued = state.queued_prefill_tokens
+    busy_until = state.prefill_busy_until
+    if busy_until is None or now >= busy_until:
+        # Past the clock with requests still prefilling: the engine is slower
+        # than the rate says (an unlearned default, a stall); count them whole.
+        return queued
+    return min(queued, (busy_until - now) * rate)
+
+
+def estimate(
+    endpoint: Endpoint,
+    state: EndpointLiveState,
+    shape: PromptShape | None,
+    now: float,
+    config: CostConfig,
+    *,
+    max_age_s: float,
+    peer: float | None = None,
+) -> Estimate:
+    """The request's predicted time to first token on this endpoint (module docstring).
+
+    `peer` is the mean rate its fellow replicas learned (`peer_rate`).
+    """
+    tokens = float(shape.tokens) if shape is not None else 0.0
+    cached = cached_tokens(state, shape, config) if shape is not None else 0.0
+    uncached = max(0.0, tokens - cached)
+    foreign_tokens, foreign_running = foreign_queue(
+        endpoint, state, now, config, max_age_s, peer=peer
+    )
+    rate = prefill_rate(endpoint, state, config, peer)
+    queued = own_queue(state, now, rate) + foreign_tokens
+    running = state.in_flight - state.prefilling + foreign_running
+    seconds = config.base_s + (queued + uncached) / rate * (
+        1.0 + config.interference_per_seq * max(0.0, running)
+    )
+    return Estimate(seconds=seconds, cached_tokens=cached, uncached_tokens=uncached)
+
+
+def learned_rate(
+    previous: float | None,
+    *,
+    work_tokens: float,
+    running: float,
+    observed_s: float,
+    default: float,
+    config: CostConfig,
+) -> float | None:
+    """The endpoint's prefill rate after one observed time to first token.
+
+    `work_tokens` is what the request had ahead of it plus its own uncached
+    tokens, at send time. Observations with too little work say more about
+    the fixed step than the rate, and are skipped (None: keep `previous`).
+    The new figure is kept within 1/20 and 20 times the default, so one odd
+    observation cannot make an endpoint look free or dead.
+    """
+    if work_tokens < config.min_learn_tokens or observed_s <= 0:
+        return None
+    prefill_s = max(observed_s - config.base_s, observed_s * 0.1)
+    sample = work_tokens * (1.0 + config.interference_per_seq * max(0.0, running)) / prefill_s
+    sample = min(max(sample, default / 20.0), default * 20.0)
+    if previous is None:
+        return sample
+    return previous + config.rate_alpha * (sample - previous)
+
+
+def cache_hit_factor(
+    previous: float,
+    *,
+    predicted_hits: float,
+    predicted_queries: float,
+    engine_hits: float,
+    engine_queries: float,
+    config: CostConfig,
+) -> float:
+    """How far to trust the index: the engine's hit ratio over the index's, in [0, 1].
+
+    Compares ratios, not tokens (the router counts estimated tokens, the engine
+    real ones). Nothing predicted, or nothing queried, leaves it unchanged; it
+    only ever scales the belief down.
+    """
+    if predicted_queries <= 0 or engine_queries <= 0 or predicted_hits <= 0:
+        return previous
+    predicted_ratio = predicted_hits / predicted_queries
+    engine_ratio = max(0.0, engine_hits) / engine_queries
+    sample = min(1.0, engine_ratio / predicted_ratio)
+    return min(1.0, max(0.0, previous + config.cache_factor_alpha * (sample - previous)))
