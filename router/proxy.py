@@ -90,8 +90,8 @@ from router.errors import (
 )
 from router.live_state import Outcome, Prefill, begin_prefill, end_prefill
 from router.metrics import OTHER_MODEL, FailoverOutcome, RequestOutcome, RouterMetrics
-from router.replacement import replacement_outcome, waits_for_replacement
 from router.prefix_index import prompt_shape
+from router.replacement import replacement_outcome, waits_for_replacement
 from router.routing_state import RoutingState
 from router.settings import RouterSettings
 

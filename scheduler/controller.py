@@ -80,7 +80,7 @@ from scheduler.plan import (
     plan,
 )
 from scheduler.render import RenderError, render
-from scheduler.weights import ObservedPrefetch, observe_prefetch
+from scheduler.weights import ObservedPrefetch, observe_prefetch, prefetch_job_id
 from scheduler.world import (
     NS_PER_S,
     DesiredModel,
@@ -552,6 +552,19 @@ class Controller:
             frozenset(desired.profiles),
             await self._unplaceable(desired, readout),
         )
+        # A failed prefetch holds every replica back until the profile changes:
+        # as permanent as a replica Nomad gave up on (issue: fail fast).
+        if self.last_plan is not None:
+            for report in self.last_plan.reports:
+                if (
+                    report.prefetch_failed
+                    and report.ready == 0
+                    and report.model in desired.profiles
+                ):
+                    found.setdefault(
+                        report.model,
+                        f"prefetch job {prefetch_job_id(report.model)} {report.prefetch}",
+                    )
         for name in desired.profiles:
             self.metrics.model_failed.labels(model=name).set(1 if name in found else 0)
         for gone in self._failure_gauges - set(desired.profiles):

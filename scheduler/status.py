@@ -223,10 +223,10 @@ def summarise_model(
     problem: str | None = None
     if prefetch.failed:
         problem = f"prefetch job {prefetch_job_id(name)} {prefetch.status}"
-    if failure is not None and ready == 0:
-        status = "failed"
-    elif prefetch.failed and desired > 0 and ready == 0:
+    if prefetch.failed and desired > 0 and ready == 0:
         status = "prefetch failed"
+    elif failure is not None and ready == 0:
+        status = "failed"
     elif not prefetch.ready and desired > 0 and not replicas:
         status = "prefetching"
     elif desired == 0 and not replicas:

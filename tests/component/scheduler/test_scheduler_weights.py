@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 from conftest import eventually, store_of
 
-from caravan.contract import model_service_name
+from caravan.contract import KVLayout, ModelFailure, model_service_name
 from caravan_cli.local_stack import LocalStack, StackOptions, local_stack
 from devcluster.llama_server_build import find_llama_server
 from devcluster.nomad.settings import NodeSpec
@@ -184,6 +184,14 @@ async def test_failed_prefetch_is_shown_and_a_good_one_runs_once(
     assert shown.problem is not None
     assert prefetch_job_id("badfetch") in shown.problem
     assert () == shown.replicas
+
+    # Routers fail fast on it: the scheduler records the failure with its reason.
+    async def recorded() -> Any:
+        _, entry = await stack.scheduler.consul.kv_get(KVLayout().failure_key("badfetch"))
+        return entry
+
+    record = ModelFailure.decode((await eventually(recorded, timeout_s=30)).value)
+    assert prefetch_job_id("badfetch") in record.reason
 
     allocs = await eventually(lambda: _running_replicas(stack, "goodfetch", 2), timeout_s=120)
     assert {a.node_id for a in allocs} <= with_volume
