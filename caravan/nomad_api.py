@@ -19,8 +19,9 @@ timeouts and 5xx are `HashiUnavailable`; 403 `HashiPermissionDenied`; 404
 `HashiNotFound` (reads of one object return None instead); 400 and Nomad's
 validation failures (HTTP 500 whose text says "validation failed" or
 "error occurred", facts N2) `HashiBadRequest` with Nomad's message; a lost
-`EnforceIndex` race (facts N3) `HashiConflict`. The token travels in `X-Nomad-Token`
-only and never appears in logs or messages.
+`EnforceIndex` race (facts N3) `JobModifyIndexConflict` (a retryable
+`HashiConflict`). The token travels in `X-Nomad-Token` only and never
+appears in logs or messages.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from caravan.errors import (
     HashiNotFound,
     HashiPermissionDenied,
     HashiUnavailable,
+    JobModifyIndexConflict,
     SettingsError,
 )
 from caravan.tls_files import TlsFile, tls_context
@@ -516,7 +518,9 @@ class NomadClient:
             return HashiPermissionDenied(message, status=status)
         if status == 404:
             return HashiNotFound(message, status=status)
-        if status == 409 or _ENFORCE_MARKER in body:
+        if _ENFORCE_MARKER in body:
+            return JobModifyIndexConflict(message, status=status)
+        if status == 409:
             return HashiConflict(message, status=status)
         if status == 400 or (
             status == 500 and any(marker in body for marker in _VALIDATION_MARKERS)

@@ -29,6 +29,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any, Protocol
 
 from caravan.consul_api import HealthEntry, KVEntry
@@ -45,7 +46,7 @@ from caravan.contract import (
     encode_placements,
     model_service_name,
 )
-from caravan.errors import HashiError, HashiNotFound
+from caravan.errors import HashiError, HashiNotFound, JobModifyIndexConflict
 from caravan.nomad_api import (
     AllocatedPort,
     Allocation,
@@ -94,6 +95,9 @@ log = logging.getLogger(__name__)
 
 # A replica without a node for this long is logged as unplaced.
 UNPLACED_LOG_AFTER_S = 10.0
+# Lost EnforceIndex races (facts N3) one reconcile call re-plans at once before
+# it backs off: a few mean a concurrent writer, many a writer that never stops.
+CONFLICT_REPLANS = 3
 
 
 class NomadReads(Protocol):
@@ -242,6 +246,14 @@ class ReconcileResult:
     skipped: str | None = None
     applied: int = 0
     failed: int = 0
+    # Registrations that lost an EnforceIndex race (facts N3) and were re-planned.
+    conflicts: int = 0
+
+
+class _Outcome(StrEnum):
+    APPLIED = "applied"
+    FAILED = "failed"
+    CONFLICT = "conflict"
 
 
 @dataclass(slots=True)
@@ -386,6 +398,24 @@ class Controller:
             self.metrics.reconcile_duration.observe(time.monotonic() - started)
 
     async def _reconcile(self) -> ReconcileResult:
+        conflicts = 0
+        while True:
+            result = await self._pass()
+            if not result.conflicts:
+                return replace(result, conflicts=conflicts)
+            conflicts += result.conflicts
+            if conflicts > CONFLICT_REPLANS:
+                # Someone keeps changing the jobs under us: come back after a pause.
+                return replace(
+                    result,
+                    conflicts=conflicts,
+                    requeue_after_s=self.settings.backoff_initial_s,
+                )
+            # A registration lost an EnforceIndex race (facts N3): what the plan
+            # was made from is stale. Read again and decide again, now.
+            log.info("replan_after_conflict", extra={"conflicts": result.conflicts})
+
+    async def _pass(self) -> ReconcileResult:
         if not self.is_leader():
             # Another leader may write placements meanwhile: re-read them when leading again.
             self._published = None
@@ -424,13 +454,21 @@ class Controller:
             self._published = None
             return ReconcileResult(requeue_after_s=None, plan=result, skipped="lost leadership")
         await self.publish_placements(placements_of(observed.replicas, self._engines))
-        applied, failed = await self.apply(result.actions)
+        outcomes = await self.apply_all(result.actions)
+        applied, failed = outcomes.count(_Outcome.APPLIED), outcomes.count(_Outcome.FAILED)
+        conflicts = outcomes.count(_Outcome.CONFLICT)
         await self._record_failures(desired, now)
         self.metrics.reconcile_passes.labels(outcome="ok" if not failed else "error").inc()
         requeue = result.requeue_after_s
         if failed:
             requeue = self.settings.backoff_initial_s
-        return ReconcileResult(requeue_after_s=requeue, plan=result, applied=applied, failed=failed)
+        return ReconcileResult(
+            requeue_after_s=requeue,
+            plan=result,
+            applied=applied,
+            failed=failed,
+            conflicts=conflicts,
+        )
 
     def _record(self, result: Plan) -> None:
         reported = {report.model for report in result.reports}
@@ -558,29 +596,39 @@ class Controller:
         return found
 
     async def apply(self, actions: tuple[Action, ...]) -> tuple[int, int]:
-        """Apply actions with bounded concurrency; returns (applied, failed)."""
+        """Apply actions with bounded concurrency; returns (applied, not applied)."""
+        outcomes = await self.apply_all(actions)
+        applied = outcomes.count(_Outcome.APPLIED)
+        return applied, len(outcomes) - applied
+
+    async def apply_all(self, actions: tuple[Action, ...]) -> list[_Outcome]:
+        """Apply actions with bounded concurrency; one outcome per action."""
         if not actions:
-            return 0, 0
+            return []
         semaphore = asyncio.Semaphore(self.settings.apply_concurrency)
-        outcomes: list[bool] = []
+        outcomes: list[_Outcome] = []
 
         async def one(action: Action) -> None:
             async with semaphore:
                 if not self.is_leader():
-                    outcomes.append(False)
+                    outcomes.append(_Outcome.FAILED)
                     return
                 outcomes.append(await self._apply_one(action))
 
         async with asyncio.TaskGroup() as group:
             for action in actions:
                 group.create_task(one(action))
-        failed = outcomes.count(False)
-        return len(outcomes) - failed, failed
+        return outcomes
 
-    async def _apply_one(self, action: Action) -> bool:
+    async def _apply_one(self, action: Action) -> _Outcome:
         kind = type(action).__name__.lower()
         try:
             await self._dispatch(action)
+        except JobModifyIndexConflict:
+            # Not a failure: the job changed since the plan read it; the pass re-plans.
+            self.metrics.actions.labels(kind=kind, outcome="conflict").inc()
+            log.info("action_conflict", extra={"action": kind, "job_id": action.job_id})
+            return _Outcome.CONFLICT
         except HashiError as exc:
             self.metrics.actions.labels(kind=kind, outcome="error").inc()
             self.metrics.errors.labels(kind=type(exc).__name__).inc()
@@ -588,23 +636,23 @@ class Controller:
                 "action_failed",
                 extra={"action": kind, "job_id": action.job_id, "error": str(exc)},
             )
-            return False
+            return _Outcome.FAILED
         self.metrics.actions.labels(kind=kind, outcome="ok").inc()
         log.info(
             "action_applied",
             extra={"action": kind, "job_id": action.job_id, "reason": action.reason},
         )
-        return True
+        return _Outcome.APPLIED
 
     async def _dispatch(self, action: Action) -> None:
         match action:
             case Register():
                 await self._hand_engine_key(action.model, action.job_id)
-                await self.nomad.register_job(action.body)
+                await self.nomad.register_job(action.body, enforce_index=action.enforce_index)
             case Replace():
                 await self._deregister(action.job_id)
                 await self._hand_engine_key(action.model, action.job_id)
-                await self.nomad.register_job(action.body)
+                await self.nomad.register_job(action.body, enforce_index=action.enforce_index)
             case StartDrain():
                 await self.store.mark_draining(
                     action.job_id, drain_record_for(action, self.clock())

@@ -69,6 +69,8 @@ class ObservedReplica:
     passing: bool | None = None
     # running + waiting as the engine reports it; None when not scraped.
     inflight: float | None = None
+    # The job's JobModifyIndex when read: a re-registration enforces it (facts N3).
+    job_modify_index: int = 0
 
     def live_allocs(self) -> tuple[ObservedAlloc, ...]:
         return tuple(a for a in self.allocs if a.is_live)
@@ -152,6 +154,7 @@ def replica_from_job_stub(stub: Mapping[str, Any]) -> ObservedReplica | None:
         job_status=str(stub.get("Status", "")),
         stopped=bool(stub.get("Stop", False)),
         submit_time_ns=int(stub.get("SubmitTime") or 0),
+        job_modify_index=int(stub.get("JobModifyIndex") or 0),
     )
 
 

@@ -19,6 +19,7 @@ from caravan.errors import (
     HashiNotFound,
     HashiPermissionDenied,
     HashiUnavailable,
+    JobModifyIndexConflict,
 )
 from caravan.nomad_api import NomadClient, NomadSettings
 
@@ -294,8 +295,9 @@ async def test_nodes_with_resources_and_devices(fake: tuple[FakeNomad, TestServe
         (
             500,
             "Enforcing job modify index 5: job exists with conflicting job modify index: 9",
-            HashiConflict,
+            JobModifyIndexConflict,
         ),
+        (409, "Conflict", HashiConflict),
         (500, "rpc error: No cluster leader", HashiUnavailable),
         (503, "unavailable", HashiUnavailable),
     ],
