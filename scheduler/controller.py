@@ -52,6 +52,7 @@ from caravan.nomad_api import (
     Allocation,
     DeregisterResult,
     Evaluation,
+    JobStub,
     Node,
     QueryResult,
     RegisterResult,
@@ -86,8 +87,6 @@ from scheduler.world import (
     Observation,
     ObservedReplica,
     PlannerMemory,
-    alloc_from_stub,
-    node_from_stub,
     replica_from_job_stub,
 )
 
@@ -110,7 +109,7 @@ class NomadReads(Protocol):
         meta: bool = False,
         index: int | None = None,
         wait_s: float | None = None,
-    ) -> QueryResult[list[dict[str, Any]]]: ...
+    ) -> QueryResult[list[JobStub]]: ...
 
     async def list_allocations(
         self,
@@ -140,11 +139,12 @@ class AllocEngine:
 
 @dataclass(frozen=True, slots=True)
 class NomadReadout:
-    """caravan's jobs (stubs with Meta), their allocations grouped by job, and the nodes."""
+    """caravan's jobs (stubs with Meta), their allocations grouped by job, and the nodes,
+    as `caravan.nomad_api` decoded them."""
 
-    job_stubs: list[dict[str, Any]]
-    allocs_by_job: dict[str, list[Mapping[str, Any]]]
-    node_stubs: list[Mapping[str, Any]]
+    job_stubs: list[JobStub]
+    allocs_by_job: dict[str, list[Allocation]]
+    nodes: list[Node]
     # Where each allocation's engine listens (its `http` port) and on which node.
     engines: dict[str, AllocEngine] = field(default_factory=dict)
 
@@ -154,14 +154,14 @@ async def read_nomad(nomad: NomadReads) -> NomadReadout:
     job_stubs = (await nomad.list_jobs(JOB_PREFIX, meta=True)).value
     allocations = (await nomad.list_allocations(resources=True)).value
     nodes = (await nomad.list_nodes(resources=False)).value
-    allocs_by_job: dict[str, list[Mapping[str, Any]]] = {}
+    allocs_by_job: dict[str, list[Allocation]] = {}
     engines: dict[str, AllocEngine] = {}
     for allocation in allocations:
-        allocs_by_job.setdefault(allocation.job_id, []).append(allocation.raw)
+        allocs_by_job.setdefault(allocation.job_id, []).append(allocation)
         for port in allocation.ports or ():
             if port.label == HTTP_PORT_LABEL and port.host_ip and port.value > 0:
                 engines[allocation.id] = AllocEngine(port, allocation.node_name)
-    return NomadReadout(job_stubs, allocs_by_job, [node.raw for node in nodes], engines)
+    return NomadReadout(job_stubs, allocs_by_job, nodes, engines)
 
 
 def placements_of(
@@ -350,9 +350,7 @@ class Controller:
             replica = replica_from_job_stub(job_stub)
             if replica is None:
                 continue
-            allocs = tuple(
-                alloc_from_stub(a) for a in readout.allocs_by_job.get(replica.job_id, ())
-            )
+            allocs = tuple(readout.allocs_by_job.get(replica.job_id, ()))
             with_allocs = replace(replica, allocs=allocs)
             replicas[replica.job_id] = replace(with_allocs, inflight=self.inflight(with_allocs))
         models = {r.model for r in replicas.values()} | set(desired.profiles)
@@ -362,7 +360,7 @@ class Controller:
             passing.update(_passing_by_alloc(entries))
         replicas = {job_id: _with_health(r, passing) for job_id, r in replicas.items()}
         self._last_readout = (readout, passing)
-        nodes = {str(stub["ID"]): node_from_stub(stub) for stub in readout.node_stubs}
+        nodes = {node.id: node for node in readout.nodes}
         return Observation(
             replicas=replicas, nodes=nodes, draining=desired.draining, taken_at=self.clock()
         )

@@ -154,11 +154,11 @@ def is_ready(replica: ObservedReplica, observed: Observation) -> bool:
     """Running on a live node and passing its check (or healthy per Nomad if Consul is silent)."""
     for alloc in replica.live_allocs():
         node = observed.nodes.get(alloc.node_id)
-        if alloc.client_status != "running" or node is None or not node.is_up:
+        if alloc.client_status != "running" or node is None or not node.ready:
             continue
         if replica.passing is True:
             return True
-        if replica.passing is None and alloc.healthy is True:
+        if replica.passing is None and alloc.deployment_healthy is True:
             return True
     return False
 
@@ -166,7 +166,7 @@ def is_ready(replica: ObservedReplica, observed: Observation) -> bool:
 def _placed_node(replica: ObservedReplica, observed: Observation) -> str | None:
     for alloc in replica.live_allocs():
         node = observed.nodes.get(alloc.node_id)
-        if alloc.node_id and node is not None and node.is_up:
+        if alloc.node_id and node is not None and node.ready:
             return alloc.node_id
     return None
 
@@ -185,7 +185,7 @@ def _needs_replacement(
         # nodes change. Re-registering would only flap.
         return None
     node = observed.nodes.get(latest.node_id)
-    lost = latest.client_status == "lost" or (node is not None and not node.is_up)
+    lost = latest.client_status == "lost" or (node is not None and not node.ready)
     if not lost:
         return None
     waited = now - latest.modify_time_ns / NS_PER_S

@@ -19,6 +19,7 @@ from caravan.nomad_api import (
     Allocation,
     DeregisterResult,
     Evaluation,
+    JobStub,
     Node,
     QueryResult,
     RegisterResult,
@@ -83,9 +84,11 @@ class EnforcingNomad:
         meta: bool = False,
         index: int | None = None,
         wait_s: float | None = None,
-    ) -> QueryResult[list[dict[str, Any]]]:
+    ) -> QueryResult[list[JobStub]]:
         self.reads += 1
-        stubs = [dict(job) for job in self.jobs.values() if job["ID"].startswith(prefix)]
+        stubs = [
+            JobStub.from_api(job) for job in self.jobs.values() if job["ID"].startswith(prefix)
+        ]
         return QueryResult(self.index, stubs)
 
     async def list_allocations(
