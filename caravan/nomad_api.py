@@ -219,6 +219,8 @@ class TaskEvent:
     type: str
     message: str
     time_ns: int
+    # Nomad's FailsTask: this event failed the task (a hook or driver error).
+    fails_task: bool = False
 
     @property
     def words(self) -> str:
@@ -281,6 +283,7 @@ class Allocation:
                 type=str(event.get("Type", "")),
                 message=str(event.get("DisplayMessage") or event.get("Message") or ""),
                 time_ns=int(event.get("Time") or 0),
+                fails_task=bool(event.get("FailsTask", False)),
             )
             for state in (data.get("TaskStates") or {}).values()
             for event in (state or {}).get("Events") or []

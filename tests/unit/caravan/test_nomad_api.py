@@ -243,6 +243,12 @@ async def test_allocation_with_resources_has_ports_and_task_events(
                 "Events": [
                     {"Type": "Started", "Time": 8, "DisplayMessage": "Task started by client"},
                     {"Type": "Received", "Time": 6, "Message": "queued"},
+                    {
+                        "Type": "Task hook failed",
+                        "Time": 9,
+                        "DisplayMessage": "volume missing",
+                        "FailsTask": True,
+                    },
                 ]
             },
             "sidecar": None,
@@ -259,9 +265,11 @@ async def test_allocation_with_resources_has_ports_and_task_events(
         alloc.modify_time_ns,
         alloc.live,
     )
-    assert ["Received: queued", "Started: Task started by client"] == [
-        event.words for event in alloc.task_events
-    ]
+    assert [
+        ("Received: queued", False),
+        ("Started: Task started by client", False),
+        ("Task hook failed: volume missing", True),
+    ] == [(event.words, event.fails_task) for event in alloc.task_events]
     assert "true" == nomad.requests[0].query["resources"]
 
 
