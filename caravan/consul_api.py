@@ -32,8 +32,9 @@ import json
 import logging
 import ssl
 import urllib.parse
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from types import MappingProxyType, TracebackType
 from typing import Any, Literal, Self, TypeVar, assert_never
 
@@ -183,18 +184,72 @@ class ConsulSettings(BaseModel):
 # -- results -------------------------------------------------------------------
 
 
-def aggregate_status(statuses: list[str]) -> HealthStatus:
-    """The worst status of an instance's checks (node checks included), like Consul's API."""
-    if any(s not in ("passing", "warning") for s in statuses):
-        return "critical"
-    if "warning" in statuses:
-        return "warning"
-    return "passing"
+class CheckStatus(StrEnum):
+    """A check's status, and an instance's aggregate (docs/nomad-consul-facts.md, C2)."""
+
+    PASSING = "passing"
+    WARNING = "warning"
+    CRITICAL = "critical"
+
+
+# Consul adds these checks when an operator puts a service
+# (`_service_maintenance:<service id>`) or a whole node into maintenance mode.
+SERVICE_MAINTENANCE_PREFIX = "_service_maintenance:"
+NODE_MAINTENANCE_CHECK_ID = "_node_maintenance"
+_SEVERITY = {CheckStatus.PASSING: 0, CheckStatus.WARNING: 1, CheckStatus.CRITICAL: 2}
+
+
+@dataclass(frozen=True, slots=True)
+class HealthCheck:
+    """One check of a `/v1/health/service` entry: the service's own or its node's."""
+
+    check_id: str
+    status: str  # as Consul sent it; `aggregate_status` decides what an unknown one means
+    name: str = ""
+    service_id: str = ""  # "" for a node check such as `serfHealth`
+    output: str = field(default="", repr=False)
+
+    @property
+    def is_maintenance(self) -> bool:
+        return self.check_id == NODE_MAINTENANCE_CHECK_ID or self.check_id.startswith(
+            SERVICE_MAINTENANCE_PREFIX
+        )
+
+    @classmethod
+    def from_api(cls, raw: Mapping[str, Any]) -> HealthCheck:
+        return cls(
+            check_id=str(raw.get("CheckID") or ""),
+            status=str(raw.get("Status") or ""),
+            name=str(raw.get("Name") or ""),
+            service_id=str(raw.get("ServiceID") or ""),
+            output=str(raw.get("Output") or ""),
+        )
+
+
+def aggregate_status(checks: Iterable[HealthCheck]) -> CheckStatus:
+    """The one aggregate of an instance's checks, node checks (`serfHealth`) included.
+
+    Consul's rule (api/health.go `AggregatedStatus`): maintenance > critical >
+    warning > passing, and no checks at all is passing. Consul reports a
+    maintenance check as `maintenance`, and a status it does not know as "";
+    caravan reads both as critical: such an instance is neither routed to nor ready.
+    """
+    worst = CheckStatus.PASSING
+    for check in checks:
+        if check.is_maintenance:
+            return CheckStatus.CRITICAL
+        try:
+            status = CheckStatus(check.status)
+        except ValueError:
+            return CheckStatus.CRITICAL
+        if _SEVERITY[status] > _SEVERITY[worst]:
+            worst = status
+    return worst
 
 
 @dataclass(frozen=True, slots=True)
 class HealthEntry:
-    """One instance from /v1/health/service: where it is and how healthy."""
+    """One instance from /v1/health/service: where it is, its Meta, and its checks."""
 
     node: str
     node_address: str
@@ -204,7 +259,12 @@ class HealthEntry:
     port: int
     tags: tuple[str, ...]
     meta: Mapping[str, str]
-    status: HealthStatus
+    checks: tuple[HealthCheck, ...] = ()
+
+    @property
+    def status(self) -> CheckStatus:
+        """The aggregate of its checks (`aggregate_status`)."""
+        return aggregate_status(self.checks)
 
     @property
     def address(self) -> str:
@@ -223,7 +283,7 @@ class HealthEntry:
             port=int(service.get("Port") or 0),
             tags=tuple(service.get("Tags") or ()),
             meta=MappingProxyType(dict(service.get("Meta") or {})),
-            status=aggregate_status([c["Status"] for c in raw.get("Checks") or ()]),
+            checks=tuple(HealthCheck.from_api(check) for check in raw.get("Checks") or ()),
         )
 
 

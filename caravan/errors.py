@@ -5,6 +5,7 @@
     ├── HashiPermissionDenied       403: token missing or lacking a policy
     ├── HashiNotFound               404 where the caller needed the object
     ├── HashiConflict               a check-and-set or EnforceIndex lost a race  (retryable)
+    │   └── JobModifyIndexConflict  a job register's EnforceIndex lost (retryable: re-read, re-plan)
     └── HashiBadRequest             400 / validation failure: the request itself is wrong
 
 Messages never include tokens.
@@ -39,6 +40,14 @@ class HashiNotFound(HashiError):
 
 class HashiConflict(HashiError):
     """A compare-and-set lost a race; re-read and try again."""
+
+    retryable = True
+
+
+class JobModifyIndexConflict(HashiConflict):
+    """A job registration with `EnforceIndex` lost: the job changed (or appeared, or went)
+    after it was read. Nomad answers HTTP 500 with "Enforcing job modify index ..."
+    (docs/nomad-consul-facts.md, N3). Retryable: re-read the job and decide again."""
 
     retryable = True
 

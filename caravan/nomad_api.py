@@ -2,36 +2,37 @@
 
     settings = NomadSettings.from_env(os.environ)            # wiring only
     async with NomadClient(settings) as nomad:
-        result = await nomad.register_job(body, enforce_index=job.job_modify_index)
-        allocs = await nomad.job_allocations("caravan-qwen-0")
-        allocs = await nomad.job_allocations("caravan-qwen-0", index=allocs.index, wait_s=60)
-        async for frame in nomad.events(["Allocation", "Job:caravan-qwen-0"]):
-            ...
+        jobs = await nomad.list_jobs("caravan-", meta=True)
+        jobs = await nomad.list_jobs("caravan-", index=jobs.index, wait_s=60)   # blocks
+        stub = next(job for job in jobs.value if job.id == "caravan-qwen-0")
+        result = await nomad.register_job(body, enforce_index=stub.job_modify_index)
 
 Why not python-nomad (facts P1): it is synchronous (requests), so every call would
 need a thread, and it has no blocking queries (`index`/`wait`) at all,
 which the scheduler's watches are built on. The API surface caravan needs
 is small, so it lives here with Nomad's field names.
 
-Results are frozen dataclasses with the fields caravan reads and the raw JSON
-kept in `raw`. Failures are `caravan.errors` types: connection errors,
+Only what caravan calls is here. Answers are decoded once, here, into frozen
+dataclasses with the fields caravan's readers need (`JobStub`, `Allocation`
+with its task events, `Node`, `Evaluation`); nothing downstream re-reads
+Nomad's JSON. `Allocation.live` and `Node.ready` are the one definition of
+a live allocation and of a ready node. Failures are `caravan.errors` types: connection errors,
 timeouts and 5xx are `HashiUnavailable`; 403 `HashiPermissionDenied`; 404
 `HashiNotFound` (reads of one object return None instead); 400 and Nomad's
 validation failures (HTTP 500 whose text says "validation failed" or
 "error occurred", facts N2) `HashiBadRequest` with Nomad's message; a lost
-`EnforceIndex` race (facts N3) `HashiConflict`. The token travels in `X-Nomad-Token`
-only and never appears in logs or messages.
+`EnforceIndex` race (facts N3) `JobModifyIndexConflict` (a retryable
+`HashiConflict`). The token travels in `X-Nomad-Token` only and never
+appears in logs or messages.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import random
 import ssl
 import urllib.parse
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
 from typing import Any, Generic, Self, TypeVar
@@ -47,6 +48,7 @@ from caravan.errors import (
     HashiNotFound,
     HashiPermissionDenied,
     HashiUnavailable,
+    JobModifyIndexConflict,
     SettingsError,
 )
 from caravan.tls_files import TlsFile, tls_context
@@ -60,10 +62,6 @@ DEFAULT_ADDRESS = "http://127.0.0.1:4646"
 # Nomad caps a blocking query at 5 minutes and adds up to wait/16 of jitter.
 MAX_WAIT_S = 300.0
 JITTER_FRACTION = 16
-# Nomad sends `{}` every 30 s on the event stream; silence past this means a dead link.
-EVENT_IDLE_TIMEOUT_S = 90.0
-EVENT_BACKOFF_MIN_S = 0.1
-EVENT_BACKOFF_MAX_S = 5.0
 MESSAGE_BODY_LIMIT = 2000
 _VALIDATION_MARKERS = ("validation failed", "error occurred", "errors occurred")
 _ENFORCE_MARKER = "Enforcing job modify index"
@@ -177,29 +175,31 @@ class DeregisterResult:
 
 
 @dataclass(frozen=True, slots=True)
-class Job:
+class JobStub:
+    """A job as `GET /v1/jobs` lists it; `meta` is empty unless asked with `meta=true`."""
+
     id: str
-    namespace: str
-    version: int
-    status: str
-    stop: bool
-    meta: Mapping[str, str]
-    job_modify_index: int
-    modify_index: int
-    raw: Mapping[str, Any] = field(repr=False)
+    namespace: str = "default"
+    version: int = 0
+    status: str = ""
+    stop: bool = False
+    submit_time_ns: int = 0
+    meta: Mapping[str, str] = field(default_factory=lambda: _frozen(None))
+    job_modify_index: int = 0
+    modify_index: int = 0
 
     @classmethod
-    def from_api(cls, data: Mapping[str, Any]) -> Job:
+    def from_api(cls, data: Mapping[str, Any]) -> JobStub:
         return cls(
             id=str(data.get("ID", "")),
-            namespace=str(data.get("Namespace", "default")),
+            namespace=str(data.get("Namespace") or "default"),
             version=int(data.get("Version") or 0),
             status=str(data.get("Status", "")),
             stop=bool(data.get("Stop", False)),
-            meta=_frozen(data.get("Meta")),
+            submit_time_ns=int(data.get("SubmitTime") or 0),
+            meta=_frozen({str(k): str(v) for k, v in (data.get("Meta") or {}).items()}),
             job_modify_index=int(data.get("JobModifyIndex") or 0),
             modify_index=int(data.get("ModifyIndex") or 0),
-            raw=_frozen(data),
         )
 
 
@@ -212,32 +212,55 @@ class AllocatedPort:
 
 
 @dataclass(frozen=True, slots=True)
-class Allocation:
-    """An allocation; `ports` is None when the answer carried no resources."""
+class TaskEvent:
+    """One event of one of the allocation's tasks; `message` is Nomad's DisplayMessage
+    (else its Message)."""
 
-    id: str
-    name: str
-    namespace: str
-    job_id: str
-    job_version: int
-    task_group: str
-    node_id: str
-    node_name: str
-    desired_status: str
-    client_status: str
-    deployment_healthy: bool | None
-    create_index: int
-    modify_index: int
-    ports: tuple[AllocatedPort, ...] | None
-    raw: Mapping[str, Any] = field(repr=False)
+    type: str
+    message: str
+    time_ns: int
+    # Nomad's FailsTask: this event failed the task (a hook or driver error).
+    fails_task: bool = False
 
     @property
-    def terminal(self) -> bool:
-        return self.desired_status in {"stop", "evict"} or self.client_status in {
-            "complete",
-            "failed",
-            "lost",
-        }
+    def words(self) -> str:
+        return f"{self.type}: {self.message}" if self.message else self.type
+
+
+# Client statuses of an allocation that runs or is about to.
+LIVE_CLIENT_STATUSES = frozenset({"pending", "running"})
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """An allocation; `ports` is None when the answer carried no resources.
+
+    `task_events` are every task's events, oldest first.
+    """
+
+    id: str
+    job_id: str = ""
+    node_id: str = ""
+    desired_status: str = ""
+    client_status: str = ""
+    deployment_healthy: bool | None = None
+    name: str = ""
+    namespace: str = "default"
+    job_version: int = 0
+    task_group: str = ""
+    node_name: str = ""
+    create_index: int = 0
+    modify_index: int = 0
+    create_time_ns: int = 0
+    modify_time_ns: int = 0
+    ports: tuple[AllocatedPort, ...] | None = None
+    task_events: tuple[TaskEvent, ...] = ()
+
+    @property
+    def live(self) -> bool:
+        """The one definition of a live allocation: Nomad wants it to run, and it is
+        pending or running (not lost, failed, complete or of unknown state)."""
+        return self.desired_status == "run" and self.client_status in LIVE_CLIENT_STATUSES
 
     @classmethod
     def from_api(cls, data: Mapping[str, Any]) -> Allocation:
@@ -255,10 +278,20 @@ class Allocation:
                 for port in shared.get("Ports") or []
             )
         health = (data.get("DeploymentStatus") or {}).get("Healthy")
+        events = [
+            TaskEvent(
+                type=str(event.get("Type", "")),
+                message=str(event.get("DisplayMessage") or event.get("Message") or ""),
+                time_ns=int(event.get("Time") or 0),
+                fails_task=bool(event.get("FailsTask", False)),
+            )
+            for state in (data.get("TaskStates") or {}).values()
+            for event in (state or {}).get("Events") or []
+        ]
         return cls(
             id=str(data.get("ID", "")),
             name=str(data.get("Name", "")),
-            namespace=str(data.get("Namespace", "default")),
+            namespace=str(data.get("Namespace") or "default"),
             job_id=str(data.get("JobID", "")),
             job_version=int(data.get("JobVersion") or (data.get("Job") or {}).get("Version") or 0),
             task_group=str(data.get("TaskGroup", "")),
@@ -269,8 +302,10 @@ class Allocation:
             deployment_healthy=health if isinstance(health, bool) else None,
             create_index=int(data.get("CreateIndex") or 0),
             modify_index=int(data.get("ModifyIndex") or 0),
+            create_time_ns=int(data.get("CreateTime") or 0),
+            modify_time_ns=int(data.get("ModifyTime") or 0),
             ports=ports,
-            raw=_frozen(data),
+            task_events=tuple(sorted(events, key=lambda event: event.time_ns)),
         )
 
 
@@ -288,22 +323,24 @@ class Node:
     """A client node; resource fields are None when the answer carried no resources."""
 
     id: str
-    name: str
-    address: str
-    datacenter: str
-    node_class: str
-    node_pool: str
-    status: str
-    eligibility: str
-    drain: bool
-    cpu_mhz: int | None
-    memory_mb: int | None
-    devices: tuple[NodeDevice, ...] | None
-    raw: Mapping[str, Any] = field(repr=False)
+    name: str = ""
+    status: str = ""
+    eligibility: str = "eligible"
+    drain: bool = False
+    address: str = ""
+    datacenter: str = ""
+    node_class: str = ""
+    node_pool: str = "default"
+    cpu_mhz: int | None = None
+    memory_mb: int | None = None
+    devices: tuple[NodeDevice, ...] | None = None
 
     @property
     def ready(self) -> bool:
-        return self.status == "ready" and self.eligibility == "eligible" and not self.drain
+        """The one definition of node readiness: Nomad's status is `ready` (its client
+        heartbeats). Eligibility and drain are separate: a draining node's
+        allocations still run until Nomad migrates them."""
+        return self.status == "ready"
 
     @classmethod
     def from_api(cls, data: Mapping[str, Any]) -> Node:
@@ -333,28 +370,29 @@ class Node:
             node_class=str(data.get("NodeClass", "")),
             node_pool=str(data.get("NodePool", "default")),
             status=str(data.get("Status", "")),
-            eligibility=str(data.get("SchedulingEligibility", "")),
+            eligibility=str(data.get("SchedulingEligibility") or "eligible"),
             drain=bool(data.get("Drain", False)),
             cpu_mhz=cpu_mhz,
             memory_mb=memory_mb,
             devices=devices,
-            raw=_frozen(data),
         )
 
 
 @dataclass(frozen=True, slots=True)
 class Evaluation:
+    """An evaluation; `failed_tg_allocs` is Nomad's AllocMetric per task group, as sent
+    (scheduler/placement_explain.py reads it)."""
+
     id: str
-    job_id: str
-    status: str
-    status_description: str
-    triggered_by: str
-    blocked_eval: str
-    failed_tg_allocs: Mapping[str, Any]
-    queued_allocations: Mapping[str, int]
-    create_index: int
-    modify_index: int
-    raw: Mapping[str, Any] = field(repr=False)
+    job_id: str = ""
+    status: str = ""
+    status_description: str = ""
+    triggered_by: str = ""
+    blocked_eval: str = ""
+    failed_tg_allocs: Mapping[str, Any] = field(default_factory=lambda: _frozen(None))
+    queued_allocations: Mapping[str, int] = field(default_factory=lambda: _frozen(None))
+    create_index: int = 0
+    modify_index: int = 0
 
     @classmethod
     def from_api(cls, data: Mapping[str, Any]) -> Evaluation:
@@ -369,32 +407,7 @@ class Evaluation:
             queued_allocations=_frozen(data.get("QueuedAllocations")),
             create_index=int(data.get("CreateIndex") or 0),
             modify_index=int(data.get("ModifyIndex") or 0),
-            raw=_frozen(data),
         )
-
-
-@dataclass(frozen=True, slots=True)
-class PlanResult:
-    failed_tg_allocs: Mapping[str, Any]
-    desired_updates: Mapping[str, Any]
-    job_modify_index: int
-    warnings: str
-    raw: Mapping[str, Any] = field(repr=False)
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    topic: str
-    type: str
-    key: str
-    index: int
-    payload: Mapping[str, Any] = field(repr=False)
-
-
-@dataclass(frozen=True, slots=True)
-class EventFrame:
-    index: int
-    events: tuple[Event, ...]
 
 
 # -- the client ------------------------------------------------------------
@@ -516,7 +529,9 @@ class NomadClient:
             return HashiPermissionDenied(message, status=status)
         if status == 404:
             return HashiNotFound(message, status=status)
-        if status == 409 or _ENFORCE_MARKER in body:
+        if _ENFORCE_MARKER in body:
+            return JobModifyIndexConflict(message, status=status)
+        if status == 409:
             return HashiConflict(message, status=status)
         if status == 400 or (
             status == 500 and any(marker in body for marker in _VALIDATION_MARKERS)
@@ -595,14 +610,6 @@ class NomadClient:
             index=int(data.get("Index") or index),
         )
 
-    async def get_job(self, job_id: str) -> Job | None:
-        """The job, or None when Nomad has no such job."""
-        try:
-            _, data = await self._call("GET", f"/v1/job/{urllib.parse.quote(job_id, safe='')}")
-        except HashiNotFound:
-            return None
-        return Job.from_api(data)
-
     async def list_jobs(
         self,
         prefix: str = "",
@@ -610,12 +617,12 @@ class NomadClient:
         meta: bool = False,
         index: int | None = None,
         wait_s: float | None = None,
-    ) -> QueryResult[list[Json]]:
+    ) -> QueryResult[list[JobStub]]:
         """Job stubs (`GET /v1/jobs`); blocks when `index` is given."""
         params, wait = self._blocking(index, wait_s)
         params.update({"prefix": prefix or None, "meta": True if meta else None})
         got, data = await self._call("GET", "/v1/jobs", params=params, wait_s=wait)
-        return QueryResult(got, list(data or []))
+        return QueryResult(got, [JobStub.from_api(item) for item in data or []])
 
     async def deregister_job(self, job_id: str, *, purge: bool = True) -> DeregisterResult:
         """`DELETE /v1/job/:id`; an unknown job is not an error (Nomad answers 200)."""
@@ -630,31 +637,6 @@ class NomadClient:
             index=int(data.get("Index") or 0),
         )
 
-    async def plan_job(self, job: Mapping[str, Any], *, diff: bool = False) -> PlanResult:
-        body = _job_body(job)
-        body["Diff"] = diff
-        job_id = urllib.parse.quote(str(body["Job"].get("ID", "")), safe="")
-        _, data = await self._call("POST", f"/v1/job/{job_id}/plan", body=body)
-        return PlanResult(
-            failed_tg_allocs=_frozen(data.get("FailedTGAllocs")),
-            desired_updates=_frozen((data.get("Annotations") or {}).get("DesiredTGUpdates")),
-            job_modify_index=int(data.get("JobModifyIndex") or 0),
-            warnings=str(data.get("Warnings") or ""),
-            raw=_frozen(data),
-        )
-
-    async def job_allocations(
-        self, job_id: str, *, index: int | None = None, wait_s: float | None = None
-    ) -> QueryResult[list[Allocation]]:
-        params, wait = self._blocking(index, wait_s)
-        got, data = await self._call(
-            "GET",
-            f"/v1/job/{urllib.parse.quote(job_id, safe='')}/allocations",
-            params=params,
-            wait_s=wait,
-        )
-        return QueryResult(got, [Allocation.from_api(item) for item in data or []])
-
     async def job_evaluations(
         self, job_id: str, *, index: int | None = None, wait_s: float | None = None
     ) -> QueryResult[list[Evaluation]]:
@@ -668,14 +650,6 @@ class NomadClient:
         return QueryResult(got, [Evaluation.from_api(item) for item in data or []])
 
     # -- allocations, nodes, evaluations ------------------------------------
-
-    async def allocation(self, alloc_id: str) -> Allocation | None:
-        """The full allocation (with ports), or None when it does not exist."""
-        try:
-            _, data = await self._call("GET", f"/v1/allocation/{alloc_id}")
-        except HashiNotFound:
-            return None
-        return Allocation.from_api(data)
 
     async def list_allocations(
         self,
@@ -697,20 +671,6 @@ class NomadClient:
         params["resources"] = True if resources else None
         got, data = await self._call("GET", "/v1/nodes", params=params, wait_s=wait)
         return QueryResult(got, [Node.from_api(item) for item in data or []])
-
-    async def node(self, node_id: str) -> Node | None:
-        try:
-            _, data = await self._call("GET", f"/v1/node/{node_id}")
-        except HashiNotFound:
-            return None
-        return Node.from_api(data)
-
-    async def evaluation(self, eval_id: str) -> Evaluation | None:
-        try:
-            _, data = await self._call("GET", f"/v1/evaluation/{eval_id}")
-        except HashiNotFound:
-            return None
-        return Evaluation.from_api(data)
 
     # -- variables -----------------------------------------------------------
 
@@ -750,70 +710,3 @@ class NomadClient:
         """`DELETE /v1/var/:path` (no error when absent); `cas` as for `put_variable`."""
         params = {"cas": cas} if cas is not None else None
         await self._call("DELETE", _var_path(path), params=params, redact=True)
-
-    # -- events ---------------------------------------------------------------
-
-    async def _stream_once(
-        self, topics: Sequence[str], start: int, idle_timeout_s: float
-    ) -> AsyncIterator[EventFrame]:
-        params = self._params({"index": start, "topic": list(topics)})
-        timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=self.settings.request_timeout_s, sock_read=idle_timeout_s
-        )
-        async with self.session.get(
-            f"{self.settings.address}/v1/event/stream",
-            params=params,
-            headers=self._headers(),
-            timeout=timeout,
-        ) as response:
-            if response.status >= 300:
-                raise self._error("GET", "/v1/event/stream", response.status, await response.text())
-            async for raw_line in response.content:
-                line = raw_line.strip()
-                if not line:
-                    continue
-                frame = json.loads(line)
-                if not frame:
-                    continue  # the `{}` heartbeat
-                index = int(frame.get("Index") or 0)
-                yield EventFrame(
-                    index=index,
-                    events=tuple(
-                        Event(
-                            topic=str(event.get("Topic", "")),
-                            type=str(event.get("Type", "")),
-                            key=str(event.get("Key", "")),
-                            index=int(event.get("Index") or index),
-                            payload=_frozen(event.get("Payload")),
-                        )
-                        for event in frame.get("Events") or []
-                    ),
-                )
-
-    async def events(
-        self,
-        topics: Sequence[str] = (),
-        *,
-        index: int = 0,
-        idle_timeout_s: float = EVENT_IDLE_TIMEOUT_S,
-    ) -> AsyncIterator[EventFrame]:
-        """Frames of `GET /v1/event/stream`, heartbeats skipped, reconnecting after
-        the last index seen (with jittered backoff) when the stream breaks.
-
-        Topics are Nomad's `Topic` or `Topic:key`. A refused request (400, 403)
-        raises; an unreachable server is retried for as long as you iterate.
-        """
-        next_index = index
-        backoff = EVENT_BACKOFF_MIN_S
-        while True:
-            try:
-                async for frame in self._stream_once(topics, next_index, idle_timeout_s):
-                    backoff = EVENT_BACKOFF_MIN_S
-                    next_index = frame.index + 1
-                    yield frame
-            except HashiUnavailable as exc:
-                log.warning("nomad_event_stream_unavailable", extra={"error": str(exc)})
-            except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as exc:
-                log.info("nomad_event_stream_broken", extra={"error": type(exc).__name__})
-            await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
-            backoff = min(backoff * 2, EVENT_BACKOFF_MAX_S)

@@ -66,9 +66,6 @@ from router.routing_state import KnownModel, RoutingState, RoutingView
 
 log = logging.getLogger(__name__)
 
-# Consul aggregates an instance's checks into one status; the snapshot builder
-# takes checks, so the aggregate travels as one check under this id.
-AGGREGATE_CHECK_ID = "caravan:aggregate"
 # An instance is logged and counted as unverified once it has been so for this
 # long: the scheduler publishes a new replica's allocation on the reconcile
 # pass that Nomad's allocation change wakes, which may end a moment after the
@@ -105,22 +102,6 @@ class DiscoveryConsul(Protocol):
 def model_services(services: Mapping[str, Sequence[str]]) -> frozenset[str]:
     """The services of the catalog that carry the `caravan` tag (model replicas)."""
     return frozenset(name for name, tags in services.items() if SERVICE_TAG in tags)
-
-
-def health_json(entry: HealthEntry) -> dict[str, Any]:
-    """A typed health entry back in the shape of Consul's JSON, as the snapshot builder reads it."""
-    return {
-        "Node": {"Node": entry.node, "Address": entry.node_address},
-        "Service": {
-            "ID": entry.service_id,
-            "Service": entry.service_name,
-            "Address": entry.service_address,
-            "Port": entry.port,
-            "Tags": list(entry.tags),
-            "Meta": dict(entry.meta),
-        },
-        "Checks": [{"CheckID": AGGREGATE_CHECK_ID, "Status": entry.status}],
-    }
 
 
 def entry_job_id(entry: HealthEntry) -> str | None:
@@ -406,10 +387,7 @@ class Discovery:
     def rebuild(self) -> None:
         """Build the view from everything the watches hold and swap it in."""
         previous = self._state.view
-        entries_by_service = {
-            name: [health_json(entry) for entry in entries]
-            for name, entries in self._health.items()
-        }
+        entries_by_service = {name: list(entries) for name, entries in self._health.items()}
         profiles = self._profiles if self._profiles is not None else {}
         verified, unverified = verify_entries(
             entries_by_service,

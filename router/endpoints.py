@@ -1,8 +1,10 @@
 """Endpoints and the immutable snapshot the router reads, built from Consul health entries.
 
 `snapshot_from_health` is pure: the discovery loop hands it what
-`GET /v1/health/service/<name>` returned for every model service (plain dicts,
-as Consul sends them) and swaps the result in with one assignment. Everything
+`GET /v1/health/service/<name>` returned for every model service, as
+`caravan.consul_api` decoded it once (`HealthEntry` with its checks; the
+aggregate status is `caravan.consul_api.aggregate_status`, Consul's rule), and
+swaps the result in with one assignment. Everything
 a request needs is precomputed here, once per Consul change, not per request:
 the endpoints of each served model name sorted by id, split by health, and the
 model's hash ring.
@@ -21,10 +23,14 @@ never from the service's own Meta (docs/security.md, "Endpoint verification").
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Any
 
+# Re-exported: the balancer, proxy and live state import CheckStatus from here.
+from caravan.consul_api import CheckStatus as CheckStatus  # noqa: PLC0414
+from caravan.consul_api import HealthEntry
 from caravan.contract import (
     OPENAI_STREAM_TRAITS,
     ServiceMetaKey,
@@ -37,19 +43,6 @@ from caravan.engine_metrics import MetricNames
 from router.affinity import DEFAULT_VIRTUAL_NODES, HashRing
 
 DEFAULT_METRICS_PATH = "/metrics"
-
-
-class CheckStatus(StrEnum):
-    PASSING = "passing"
-    WARNING = "warning"
-    CRITICAL = "critical"
-
-
-_SEVERITY = {CheckStatus.PASSING: 0, CheckStatus.WARNING: 1, CheckStatus.CRITICAL: 2}
-# Consul adds these checks, always critical, when an operator puts a service
-# (`_service_maintenance:<service id>`) or a whole node into maintenance mode.
-_SERVICE_MAINTENANCE_PREFIX = "_service_maintenance:"
-_NODE_MAINTENANCE = "_node_maintenance"
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,48 +110,21 @@ class MalformedEntryError(ValueError):
     """A health entry lacks what the router needs; the message names the field."""
 
 
-def aggregate_status(checks: Sequence[Mapping[str, Any]]) -> CheckStatus:
-    """The worst status of all the entry's checks, node checks (`serfHealth`) included.
-
-    No checks at all reads as passing, as in Consul's own aggregation. A
-    maintenance check makes the entry critical whatever its status says, and so
-    does a status this code does not know.
-    """
-    worst = CheckStatus.PASSING
-    for check in checks:
-        check_id = str(check.get("CheckID", ""))
-        if check_id == _NODE_MAINTENANCE or check_id.startswith(_SERVICE_MAINTENANCE_PREFIX):
-            return CheckStatus.CRITICAL
-        try:
-            status = CheckStatus(str(check.get("Status")))
-        except ValueError:
-            return CheckStatus.CRITICAL
-        if _SEVERITY[status] > _SEVERITY[worst]:
-            worst = status
-    return worst
-
-
-def endpoint_from_entry(entry: Mapping[str, Any]) -> Endpoint:
+def endpoint_from_entry(entry: HealthEntry) -> Endpoint:
     """One endpoint from one `/v1/health/service` entry.
 
     Raises MalformedEntryError naming the field when the entry cannot be routed to.
     """
-    node = _mapping(entry.get("Node"), "Node")
-    service = _mapping(entry.get("Service"), "Service")
-    checks = entry.get("Checks") or []
-    if not isinstance(checks, list) or not all(isinstance(check, Mapping) for check in checks):
-        raise MalformedEntryError("Checks is not a list of objects")
-
-    service_id = _required_str(service.get("ID"), "Service.ID")
-    address = service.get("Address") or node.get("Address")
-    if not isinstance(address, str) or not address:
+    service_id = _required_str(entry.service_id, "Service.ID")
+    address = entry.address
+    if not address:
         raise MalformedEntryError("neither Service.Address nor Node.Address is set")
-    port = service.get("Port")
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+    port = entry.port
+    if not 0 < port < 65536:
         raise MalformedEntryError(f"Service.Port is not a TCP port: {port!r}")
 
-    meta = service.get("Meta")
-    if not isinstance(meta, Mapping) or not meta:
+    meta = entry.meta
+    if not meta:
         raise MalformedEntryError("Service.Meta is missing")
     served_models = _served_models(meta)
     metrics_path = _meta_str(meta, ServiceMetaKey.METRICS_PATH) or DEFAULT_METRICS_PATH
@@ -168,7 +134,7 @@ def endpoint_from_entry(entry: Mapping[str, Any]) -> Endpoint:
         )
     return Endpoint(
         id=service_id,
-        service=_required_str(service.get("Service"), "Service.Service"),
+        service=_required_str(entry.service_name, "Service.Service"),
         address=address,
         port=port,
         served_models=served_models,
@@ -176,9 +142,9 @@ def endpoint_from_entry(entry: Mapping[str, Any]) -> Endpoint:
         metrics_path=metrics_path,
         metric_names=decode_metric_names(meta),
         capacity=_capacity(meta),
-        node=str(node.get("Node") or ""),
+        node=entry.node,
         gpu_class=_meta_str(meta, ServiceMetaKey.GPU_CLASS),
-        status=aggregate_status(checks),
+        status=entry.status,
         spec_hash=_meta_str(meta, ServiceMetaKey.SPEC_HASH),
         replica=_replica(meta),
         traits=_traits(meta),
@@ -193,7 +159,7 @@ def _traits(meta: Mapping[str, Any]) -> StreamTraits:
 
 
 def snapshot_from_health(
-    entries_by_service: Mapping[str, Sequence[Mapping[str, Any]]],
+    entries_by_service: Mapping[str, Sequence[HealthEntry]],
     index: int,
     previous: EndpointSnapshot | None = None,
     *,
@@ -212,7 +178,7 @@ def snapshot_from_health(
             try:
                 endpoint = endpoint_from_entry(entry)
             except MalformedEntryError as exc:
-                skipped.append(SkippedEntry(service_name, _service_id_of(entry), str(exc)))
+                skipped.append(SkippedEntry(service_name, entry.service_id or None, str(exc)))
                 continue
             if endpoint.id in by_id:
                 skipped.append(
@@ -286,11 +252,11 @@ class UnverifiedEntry:
 
 
 def verify_entries(
-    entries_by_service: Mapping[str, Sequence[Mapping[str, Any]]],
+    entries_by_service: Mapping[str, Sequence[HealthEntry]],
     trusted: Mapping[str, TrustedService],
     *,
     allow_unverified: bool = False,
-) -> tuple[dict[str, list[Mapping[str, Any]]], tuple[UnverifiedEntry, ...]]:
+) -> tuple[dict[str, list[HealthEntry]], tuple[UnverifiedEntry, ...]]:
     """Keep the entries caravan placed; report every other one with its reason.
 
     A kept entry comes back as a copy whose `Meta.served_models` is the
@@ -303,7 +269,7 @@ def verify_entries(
     without Nomad) unverified entries are kept unchanged, Meta and all, and
     still reported.
     """
-    kept: dict[str, list[Mapping[str, Any]]] = {}
+    kept: dict[str, list[HealthEntry]] = {}
     unverified: list[UnverifiedEntry] = []
     for service_name in sorted(entries_by_service):
         trust = trusted.get(service_name)
@@ -318,14 +284,14 @@ def verify_entries(
                     kept.setdefault(service_name, []).append(_with_served(entry, served))
                 continue
             if reason is not None:
-                unverified.append(UnverifiedEntry(service_name, _service_id_of(entry), reason))
+                unverified.append(UnverifiedEntry(service_name, entry.service_id or None, reason))
             if allow_unverified:
                 kept.setdefault(service_name, []).append(entry)
     return kept, tuple(unverified)
 
 
 def _mark_duplicates(
-    entries: Sequence[Mapping[str, Any]],
+    entries: Sequence[HealthEntry],
     reasons: list[UnverifiedReason | None],
     trust: TrustedService,
 ) -> None:
@@ -337,74 +303,44 @@ def _mark_duplicates(
     """
     by_id: dict[str, list[int]] = {}
     for position, (entry, reason) in enumerate(zip(entries, reasons, strict=True)):
-        service_id = _service_id_of(entry)
-        if reason is None and service_id is not None:
-            by_id.setdefault(service_id, []).append(position)
+        if reason is None and entry.service_id:
+            by_id.setdefault(entry.service_id, []).append(position)
     for service_id, positions in by_id.items():
         if len(positions) < 2:
             continue
         node = trust.placed[service_id].node
-        on_node = [p for p in positions if node and _node_of(entries[p]) == node]
+        on_node = [p for p in positions if node and entries[p].node == node]
         keep = on_node[0] if on_node else positions[0]
         for position in positions:
             if position != keep:
                 reasons[position] = UnverifiedReason.DUPLICATE
 
 
-def _node_of(entry: Mapping[str, Any]) -> str | None:
-    node = entry.get("Node")
-    if isinstance(node, Mapping) and isinstance(node.get("Node"), str):
-        return str(node["Node"])
-    return None
-
-
-def _unverified_reason(
-    entry: Mapping[str, Any], trust: TrustedService | None
-) -> UnverifiedReason | None:
+def _unverified_reason(entry: HealthEntry, trust: TrustedService | None) -> UnverifiedReason | None:
     if trust is None:
         return UnverifiedReason.NO_PROFILE
-    service_id = _service_id_of(entry)
-    placed = trust.placed.get(service_id) if service_id is not None else None
+    placed = trust.placed.get(entry.service_id)
     if placed is None:
         return UnverifiedReason.NOT_PLACED
-    service = entry.get("Service")
-    node = entry.get("Node")
-    address = service.get("Address") if isinstance(service, Mapping) else None
-    if not address and isinstance(node, Mapping):
-        address = node.get("Address")
-    port = service.get("Port") if isinstance(service, Mapping) else None
-    if address != placed.address or port != placed.port:
+    if entry.address != placed.address or entry.port != placed.port:
         return UnverifiedReason.ADDRESS_MISMATCH
     return None
 
 
-def _served_by_both(entry: Mapping[str, Any], declared: tuple[str, ...]) -> tuple[str, ...]:
+def _served_by_both(entry: HealthEntry, declared: tuple[str, ...]) -> tuple[str, ...]:
     """The profile's served names that the entry's own Meta names too."""
-    service = entry.get("Service")
-    meta = service.get("Meta") if isinstance(service, Mapping) else None
-    raw = meta.get(ServiceMetaKey.SERVED_MODELS) if isinstance(meta, Mapping) else None
+    raw = entry.meta.get(ServiceMetaKey.SERVED_MODELS)
     claimed = {name.strip() for name in raw.split(",")} if isinstance(raw, str) else set()
     return tuple(name for name in declared if name in claimed)
 
 
-def _with_served(entry: Mapping[str, Any], served_models: tuple[str, ...]) -> Mapping[str, Any]:
-    service = entry.get("Service")
-    if not isinstance(service, Mapping):  # pragma: no cover - a placed ID implies a Service
-        return entry
-    meta = service.get("Meta")
-    meta_copy = dict(meta) if isinstance(meta, Mapping) else {}
-    meta_copy[ServiceMetaKey.SERVED_MODELS] = ",".join(served_models)
-    return {**entry, "Service": {**service, "Meta": meta_copy}}
+def _with_served(entry: HealthEntry, served_models: tuple[str, ...]) -> HealthEntry:
+    meta = {**entry.meta, ServiceMetaKey.SERVED_MODELS: ",".join(served_models)}
+    return replace(entry, meta=MappingProxyType(meta))
 
 
 def _same_density(ring: HashRing, virtual_nodes: int) -> bool:
     return len(ring.points) == virtual_nodes * len(ring.endpoint_ids)
-
-
-def _mapping(value: Any, name: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise MalformedEntryError(f"{name} is missing or not an object")
-    return value
 
 
 def _required_str(value: Any, name: str) -> str:
@@ -450,10 +386,3 @@ def _replica(meta: Mapping[str, Any]) -> int:
             f"Meta.{ServiceMetaKey.REPLICA} is not a non-negative integer: {raw!r}"
         )
     return int(raw)
-
-
-def _service_id_of(entry: Mapping[str, Any]) -> str | None:
-    service = entry.get("Service")
-    if isinstance(service, Mapping) and isinstance(service.get("ID"), str):
-        return str(service["ID"])
-    return None

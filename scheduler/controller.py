@@ -29,6 +29,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any, Protocol
 
 from caravan.consul_api import HealthEntry, KVEntry
@@ -45,12 +46,13 @@ from caravan.contract import (
     encode_placements,
     model_service_name,
 )
-from caravan.errors import HashiError, HashiNotFound
+from caravan.errors import HashiError, HashiNotFound, JobModifyIndexConflict
 from caravan.nomad_api import (
     AllocatedPort,
     Allocation,
     DeregisterResult,
     Evaluation,
+    JobStub,
     Node,
     QueryResult,
     RegisterResult,
@@ -87,8 +89,6 @@ from scheduler.world import (
     Observation,
     ObservedReplica,
     PlannerMemory,
-    alloc_from_stub,
-    node_from_stub,
     replica_from_job_stub,
 )
 
@@ -96,6 +96,9 @@ log = logging.getLogger(__name__)
 
 # A replica without a node for this long is logged as unplaced.
 UNPLACED_LOG_AFTER_S = 10.0
+# Lost EnforceIndex races (facts N3) one reconcile call re-plans at once before
+# it backs off: a few mean a concurrent writer, many a writer that never stops.
+CONFLICT_REPLANS = 3
 
 
 class NomadReads(Protocol):
@@ -108,7 +111,7 @@ class NomadReads(Protocol):
         meta: bool = False,
         index: int | None = None,
         wait_s: float | None = None,
-    ) -> QueryResult[list[dict[str, Any]]]: ...
+    ) -> QueryResult[list[JobStub]]: ...
 
     async def list_allocations(
         self,
@@ -138,11 +141,12 @@ class AllocEngine:
 
 @dataclass(frozen=True, slots=True)
 class NomadReadout:
-    """caravan's jobs (stubs with Meta), their allocations grouped by job, and the nodes."""
+    """caravan's jobs (stubs with Meta), their allocations grouped by job, and the nodes,
+    as `caravan.nomad_api` decoded them."""
 
-    job_stubs: list[dict[str, Any]]
-    allocs_by_job: dict[str, list[Mapping[str, Any]]]
-    node_stubs: list[Mapping[str, Any]]
+    job_stubs: list[JobStub]
+    allocs_by_job: dict[str, list[Allocation]]
+    nodes: list[Node]
     # Where each allocation's engine listens (its `http` port) and on which node.
     engines: dict[str, AllocEngine] = field(default_factory=dict)
 
@@ -152,14 +156,14 @@ async def read_nomad(nomad: NomadReads) -> NomadReadout:
     job_stubs = (await nomad.list_jobs(JOB_PREFIX, meta=True)).value
     allocations = (await nomad.list_allocations(resources=True)).value
     nodes = (await nomad.list_nodes(resources=False)).value
-    allocs_by_job: dict[str, list[Mapping[str, Any]]] = {}
+    allocs_by_job: dict[str, list[Allocation]] = {}
     engines: dict[str, AllocEngine] = {}
     for allocation in allocations:
-        allocs_by_job.setdefault(allocation.job_id, []).append(allocation.raw)
+        allocs_by_job.setdefault(allocation.job_id, []).append(allocation)
         for port in allocation.ports or ():
             if port.label == HTTP_PORT_LABEL and port.host_ip and port.value > 0:
                 engines[allocation.id] = AllocEngine(port, allocation.node_name)
-    return NomadReadout(job_stubs, allocs_by_job, [node.raw for node in nodes], engines)
+    return NomadReadout(job_stubs, allocs_by_job, nodes, engines)
 
 
 def placements_of(
@@ -244,6 +248,14 @@ class ReconcileResult:
     skipped: str | None = None
     applied: int = 0
     failed: int = 0
+    # Registrations that lost an EnforceIndex race (facts N3) and were re-planned.
+    conflicts: int = 0
+
+
+class _Outcome(StrEnum):
+    APPLIED = "applied"
+    FAILED = "failed"
+    CONFLICT = "conflict"
 
 
 @dataclass(slots=True)
@@ -342,14 +354,12 @@ class Controller:
             replica = replica_from_job_stub(job_stub)
             if replica is None:
                 continue
-            allocs = tuple(
-                alloc_from_stub(a) for a in readout.allocs_by_job.get(replica.job_id, ())
-            )
+            allocs = tuple(readout.allocs_by_job.get(replica.job_id, ()))
             with_allocs = replace(replica, allocs=allocs)
             replicas[replica.job_id] = replace(with_allocs, inflight=self.inflight(with_allocs))
         prefetch: dict[str, ObservedPrefetch] = {}
         for job_stub in readout.job_stubs:
-            found = observe_prefetch(job_stub, readout.allocs_by_job.get(str(job_stub["ID"]), []))
+            found = observe_prefetch(job_stub, readout.allocs_by_job.get(job_stub.id, []))
             if found is not None:
                 prefetch[found.model] = found
         models = {r.model for r in replicas.values()} | set(desired.profiles)
@@ -359,7 +369,7 @@ class Controller:
             passing.update(_passing_by_alloc(entries))
         replicas = {job_id: _with_health(r, passing) for job_id, r in replicas.items()}
         self._last_readout = (readout, passing)
-        nodes = {str(stub["ID"]): node_from_stub(stub) for stub in readout.node_stubs}
+        nodes = {node.id: node for node in readout.nodes}
         return Observation(
             replicas=replicas,
             nodes=nodes,
@@ -399,6 +409,24 @@ class Controller:
             self.metrics.reconcile_duration.observe(time.monotonic() - started)
 
     async def _reconcile(self) -> ReconcileResult:
+        conflicts = 0
+        while True:
+            result = await self._pass()
+            if not result.conflicts:
+                return replace(result, conflicts=conflicts)
+            conflicts += result.conflicts
+            if conflicts > CONFLICT_REPLANS:
+                # Someone keeps changing the jobs under us: come back after a pause.
+                return replace(
+                    result,
+                    conflicts=conflicts,
+                    requeue_after_s=self.settings.backoff_initial_s,
+                )
+            # A registration lost an EnforceIndex race (facts N3): what the plan
+            # was made from is stale. Read again and decide again, now.
+            log.info("replan_after_conflict", extra={"conflicts": result.conflicts})
+
+    async def _pass(self) -> ReconcileResult:
         if not self.is_leader():
             # Another leader may write placements meanwhile: re-read them when leading again.
             self._published = None
@@ -437,13 +465,21 @@ class Controller:
             self._published = None
             return ReconcileResult(requeue_after_s=None, plan=result, skipped="lost leadership")
         await self.publish_placements(placements_of(observed.replicas, self._engines))
-        applied, failed = await self.apply(result.actions)
+        outcomes = await self.apply_all(result.actions)
+        applied, failed = outcomes.count(_Outcome.APPLIED), outcomes.count(_Outcome.FAILED)
+        conflicts = outcomes.count(_Outcome.CONFLICT)
         await self._record_failures(desired, now)
         self.metrics.reconcile_passes.labels(outcome="ok" if not failed else "error").inc()
         requeue = result.requeue_after_s
         if failed:
             requeue = self.settings.backoff_initial_s
-        return ReconcileResult(requeue_after_s=requeue, plan=result, applied=applied, failed=failed)
+        return ReconcileResult(
+            requeue_after_s=requeue,
+            plan=result,
+            applied=applied,
+            failed=failed,
+            conflicts=conflicts,
+        )
 
     def _record(self, result: Plan) -> None:
         reported = {report.model for report in result.reports}
@@ -609,29 +645,39 @@ class Controller:
         return found
 
     async def apply(self, actions: tuple[Action, ...]) -> tuple[int, int]:
-        """Apply actions with bounded concurrency; returns (applied, failed)."""
+        """Apply actions with bounded concurrency; returns (applied, not applied)."""
+        outcomes = await self.apply_all(actions)
+        applied = outcomes.count(_Outcome.APPLIED)
+        return applied, len(outcomes) - applied
+
+    async def apply_all(self, actions: tuple[Action, ...]) -> list[_Outcome]:
+        """Apply actions with bounded concurrency; one outcome per action."""
         if not actions:
-            return 0, 0
+            return []
         semaphore = asyncio.Semaphore(self.settings.apply_concurrency)
-        outcomes: list[bool] = []
+        outcomes: list[_Outcome] = []
 
         async def one(action: Action) -> None:
             async with semaphore:
                 if not self.is_leader():
-                    outcomes.append(False)
+                    outcomes.append(_Outcome.FAILED)
                     return
                 outcomes.append(await self._apply_one(action))
 
         async with asyncio.TaskGroup() as group:
             for action in actions:
                 group.create_task(one(action))
-        failed = outcomes.count(False)
-        return len(outcomes) - failed, failed
+        return outcomes
 
-    async def _apply_one(self, action: Action) -> bool:
+    async def _apply_one(self, action: Action) -> _Outcome:
         kind = type(action).__name__.lower()
         try:
             await self._dispatch(action)
+        except JobModifyIndexConflict:
+            # Not a failure: the job changed since the plan read it; the pass re-plans.
+            self.metrics.actions.labels(kind=kind, outcome="conflict").inc()
+            log.info("action_conflict", extra={"action": kind, "job_id": action.job_id})
+            return _Outcome.CONFLICT
         except HashiError as exc:
             self.metrics.actions.labels(kind=kind, outcome="error").inc()
             self.metrics.errors.labels(kind=type(exc).__name__).inc()
@@ -639,23 +685,23 @@ class Controller:
                 "action_failed",
                 extra={"action": kind, "job_id": action.job_id, "error": str(exc)},
             )
-            return False
+            return _Outcome.FAILED
         self.metrics.actions.labels(kind=kind, outcome="ok").inc()
         log.info(
             "action_applied",
             extra={"action": kind, "job_id": action.job_id, "reason": action.reason},
         )
-        return True
+        return _Outcome.APPLIED
 
     async def _dispatch(self, action: Action) -> None:
         match action:
             case Register():
                 await self._hand_engine_key(action.model, action.job_id)
-                await self.nomad.register_job(action.body)
+                await self.nomad.register_job(action.body, enforce_index=action.enforce_index)
             case Replace():
                 await self._deregister(action.job_id)
                 await self._hand_engine_key(action.model, action.job_id)
-                await self.nomad.register_job(action.body)
+                await self.nomad.register_job(action.body, enforce_index=action.enforce_index)
             case StartDrain():
                 await self.store.mark_draining(
                     action.job_id, drain_record_for(action, self.clock())

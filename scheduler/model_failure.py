@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 from caravan.contract import MAX_FAILURE_REASON_CHARS, ModelFailure
 from caravan.errors import HashiError
+from caravan.nomad_api import Allocation, JobStub
 from scheduler.placement_explain import ReplicaAsk, explain_failed_placement
 from scheduler.world import replica_from_job_stub
 
@@ -48,40 +49,27 @@ NOT_RESTARTING = "Not Restarting"
 _CAUSE_EVENTS = frozenset({"Terminated", "Driver Failure", "Setup Failure", "Killed"})
 
 
-def _events(alloc: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    states = alloc.get("TaskStates") or {}
-    found = [event for state in states.values() for event in (state.get("Events") or [])]
-    return sorted(found, key=lambda e: int(e.get("Time") or 0))
-
-
-def _words(event: Mapping[str, Any]) -> str:
-    message = event.get("DisplayMessage") or event.get("Message") or ""
-    kind = str(event.get("Type", ""))
-    return f"{kind}: {message}" if message else kind
-
-
 def replica_failure(
-    job_stub: Mapping[str, Any],
-    allocs: Sequence[Mapping[str, Any]],
+    job_stub: JobStub,
+    allocs: Sequence[Allocation],
     passing_allocs: frozenset[str],
 ) -> str | None:
     """Why this replica failed for good, in `caravan status`'s words; None when it has not."""
-    if any(a.get("ClientStatus") == "running" and a.get("ID") in passing_allocs for a in allocs):
+    if any(a.client_status == "running" and a.id in passing_allocs for a in allocs):
         return None
-    version = job_stub.get("Version")
-    current = [a for a in allocs if version is None or a.get("JobVersion") in {None, version}]
-    failed = [a for a in current if a.get("ClientStatus") == "failed"]
+    current = [a for a in allocs if a.job_version == job_stub.version]
+    failed = [a for a in current if a.client_status == "failed"]
     if not failed:
         return None
-    latest = max(failed, key=lambda a: (int(a.get("ModifyTime") or 0), str(a.get("ID"))))
-    events = _events(latest)
-    given_up = [e for e in events if e.get("Type") == NOT_RESTARTING]
+    latest = max(failed, key=lambda a: (a.modify_time_ns, a.id))
+    events = latest.task_events
+    given_up = [e for e in events if e.type == NOT_RESTARTING]
     if not given_up:
         return None
-    causes = [e for e in events if e.get("Type") in _CAUSE_EVENTS]
-    words = f"the engine failed and Nomad stopped restarting it ({_words(given_up[-1])})"
+    causes = [e for e in events if e.type in _CAUSE_EVENTS]
+    words = f"the engine failed and Nomad stopped restarting it ({given_up[-1].words})"
     if causes:
-        words += f"; last: {_words(causes[-1])}"
+        words += f"; last: {causes[-1].words}"
     return words
 
 
@@ -103,8 +91,8 @@ def impossible_placement(failed_tg_allocs: Mapping[str, Any] | None, ask: Replic
 
 
 def model_failures(
-    job_stubs: Sequence[Mapping[str, Any]],
-    allocs_by_job: Mapping[str, Sequence[Mapping[str, Any]]],
+    job_stubs: Sequence[JobStub],
+    allocs_by_job: Mapping[str, Sequence[Allocation]],
     passing_by_alloc: Mapping[str, bool],
     models: frozenset[str],
     unplaceable: Mapping[str, str] | None = None,

@@ -64,24 +64,33 @@ DEFAULT_ORPHAN_DRAIN_S = 10.0
 
 @dataclass(frozen=True, slots=True)
 class Register:
-    """Register a new replica job (or a new version of one)."""
+    """Register a new replica job (or a new version of one).
+
+    `enforce_index` is the JobModifyIndex the plan saw (0: the job did not
+    exist); Nomad refuses the write if the job changed since (facts N3).
+    """
 
     job_id: str
     model: str
     replica: int
     body: dict[str, Any] = field(repr=False)
     reason: str
+    enforce_index: int
 
 
 @dataclass(frozen=True, slots=True)
 class Replace:
-    """Deregister a stuck replica job and register it again with fresh hints."""
+    """Deregister a stuck replica job and register it again with fresh hints.
+
+    The job is purged first, so the registration enforces index 0 (facts N3).
+    """
 
     job_id: str
     model: str
     replica: int
     body: dict[str, Any] = field(repr=False)
     reason: str
+    enforce_index: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,11 +179,11 @@ def is_ready(replica: ObservedReplica, observed: Observation) -> bool:
     """Running on a live node and passing its check (or healthy per Nomad if Consul is silent)."""
     for alloc in replica.live_allocs():
         node = observed.nodes.get(alloc.node_id)
-        if alloc.client_status != "running" or node is None or not node.is_up:
+        if alloc.client_status != "running" or node is None or not node.ready:
             continue
         if replica.passing is True:
             return True
-        if replica.passing is None and alloc.healthy is True:
+        if replica.passing is None and alloc.deployment_healthy is True:
             return True
     return False
 
@@ -182,7 +191,7 @@ def is_ready(replica: ObservedReplica, observed: Observation) -> bool:
 def _placed_node(replica: ObservedReplica, observed: Observation) -> str | None:
     for alloc in replica.live_allocs():
         node = observed.nodes.get(alloc.node_id)
-        if alloc.node_id and node is not None and node.is_up:
+        if alloc.node_id and node is not None and node.ready:
             return alloc.node_id
     return None
 
@@ -201,7 +210,7 @@ def _needs_replacement(
         # nodes change. Re-registering would only flap.
         return None
     node = observed.nodes.get(latest.node_id)
-    lost = latest.client_status == "lost" or (node is not None and not node.is_up)
+    lost = latest.client_status == "lost" or (node is not None and not node.ready)
     if not lost:
         return None
     waited = now - latest.modify_time_ns / NS_PER_S
@@ -319,8 +328,14 @@ class _ModelPlanner:
                     replica=replica.replica,
                     body=self.render(replica.replica, siblings),
                     reason=why,
+                    enforce_index=0,
                 )
             )
+
+    def _enforce_index(self, job_id: str) -> int:
+        """The JobModifyIndex this plan read for the job, 0 when it had none (facts N3)."""
+        seen = self.observed.replicas.get(job_id)
+        return 0 if seen is None else seen.job_modify_index
 
     def _siblings_settled(self, live: list[ObservedReplica]) -> bool:
         """CPU replicas: every sibling has a node, or has waited too long for one."""
@@ -350,6 +365,7 @@ class _ModelPlanner:
                     replica=index,
                     body=self.render(index, live),
                     reason=f"{len(live)} live < {self.desired.count} desired",
+                    enforce_index=self._enforce_index(replica_job_id(self.profile_name, index)),
                 )
             )
             used.add(index)
@@ -402,6 +418,7 @@ class _ModelPlanner:
                 replica=index,
                 body=self.render(index, live),
                 reason=f"rolling update: {len(outdated)} replica(s) run an outdated spec",
+                enforce_index=self._enforce_index(replica_job_id(self.profile_name, index)),
             )
         )
         self.waiting = True

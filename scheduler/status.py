@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from caravan.contract import ModelFailure, ScaleOverride, ServiceMetaKey, model_service_name
+from caravan.nomad_api import Allocation, Evaluation, JobStub, Node
 from scheduler.cluster_config import ClusterConfig
 from scheduler.controller import HealthSource, NomadReads, read_nomad
 from scheduler.model_store import DesiredState, ModelStore, UnknownModelError
@@ -29,7 +30,7 @@ from scheduler.weights import (
     prefetch_job_id,
     render_prefetch,
 )
-from scheduler.world import NS_PER_S, NodeView, node_from_stub, replica_from_job_stub
+from scheduler.world import NS_PER_S, replica_from_job_stub
 
 
 class InvalidStoredProfileError(ValueError):
@@ -76,15 +77,8 @@ class ModelStatus:
         return asdict(self)
 
 
-def _last_event(alloc: Mapping[str, Any]) -> str | None:
-    states = alloc.get("TaskStates") or {}
-    events = [event for state in states.values() for event in (state.get("Events") or [])]
-    if not events:
-        return None
-    latest = max(events, key=lambda e: int(e.get("Time") or 0))
-    message = latest.get("DisplayMessage") or latest.get("Message") or ""
-    kind = str(latest.get("Type", ""))
-    return f"{kind}: {message}" if message else kind
+def _last_event(alloc: Allocation) -> str | None:
+    return alloc.task_events[-1].words if alloc.task_events else None
 
 
 def _gpu_words(profile: ModelProfile) -> str:
@@ -93,57 +87,48 @@ def _gpu_words(profile: ModelProfile) -> str:
     return f"{profile.gpu.count}x {profile.gpu.gpu_class}"
 
 
-def _alive(alloc: Mapping[str, Any]) -> bool:
-    """An allocation that runs or will: wanted running and not lost, failed or complete."""
-    return alloc.get("DesiredStatus") == "run" and alloc.get("ClientStatus") not in {
-        "lost",
-        "failed",
-        "complete",
-    }
-
-
 def _blocked_reason(
     profile: ModelProfile | None,
     config: ClusterConfig,
     index: int,
-    evaluations: Sequence[Mapping[str, Any]],
+    evaluations: Sequence[Evaluation],
 ) -> str | None:
     """Why Nomad still waits to place the replica: its newest blocked evaluation, in words."""
-    blocked = [e for e in evaluations if e.get("Status") == "blocked"]
+    blocked = [e for e in evaluations if e.status == "blocked"]
     if not blocked or profile is None:
         return None
-    latest = max(blocked, key=lambda e: int(e.get("CreateIndex") or 0))
+    latest = max(blocked, key=lambda e: e.create_index)
     ask = ReplicaAsk.from_job(
         render(profile, max(index, 0), config=config)["Job"],
         profile.gpu.gpu_class if profile.gpu else "",
     )
-    return explain_failed_groups(latest.get("FailedTGAllocs"), ask)
+    return explain_failed_groups(latest.failed_tg_allocs, ask)
 
 
 def replica_status(
     *,
     profile: ModelProfile | None,
     config: ClusterConfig,
-    job_stub: Mapping[str, Any],
-    allocs: Sequence[Mapping[str, Any]],
+    job_stub: JobStub,
+    allocs: Sequence[Allocation],
     node_names: Mapping[str, str],
     node_up: Mapping[str, bool],
     health_by_alloc: Mapping[str, str],
-    evaluations: Sequence[Mapping[str, Any]],
+    evaluations: Sequence[Evaluation],
     draining: bool,
     now: float,
 ) -> ReplicaStatus:
     """One replica in plain words (pure)."""
     replica = replica_from_job_stub(job_stub)
-    job_id = str(job_stub.get("ID"))
+    job_id = job_stub.id
     index = replica.replica if replica is not None else -1
     current = (
         profile is not None
         and replica is not None
         and replica.spec_hash == spec_hash(profile, replica.replica, config)
     )
-    live = [a for a in allocs if a.get("DesiredStatus") == "run"]
-    chosen = max(live or allocs, key=lambda a: int(a.get("CreateTime") or 0), default=None)
+    live = [a for a in allocs if a.live]
+    chosen = max(live or allocs, key=lambda a: a.create_time_ns, default=None)
     if chosen is None:
         ask = ReplicaAsk()
         if profile is not None:
@@ -152,8 +137,8 @@ def replica_status(
                 profile.gpu.gpu_class if profile.gpu else "",
             )
         reason = None
-        for evaluation in sorted(evaluations, key=lambda e: int(e.get("CreateIndex") or 0)):
-            explained = explain_failed_groups(evaluation.get("FailedTGAllocs"), ask)
+        for evaluation in sorted(evaluations, key=lambda e: e.create_index):
+            explained = explain_failed_groups(evaluation.failed_tg_allocs, ask)
             if explained:
                 reason = explained
         return ReplicaStatus(
@@ -164,7 +149,7 @@ def replica_status(
             draining=draining,
             pending_reason=reason,
         )
-    if not any(_alive(a) for a in allocs):
+    if not live:
         # Every allocation is stopped or lost (its node died) and Nomad could not
         # place the replacement: its blocked evaluation says why it waits.
         waiting = _blocked_reason(profile, config, index, evaluations)
@@ -177,10 +162,10 @@ def replica_status(
                 draining=draining,
                 pending_reason=waiting,
             )
-    alloc_id = str(chosen.get("ID"))
-    node_id = str(chosen.get("NodeID", ""))
+    alloc_id = chosen.id
+    node_id = chosen.node_id
     health = health_by_alloc.get(alloc_id)
-    client_status = str(chosen.get("ClientStatus", ""))
+    client_status = chosen.client_status
     state = client_status
     if client_status == "running" and not node_up.get(node_id, True):
         state = "node down"
@@ -188,7 +173,7 @@ def replica_status(
         state = "ready"
     elif client_status == "running":
         state = "starting" if health in {None, "critical"} else "saturated"
-    modified = int(chosen.get("ModifyTime") or 0) / NS_PER_S
+    modified = chosen.modify_time_ns / NS_PER_S
     return ReplicaStatus(
         job_id=job_id,
         replica=index,
@@ -276,10 +261,9 @@ class StatusReader:
 
     async def _world(
         self,
-    ) -> tuple[list[dict[str, Any]], dict[str, list[Mapping[str, Any]]], list[NodeView]]:
+    ) -> tuple[list[JobStub], dict[str, list[Allocation]], list[Node]]:
         readout = await read_nomad(self.nomad)
-        nodes = [node_from_stub(stub) for stub in readout.node_stubs]
-        return readout.job_stubs, readout.allocs_by_job, nodes
+        return readout.job_stubs, readout.allocs_by_job, readout.nodes
 
     async def model(self, name: str, *, desired_state: DesiredState | None = None) -> ModelStatus:
         state = desired_state or await self.store.read()
@@ -320,9 +304,9 @@ class StatusReader:
         self,
         name: str,
         state: DesiredState,
-        jobs: list[dict[str, Any]],
-        allocs_by_job: dict[str, list[Mapping[str, Any]]],
-        nodes: list[Any],
+        jobs: list[JobStub],
+        allocs_by_job: dict[str, list[Allocation]],
+        nodes: list[Node],
         *,
         detailed: bool,
     ) -> ModelStatus:
@@ -335,17 +319,16 @@ class StatusReader:
             if e.meta.get(ServiceMetaKey.ALLOC_ID)
         }
         node_names = {n.id: n.name for n in nodes}
-        node_up = {n.id: n.is_up for n in nodes}
+        node_up = {n.id: n.ready for n in nodes}
         replicas: list[ReplicaStatus] = []
         for stub in jobs:
             replica = replica_from_job_stub(stub)
             if replica is None or replica.model != name or replica.stopped:
                 continue
             allocs = allocs_by_job.get(replica.job_id, [])
-            evaluations: list[dict[str, Any]] = []
-            if detailed and not any(_alive(a) for a in allocs):
-                found = await self.nomad.job_evaluations(replica.job_id)
-                evaluations = [dict(e.raw) for e in found.value]
+            evaluations: list[Evaluation] = []
+            if detailed and not any(a.live for a in allocs):
+                evaluations = (await self.nomad.job_evaluations(replica.job_id)).value
             replicas.append(
                 replica_status(
                     profile=profile,
@@ -385,8 +368,8 @@ class StatusReader:
         self,
         profile: ModelProfile,
         state: DesiredState,
-        jobs: list[dict[str, Any]],
-        allocs_by_job: dict[str, list[Mapping[str, Any]]],
+        jobs: list[JobStub],
+        allocs_by_job: dict[str, list[Allocation]],
         now: float,
     ) -> PrefetchGate:
         """The model's prefetch as the planner sees it (same render, same gate)."""
@@ -395,7 +378,7 @@ class StatusReader:
             return NO_PREFETCH
         observed = None
         for stub in jobs:
-            found = observe_prefetch(stub, allocs_by_job.get(str(stub.get("ID", "")), []))
+            found = observe_prefetch(stub, allocs_by_job.get(stub.id, []))
             if found is not None and found.model == profile.name:
                 observed = found
         body = render_prefetch(

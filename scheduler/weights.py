@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Literal, Self
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from caravan.contract import JOB_PREFIX, MANAGED_BY_VALUE, JobMetaKey
+from caravan.nomad_api import Allocation, JobStub
 
 if TYPE_CHECKING:
     from scheduler.cluster_config import ClusterConfig
@@ -375,37 +376,30 @@ class ObservedPrefetch:
     failure: str | None = None
 
 
-def _failure_text(alloc: Mapping[str, Any]) -> str:
-    states = alloc.get("TaskStates") or {}
-    for state in states.values():
-        events = [e for e in (state or {}).get("Events") or [] if isinstance(e, Mapping)]
-        for event in reversed(events):
-            message = str(event.get("DisplayMessage") or "")
-            if event.get("Type") in {"Terminated", "Driver Failure", "Task hook failed"}:
-                return f"{event.get('Type')}: {message}" if message else str(event.get("Type"))
-        for event in reversed(events):
-            if event.get("FailsTask") and event.get("DisplayMessage"):
-                return str(event["DisplayMessage"])
+def _failure_text(alloc: Allocation) -> str:
+    events = alloc.task_events
+    for event in reversed(events):
+        if event.type in {"Terminated", "Driver Failure", "Task hook failed"}:
+            return event.words
+    for event in reversed(events):
+        if event.fails_task and event.message:
+            return event.message
     return "allocation failed"
 
 
-def observe_prefetch(
-    stub: Mapping[str, Any], allocs: list[Mapping[str, Any]]
-) -> ObservedPrefetch | None:
-    """A prefetch job from its `?meta=true` stub and allocation stubs; None if not one."""
-    meta = stub.get("Meta") or {}
+def observe_prefetch(stub: JobStub, allocs: Sequence[Allocation]) -> ObservedPrefetch | None:
+    """A prefetch job from its `?meta=true` stub and allocations; None if not one."""
+    meta = stub.meta
     if (
         meta.get(PREFETCH_KIND_KEY) != PREFETCH_KIND
         or meta.get(JobMetaKey.MANAGED_BY) != MANAGED_BY_VALUE
-        or not str(stub.get("ID", "")).startswith(JOB_PREFIX)
+        or not stub.id.startswith(JOB_PREFIX)
     ):
         return None
     # Only the current version's allocations say how this weights version did:
     # a completed run of an older version must not count as this one's.
-    version = stub.get("Version")
-    if version is not None:
-        allocs = [a for a in allocs if a.get("JobVersion", version) == version]
-    statuses = [str(a.get("ClientStatus", "")) for a in allocs]
+    current = [a for a in allocs if a.job_version == stub.version]
+    statuses = [a.client_status for a in current]
     failure: str | None = None
     if "complete" in statuses:
         state = PrefetchState.COMPLETE
@@ -413,16 +407,16 @@ def observe_prefetch(
         state = PrefetchState.RUNNING
     elif statuses and all(s in {"failed", "lost"} for s in statuses):
         state = PrefetchState.FAILED
-        latest = max(allocs, key=lambda a: int(a.get("ModifyTime") or 0))
+        latest = max(current, key=lambda a: a.modify_time_ns)
         failure = _failure_text(latest)
     else:
         state = PrefetchState.PENDING
     return ObservedPrefetch(
-        job_id=str(stub["ID"]),
+        job_id=stub.id,
         model=str(meta.get(JobMetaKey.MODEL, "")),
         spec_hash=str(meta.get(JobMetaKey.SPEC_HASH, "")),
         state=state,
-        submit_time_ns=int(stub.get("SubmitTime") or 0),
+        submit_time_ns=stub.submit_time_ns,
         failure=failure,
     )
 

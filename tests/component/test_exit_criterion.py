@@ -172,8 +172,8 @@ async def run_scenario(stack: LocalStack, lines: list[tuple[float, dict[str, Any
             return states.get(victim.service_id, "critical") == "critical"
 
         async def node_down() -> bool:
-            node = await nomad.node(victim_node_id)
-            return node is not None and node.status == "down"
+            nodes = (await nomad.list_nodes(resources=False)).value
+            return any(n.id == victim_node_id and n.status == "down" for n in nodes)
 
         async def rebuilt() -> bool:
             entries = await passing_entries()

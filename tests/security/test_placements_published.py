@@ -81,7 +81,7 @@ async def test_placements_list_the_live_allocations_and_match_nomads_services(
         live = {
             alloc.id: alloc
             for alloc in (await nomad.list_allocations(resources=True)).value
-            if alloc.job_id.startswith(JOB_PREFIX) and not alloc.terminal
+            if alloc.job_id.startswith(JOB_PREFIX) and alloc.live
         }
         _, entries = await consul.health_service(service, passing=True)
 

@@ -35,7 +35,7 @@ async def test_node_kill_restores_replicas_without_touching_healthy_ones(stack: 
     before = await running_allocs(stack, "caravan-tiny-chat-")
     victim_job, (_, victim_node) = min(before.items())
     jobs_before = {
-        j["ID"]: j["JobModifyIndex"]
+        j.id: j.job_modify_index
         for j in (await stack.scheduler.nomad.list_jobs("caravan-tiny-chat-")).value
     }
 
@@ -61,7 +61,7 @@ async def test_node_kill_restores_replicas_without_touching_healthy_ones(stack: 
         if job_id != victim_job:
             assert after[job_id] == placement, f"{job_id} was disturbed"
     jobs_after = {
-        j["ID"]: j["JobModifyIndex"]
+        j.id: j.job_modify_index
         for j in (await stack.scheduler.nomad.list_jobs("caravan-tiny-chat-")).value
     }
     assert jobs_before == jobs_after, "the scheduler re-registered jobs Nomad could handle"
@@ -148,8 +148,7 @@ async def test_steady_state_makes_no_nomad_writes_over_many_passes(fast_stack: L
     await eventually(settled, timeout_s=60, interval_s=0.05)
     nomad = stack.scheduler.nomad
     jobs_before = {
-        j["ID"]: (j["JobModifyIndex"], j["Version"])
-        for j in (await nomad.list_jobs("caravan-")).value
+        j.id: (j.job_modify_index, j.version) for j in (await nomad.list_jobs("caravan-")).value
     }
     actions_before = write_counts()
     passes_before = _metric(stack, *ok_passes)
@@ -159,8 +158,7 @@ async def test_steady_state_makes_no_nomad_writes_over_many_passes(fast_stack: L
     )
 
     jobs_after = {
-        j["ID"]: (j["JobModifyIndex"], j["Version"])
-        for j in (await nomad.list_jobs("caravan-")).value
+        j.id: (j.job_modify_index, j.version) for j in (await nomad.list_jobs("caravan-")).value
     }
     assert actions_before == write_counts()
     assert jobs_before == jobs_after

@@ -125,7 +125,7 @@ async def test_killed_leader_is_replaced_within_the_ttl(bare_stack: LocalStack):
             # A duplicate job would be registered by the new leader's first full pass.
             await eventually(reconciled_as_leader, timeout_s=30, interval_s=0.1)
             jobs = (await bare_stack.scheduler.nomad.list_jobs("caravan-qwen2-5-7b-")).value
-            assert sorted(j["ID"] for j in jobs) == ["caravan-qwen2-5-7b-0", "caravan-qwen2-5-7b-1"]
+            assert sorted(j.id for j in jobs) == ["caravan-qwen2-5-7b-0", "caravan-qwen2-5-7b-1"]
             assert await two_passing()
     finally:
         for process in processes:

@@ -38,12 +38,12 @@ async def test_profile_change_rolls_without_losing_ready_capacity(stack: LocalSt
         ready = await ready_not_draining(stack, profile.name)
         lowest = min(lowest, len(ready))
         jobs = (await stack.scheduler.nomad.list_jobs("caravan-qwen2-5-7b-", meta=True)).value
-        live = [j for j in jobs if not j.get("Stop")]
+        live = [j for j in jobs if not j.stop]
         current = [
             j
             for j in live
-            if j["Meta"]["caravan_spec_hash"]
-            == spec_hash(changed, int(j["Meta"]["caravan_replica"]), stack.config)
+            if j.meta["caravan_spec_hash"]
+            == spec_hash(changed, int(j.meta["caravan_replica"]), stack.config)
         ]
         if len(live) == 2 and len(current) == 2 and len(ready) == 2:
             break

@@ -22,6 +22,7 @@ import pytest
 from conftest import eventually, store_of
 
 from caravan.contract import KVLayout, ModelFailure, model_service_name
+from caravan.nomad_api import Allocation, JobStub
 from caravan_cli.local_stack import LocalStack, StackOptions, local_stack
 from devcluster.llama_server_build import find_llama_server
 from devcluster.nomad.settings import NodeSpec
@@ -127,6 +128,26 @@ def _status(stack: LocalStack) -> StatusReader:
     )
 
 
+async def _job_stub(stack: LocalStack, job_id: str) -> JobStub | None:
+    jobs = (await stack.scheduler.nomad.list_jobs(job_id)).value
+    return next((job for job in jobs if job.id == job_id), None)
+
+
+async def _allocs_of(stack: LocalStack, job_id: str) -> list[Allocation]:
+    return [a for a in (await stack.scheduler.nomad.list_allocations()).value if a.job_id == job_id]
+
+
+async def _job_spec(stack: LocalStack, job_id: str) -> dict[str, Any]:
+    """The job as Nomad stores it (caravan's client reads job stubs only)."""
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"{stack.nomad_addr}/v1/job/{job_id}") as response,
+    ):
+        assert 200 == response.status
+        document: dict[str, Any] = await response.json()
+        return document
+
+
 async def test_cached_model_lands_only_where_the_volume_is_and_loads_from_it(
     stack: LocalStack, tmp_path: Path
 ) -> None:
@@ -139,9 +160,8 @@ async def test_cached_model_lands_only_where_the_volume_is_and_loads_from_it(
 
     allocs = await eventually(lambda: _running_replicas(stack, "cached", 2), timeout_s=120)
     assert {a.node_id for a in allocs} == with_volume  # one on each, none elsewhere
-    job = await stack.scheduler.nomad.get_job(allocs[0].job_id)
-    assert job is not None
-    group = job.raw["TaskGroups"][0]
+    job = await _job_spec(stack, allocs[0].job_id)
+    group = job["TaskGroups"][0]
     assert group["Volumes"]["weights"]["Source"] == "models"
     assert group["Tasks"][0]["VolumeMounts"][0]["ReadOnly"] is True
 
@@ -212,9 +232,9 @@ async def test_failed_prefetch_is_shown_and_a_good_one_runs_once(
     await eventually(gauges, timeout_s=30)
     # The planner never registered a replica of the failed model.
     jobs = (await stack.scheduler.nomad.list_jobs("caravan-badfetch-")).value
-    assert [prefetch_job_id("badfetch")] == [str(j["ID"]) for j in jobs]
+    assert [prefetch_job_id("badfetch")] == [j.id for j in jobs]
 
-    prefetch = await stack.scheduler.nomad.get_job(prefetch_job_id("goodfetch"))
+    prefetch = await _job_stub(stack, prefetch_job_id("goodfetch"))
     assert prefetch is not None
     # A replica is replaced (its allocation stopped): Nomad places a new one.
     async with (
@@ -231,7 +251,7 @@ async def test_failed_prefetch_is_shown_and_a_good_one_runs_once(
     allocs = await eventually(replaced, timeout_s=120)
     # The node the prefetch ran on dies: its replicas are replaced on the other
     # volume node, and the completed prefetch is not run again.
-    (fetched,) = (await stack.scheduler.nomad.job_allocations(prefetch_job_id("goodfetch"))).value
+    (fetched,) = await _allocs_of(stack, prefetch_job_id("goodfetch"))
     await stack.cluster.nomad.kill_node(fetched.node_id)
     survivor = with_volume - {fetched.node_id}
 
@@ -248,10 +268,10 @@ async def test_failed_prefetch_is_shown_and_a_good_one_runs_once(
         return _passes(stack) >= passes + 3
 
     await eventually(more_passes, timeout_s=60)
-    after = await stack.scheduler.nomad.get_job(prefetch_job_id("goodfetch"))
+    after = await _job_stub(stack, prefetch_job_id("goodfetch"))
     assert after is not None
     assert (prefetch.version, prefetch.job_modify_index) == (after.version, after.job_modify_index)
-    runs = (await stack.scheduler.nomad.job_allocations(prefetch_job_id("goodfetch"))).value
+    runs = await _allocs_of(stack, prefetch_job_id("goodfetch"))
     assert ["complete"] == [a.client_status for a in runs]
 
     # New weights settings are a new weights version: the prefetch runs once more.
@@ -259,7 +279,7 @@ async def test_failed_prefetch_is_shown_and_a_good_one_runs_once(
     await store_of(stack).submit([_profile("goodfetch", 2, {"prefetch": changed})])
 
     async def ran_again() -> list[Any] | None:
-        runs = (await stack.scheduler.nomad.job_allocations(prefetch_job_id("goodfetch"))).value
+        runs = await _allocs_of(stack, prefetch_job_id("goodfetch"))
         done = [a for a in runs if a.client_status == "complete"]
         return runs if len(done) == 2 else None
 
@@ -272,7 +292,7 @@ async def test_failed_prefetch_is_shown_and_a_good_one_runs_once(
     await store_of(stack).delete("badfetch")
 
     async def purged() -> bool:
-        return await stack.scheduler.nomad.get_job(prefetch_job_id("badfetch")) is None
+        return await _job_stub(stack, prefetch_job_id("badfetch")) is None
 
     await eventually(purged, timeout_s=60)
     assert registry.get_sample_value(gauge, {"model": "badfetch"}) is None

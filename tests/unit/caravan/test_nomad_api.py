@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -19,8 +19,9 @@ from caravan.errors import (
     HashiNotFound,
     HashiPermissionDenied,
     HashiUnavailable,
+    JobModifyIndexConflict,
 )
-from caravan.nomad_api import NomadClient, NomadSettings
+from caravan.nomad_api import Allocation, JobStub, Node, NomadClient, NomadSettings
 
 TOKEN = "s3cret-token"
 
@@ -172,31 +173,32 @@ async def test_register_wraps_the_job_and_enforces_the_index(
     assert (TOKEN, "llm") == (request.headers["X-Nomad-Token"], request.query["namespace"])
 
 
-async def test_get_job_is_none_when_nomad_has_no_such_job(
-    fake: tuple[FakeNomad, TestServer],
-) -> None:
-    """404 `job not found` on a read of one job is None, not an error."""
+async def test_job_stubs_are_decoded_with_their_meta(fake: tuple[FakeNomad, TestServer]) -> None:
+    """`GET /v1/jobs?meta=true` stubs become JobStub values with what the scheduler reads."""
     nomad, server = fake
-    nomad.answers[("GET", "/v1/job/x")] = text_answer("job not found", 404)
+    stub = {
+        "ID": "caravan-q-0",
+        "Version": 3,
+        "Status": "running",
+        "Stop": False,
+        "SubmitTime": 1_700_000_000_000_000_000,
+        "Meta": {"k": "v"},
+        "JobModifyIndex": 11,
+        "ModifyIndex": 12,
+    }
+    nomad.answers[("GET", "/v1/jobs")] = json_answer([stub])
     async with client_for(server) as client:
-        assert await client.get_job("x") is None
-
-
-async def test_job_reads_typed_with_raw_json(fake: tuple[FakeNomad, TestServer]) -> None:
-    """The typed job keeps Nomad's JSON next to the fields caravan reads."""
-    nomad, server = fake
-    raw = {"ID": "j", "Version": 3, "Status": "running", "Meta": {"k": "v"}, "JobModifyIndex": 11}
-    nomad.answers[("GET", "/v1/job/j")] = json_answer(raw)
-    async with client_for(server) as client:
-        job = await client.get_job("j")
-    assert job is not None
-    assert (3, "running", {"k": "v"}, 11, raw) == (
-        job.version,
-        job.status,
-        dict(job.meta),
-        job.job_modify_index,
-        dict(job.raw),
-    )
+        (job,) = (await client.list_jobs("caravan-", meta=True)).value
+    assert JobStub(
+        id="caravan-q-0",
+        version=3,
+        status="running",
+        submit_time_ns=1_700_000_000_000_000_000,
+        meta={"k": "v"},
+        job_modify_index=11,
+        modify_index=12,
+    ) == replace(job, meta=dict(job.meta))
+    assert {"prefix": "caravan-", "meta": "true"} == dict(nomad.requests[0].query)
 
 
 async def test_blocking_read_sends_index_and_wait(fake: tuple[FakeNomad, TestServer]) -> None:
@@ -209,35 +211,105 @@ async def test_blocking_read_sends_index_and_wait(fake: tuple[FakeNomad, TestSer
         "DesiredStatus": "run",
         "JobVersion": 2,
     }
-    nomad.answers[("GET", "/v1/job/j/allocations")] = json_answer([stub], index=42)
+    nomad.answers[("GET", "/v1/allocations")] = json_answer([stub], index=42)
     async with client_for(server) as client:
-        result = await client.job_allocations("j", index=41, wait_s=30)
+        result = await client.list_allocations(index=41, wait_s=30)
     (alloc,) = result.value
     assert (42, "a1", 2, None) == (result.index, alloc.id, alloc.job_version, alloc.ports)
     assert ("41", "30000ms") == (nomad.requests[0].query["index"], nomad.requests[0].query["wait"])
 
 
-async def test_full_allocation_has_ports(fake: tuple[FakeNomad, TestServer]) -> None:
-    """`AllocatedResources.Shared.Ports` become typed ports."""
+async def test_allocation_with_resources_has_ports_and_task_events(
+    fake: tuple[FakeNomad, TestServer],
+) -> None:
+    """`AllocatedResources.Shared.Ports` become typed ports; every task's events come
+    oldest first, in Nomad's display words."""
     nomad, server = fake
     body = {
         "ID": "a1",
+        "JobID": "j",
+        "DesiredStatus": "run",
+        "ClientStatus": "running",
+        "CreateTime": 5,
+        "ModifyTime": 9,
         "AllocatedResources": {
             "Shared": {
                 "Ports": [{"Label": "http", "Value": 23456, "To": 8000, "HostIP": "10.0.0.2"}]
             }
         },
         "DeploymentStatus": {"Healthy": True},
+        "TaskStates": {
+            "engine": {
+                "Events": [
+                    {"Type": "Started", "Time": 8, "DisplayMessage": "Task started by client"},
+                    {"Type": "Received", "Time": 6, "Message": "queued"},
+                    {
+                        "Type": "Task hook failed",
+                        "Time": 9,
+                        "DisplayMessage": "volume missing",
+                        "FailsTask": True,
+                    },
+                ]
+            },
+            "sidecar": None,
+        },
     }
-    nomad.answers[("GET", "/v1/allocation/a1")] = json_answer(body)
+    nomad.answers[("GET", "/v1/allocations")] = json_answer([body])
     async with client_for(server) as client:
-        alloc = await client.allocation("a1")
-    assert alloc is not None
+        (alloc,) = (await client.list_allocations(resources=True)).value
     assert alloc.ports is not None
-    assert (("http", 23456, 8000, "10.0.0.2"), True) == (
+    assert (("http", 23456, 8000, "10.0.0.2"), True, 5, 9, True) == (
         (alloc.ports[0].label, alloc.ports[0].value, alloc.ports[0].to, alloc.ports[0].host_ip),
         alloc.deployment_healthy,
+        alloc.create_time_ns,
+        alloc.modify_time_ns,
+        alloc.live,
     )
+    assert [
+        ("Received: queued", False),
+        ("Started: Task started by client", False),
+        ("Task hook failed: volume missing", True),
+    ] == [(event.words, event.fails_task) for event in alloc.task_events]
+    assert "true" == nomad.requests[0].query["resources"]
+
+
+@pytest.mark.parametrize(
+    ("desired", "client", "live"),
+    [
+        ("run", "pending", True),
+        ("run", "running", True),
+        ("run", "unknown", False),
+        ("run", "failed", False),
+        ("run", "lost", False),
+        ("run", "complete", False),
+        ("stop", "running", False),
+        ("evict", "running", False),
+    ],
+)
+def test_one_definition_of_a_live_allocation(desired: str, client: str, live: bool) -> None:
+    """Live: Nomad wants it running and it is pending or running; nothing else."""
+    alloc = Allocation.from_api({"ID": "a", "DesiredStatus": desired, "ClientStatus": client})
+    assert live == alloc.live
+
+
+@pytest.mark.parametrize(
+    ("status", "eligibility", "drain", "ready"),
+    [
+        ("ready", "eligible", False, True),
+        ("ready", "ineligible", True, True),  # draining: its allocations still run
+        ("initializing", "eligible", False, False),
+        ("down", "eligible", False, False),
+        ("disconnected", "eligible", False, False),
+    ],
+)
+def test_one_definition_of_node_readiness(
+    status: str, eligibility: str, drain: bool, ready: bool
+) -> None:
+    """Ready is Nomad's node status `ready`; eligibility and drain do not change it."""
+    node = Node.from_api(
+        {"ID": "n", "Status": status, "SchedulingEligibility": eligibility, "Drain": drain}
+    )
+    assert ready == node.ready
 
 
 async def test_nodes_with_resources_and_devices(fake: tuple[FakeNomad, TestServer]) -> None:
@@ -294,8 +366,9 @@ async def test_nodes_with_resources_and_devices(fake: tuple[FakeNomad, TestServe
         (
             500,
             "Enforcing job modify index 5: job exists with conflicting job modify index: 9",
-            HashiConflict,
+            JobModifyIndexConflict,
         ),
+        (409, "Conflict", HashiConflict),
         (500, "rpc error: No cluster leader", HashiUnavailable),
         (503, "unavailable", HashiUnavailable),
     ],
@@ -346,74 +419,3 @@ async def test_read_of_missing_list_endpoint_raises_not_found(
     async with client_for(server) as client:
         with pytest.raises(HashiNotFound):
             await client.list_allocations()
-
-
-# -- events ---------------------------------------------------------------------
-
-
-async def test_event_stream_skips_heartbeats_and_reconnects_after_the_last_index(
-    fake: tuple[FakeNomad, TestServer],
-) -> None:
-    """Frames come in order without `{}`; after a break the stream resumes at last index + 1."""
-    nomad, server = fake
-    streams = [
-        [
-            {},
-            {
-                "Index": 5,
-                "Events": [
-                    {
-                        "Topic": "Allocation",
-                        "Type": "PlanResult",
-                        "Key": "a1",
-                        "Index": 5,
-                        "Payload": {},
-                    }
-                ],
-            },
-        ],
-        [
-            {},
-            {
-                "Index": 6,
-                "Events": [
-                    {
-                        "Topic": "Allocation",
-                        "Type": "AllocationUpdated",
-                        "Key": "a1",
-                        "Index": 6,
-                        "Payload": {},
-                    }
-                ],
-            },
-        ],
-    ]
-
-    def answer(_request: web.Request) -> web.StreamResponse:
-        lines = streams.pop(0) if streams else [{}]
-        body = "".join(json.dumps(line) + "\n" for line in lines)
-        return web.Response(text=body, content_type="application/json")
-
-    nomad.answers[("GET", "/v1/event/stream")] = answer
-    frames = []
-    async with client_for(server) as client:
-        async for frame in client.events(["Allocation:job-1"], index=3):
-            frames.append(frame)
-            if len(frames) == 2:
-                break
-    assert [(5, "PlanResult"), (6, "AllocationUpdated")] == [
-        (frame.index, frame.events[0].type) for frame in frames
-    ]
-    starts = [request.query["index"] for request in nomad.requests]
-    assert ["3", "6"] == starts[:2]
-    assert ["Allocation:job-1"] == nomad.requests[0].query.getall("topic")
-
-
-async def test_event_stream_refusal_raises(fake: tuple[FakeNomad, TestServer]) -> None:
-    """A 400 (bad topic) is raised, not retried forever."""
-    nomad, server = fake
-    nomad.answers[("GET", "/v1/event/stream")] = text_answer("Invalid topic query: x", 400)
-    async with client_for(server) as client:
-        with pytest.raises(HashiBadRequest):
-            async for _ in client.events(["Job:a:b"]):
-                pass

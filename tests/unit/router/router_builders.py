@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from caravan.consul_api import HealthEntry
 from caravan.engine_metrics import EngineLoad
 from router.endpoints import EndpointSnapshot, snapshot_from_health
 from router.live_state import EndpointLiveState, LiveStates, reconcile_live_state
@@ -46,9 +47,10 @@ def health_entry(
     port: int = 23456,
     meta: dict[str, str] | None = None,
     extra_checks: Iterable[dict[str, Any]] = (),
-) -> dict[str, Any]:
-    """One `/v1/health/service` entry: a node with serfHealth and an HTTP service check."""
-    return {
+) -> HealthEntry:
+    """One `/v1/health/service` entry (a node with serfHealth and an HTTP service check),
+    decoded as `caravan.consul_api` decodes Consul's JSON."""
+    return HealthEntry.from_api({
         "Node": {"ID": f"id-{node}", "Node": node, "Address": node_address, "Datacenter": "dc1"},
         "Service": {
             "ID": service_id,
@@ -67,7 +69,7 @@ def health_entry(
              "Status": status, "ServiceID": service_id, "ServiceName": service, "Type": "http"},
             *extra_checks,
         ],
-    }  # fmt: skip
+    })  # fmt: skip
 
 
 def endpoint_entry(
@@ -77,19 +79,19 @@ def endpoint_entry(
     capacity: int | None = 64,
     model: str = MODEL,
     port: int = 23456,
-) -> dict[str, Any]:
+) -> HealthEntry:
     """A health entry for one replica of `model`, trimmed to what balancer tests vary."""
     meta = service_meta(served_models=model, capacity="" if capacity is None else str(capacity))
     return health_entry(endpoint_id, status=status, meta=meta, port=port)
 
 
 def snapshot_of(
-    *entries: dict[str, Any], index: int = 1, previous: EndpointSnapshot | None = None
+    *entries: HealthEntry, index: int = 1, previous: EndpointSnapshot | None = None
 ) -> EndpointSnapshot:
     """A snapshot of these entries, grouped by their service name; fails on a skipped entry."""
-    by_service: dict[str, list[dict[str, Any]]] = {}
+    by_service: dict[str, list[HealthEntry]] = {}
     for entry in entries:
-        by_service.setdefault(entry["Service"]["Service"], []).append(entry)
+        by_service.setdefault(entry.service_name, []).append(entry)
     snapshot, skipped = snapshot_from_health(by_service, index, previous)
     assert skipped == ()
     return snapshot

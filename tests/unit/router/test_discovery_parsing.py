@@ -7,11 +7,10 @@ from types import MappingProxyType
 
 from router_builders import service_meta
 
-from caravan.consul_api import HealthEntry, KVEntry
+from caravan.consul_api import HealthCheck, HealthEntry, KVEntry
 from router.discovery import (
     draining_endpoint_ids,
     entry_job_id,
-    health_json,
     keys_under,
     model_services,
     profiles_from_kv,
@@ -30,7 +29,10 @@ def entry(service_id: str = "ep-0", status: str = "passing", **meta: str) -> Hea
         port=23456,
         tags=("caravan",),
         meta=MappingProxyType(service_meta(**meta)),
-        status=status,  # type: ignore[arg-type]
+        checks=(
+            HealthCheck("serfHealth", "passing", "Serf Health Status"),
+            HealthCheck(f"_nomad-check-{service_id}", status, "engine-health", service_id),
+        ),
     )
 
 
@@ -52,9 +54,7 @@ def test_model_services_are_the_ones_tagged_caravan() -> None:
 
 def test_typed_entry_becomes_the_endpoint_the_snapshot_expects() -> None:
     """A typed entry round-trips into an endpoint with the node address and its status."""
-    snapshot, skipped = snapshot_from_health(
-        {"caravan-qwen2-5-7b": [health_json(entry(status="warning"))]}, 3
-    )
+    snapshot, skipped = snapshot_from_health({"caravan-qwen2-5-7b": [entry(status="warning")]}, 3)
 
     endpoint = snapshot.by_id["ep-0"]
     assert () == skipped

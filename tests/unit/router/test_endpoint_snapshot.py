@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from router_builders import MODEL, SERVICE, endpoint_entry, health_entry, service_meta, snapshot_of
 
+from caravan.consul_api import HealthCheck, HealthEntry, aggregate_status
 from caravan.engine_metrics import MetricNames
 from router.endpoints import (
     EMPTY_SNAPSHOT,
     CheckStatus,
     Endpoint,
-    aggregate_status,
     snapshot_from_health,
 )
 from scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES
@@ -23,9 +24,9 @@ from scheduler.engines.vllm import VLLM_METRIC_NAMES
 REALISTIC = Path(__file__).parent / "consul_health_caravan_qwen.json"
 
 
-def realistic_entries() -> list[dict[str, Any]]:
+def realistic_entries() -> list[HealthEntry]:
     entries: list[dict[str, Any]] = json.loads(REALISTIC.read_text())
-    return entries
+    return [HealthEntry.from_api(entry) for entry in entries]
 
 
 class TestRealisticConsulPayload:
@@ -50,7 +51,7 @@ class TestRealisticConsulPayload:
     def test_every_field_of_a_replica_is_read_from_meta(self) -> None:
         """The first replica's endpoint carries every field of the scheduler's Meta."""
         snapshot, _ = snapshot_from_health({SERVICE: realistic_entries()}, index=1)
-        service_id = realistic_entries()[0]["Service"]["ID"]
+        service_id = realistic_entries()[0].service_id
 
         expected = Endpoint(
             id=service_id,
@@ -81,11 +82,12 @@ class TestAggregateStatus:
             (["passing", "warning"], CheckStatus.WARNING),
             (["warning", "critical", "passing"], CheckStatus.CRITICAL),
             (["passing", "maintenance"], CheckStatus.CRITICAL),
+            (["passing", ""], CheckStatus.CRITICAL),
         ],
     )
     def test_worst_check_wins(self, statuses: list[str], expected: CheckStatus) -> None:
         """The entry's status is the worst of its checks; an unknown status counts as critical."""
-        checks = [{"CheckID": f"c{i}", "Status": status} for i, status in enumerate(statuses)]
+        checks = [HealthCheck(f"c{i}", status) for i, status in enumerate(statuses)]
 
         assert expected == aggregate_status(checks)
 
@@ -169,12 +171,12 @@ class TestMalformedEntries:
             (health_entry("a", meta=service_meta(metrics_path="metrics")), "metrics_path"),
             (health_entry("a", port=0), "Port"),
             (health_entry("a", address="", node_address=""), "Address"),
-            ({"Node": {"Node": "n"}, "Checks": []}, "Service"),
-            ({**health_entry("a"), "Checks": ["passing"]}, "Checks"),
+            (replace(health_entry("a"), service_id=""), "Service.ID"),
+            (replace(health_entry("a"), service_name=""), "Service.Service"),
         ],
     )
     def test_malformed_entry_is_skipped_with_reason(
-        self, entry: dict[str, Any], reason_mentions: str
+        self, entry: HealthEntry, reason_mentions: str
     ) -> None:
         """A bad entry is left out with a reason naming the field, and its neighbours stay."""
         snapshot, skipped = snapshot_from_health({SERVICE: [entry, endpoint_entry("good")]}, 7)

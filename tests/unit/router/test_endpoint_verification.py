@@ -49,7 +49,7 @@ def test_the_service_nomad_registered_for_a_placed_allocation_is_kept() -> None:
     kept, unverified = verify_entries({SERVICE: [health_entry(PLACED_ID)]}, trust())
 
     assert () == unverified
-    assert [PLACED_ID] == [entry["Service"]["ID"] for entry in kept[SERVICE]]
+    assert [PLACED_ID] == [entry.service_id for entry in kept[SERVICE]]
 
 
 def test_a_hand_registered_service_under_the_model_name_is_ignored() -> None:
@@ -57,7 +57,7 @@ def test_a_hand_registered_service_under_the_model_name_is_ignored() -> None:
     rogue = health_entry("rogue-1", address="10.9.9.9")
     kept, unverified = verify_entries({SERVICE: [health_entry(PLACED_ID), rogue]}, trust())
 
-    assert [PLACED_ID] == [entry["Service"]["ID"] for entry in kept[SERVICE]]
+    assert [PLACED_ID] == [entry.service_id for entry in kept[SERVICE]]
     assert (UnverifiedEntry(SERVICE, "rogue-1", UnverifiedReason.NOT_PLACED),) == unverified
 
 
@@ -90,7 +90,7 @@ def test_of_two_copies_of_a_placed_registration_the_one_on_the_allocations_node_
     ]
 
     for kept, unverified in results:
-        assert ["client-1"] == [entry["Node"]["Node"] for entry in kept[SERVICE]]
+        assert ["client-1"] == [entry.node for entry in kept[SERVICE]]
         assert (UnverifiedEntry(SERVICE, PLACED_ID, UnverifiedReason.DUPLICATE),) == unverified
 
 
@@ -100,7 +100,7 @@ def test_without_a_node_match_the_first_copy_is_kept_and_the_rest_reported() -> 
     first, second = health_entry(PLACED_ID, node="a"), health_entry(PLACED_ID, node="b")
     kept, unverified = verify_entries({SERVICE: [first, second]}, trust(**{PLACED_ID: where}))
 
-    assert ["a"] == [entry["Node"]["Node"] for entry in kept[SERVICE]]
+    assert ["a"] == [entry.node for entry in kept[SERVICE]]
     assert [UnverifiedReason.DUPLICATE] == [item.reason for item in unverified]
 
 

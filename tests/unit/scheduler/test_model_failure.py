@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from caravan.contract import JobMetaKey, ModelFailure
+from caravan.nomad_api import Allocation, JobStub
 from scheduler.model_failure import (
     FailureUpdate,
     failure_updates,
@@ -16,17 +17,19 @@ from scheduler.placement_explain import ReplicaAsk
 NOT_RESTARTING = 'Exceeded allowed attempts 2 in interval 30m0s and mode is "fail"'
 
 
-def job(model: str, replica: int, *, version: int = 0, stop: bool = False) -> dict[str, Any]:
-    return {
-        "ID": f"caravan-{model}-{replica}",
-        "Version": version,
-        "Stop": stop,
-        "Meta": {
-            JobMetaKey.MANAGED_BY: "caravan",
-            JobMetaKey.MODEL: model,
-            JobMetaKey.REPLICA: str(replica),
-        },
-    }
+def job(model: str, replica: int, *, version: int = 0, stop: bool = False) -> JobStub:
+    return JobStub.from_api(
+        {
+            "ID": f"caravan-{model}-{replica}",
+            "Version": version,
+            "Stop": stop,
+            "Meta": {
+                JobMetaKey.MANAGED_BY: "caravan",
+                JobMetaKey.MODEL: model,
+                JobMetaKey.REPLICA: str(replica),
+            },
+        }
+    )
 
 
 def event(kind: str, at: int, message: str) -> dict[str, Any]:
@@ -35,17 +38,19 @@ def event(kind: str, at: int, message: str) -> dict[str, Any]:
 
 def alloc(
     alloc_id: str, status: str, *, version: int = 0, gave_up: bool = True, at: int = 10
-) -> dict[str, Any]:
+) -> Allocation:
     events = [event("Terminated", at, "Exit Code: 1")]
     if gave_up:
         events.append(event("Not Restarting", at + 1, NOT_RESTARTING))
-    return {
-        "ID": alloc_id,
-        "ClientStatus": status,
-        "JobVersion": version,
-        "ModifyTime": at,
-        "TaskStates": {"engine": {"Events": events}},
-    }
+    return Allocation.from_api(
+        {
+            "ID": alloc_id,
+            "ClientStatus": status,
+            "JobVersion": version,
+            "ModifyTime": at,
+            "TaskStates": {"engine": {"Events": events}},
+        }
+    )
 
 
 def test_every_replica_given_up_is_a_failed_model_with_nomads_words():

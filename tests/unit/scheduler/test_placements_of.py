@@ -13,12 +13,12 @@ from caravan.contract import (
     encode_placements,
 )
 from caravan.errors import HashiUnavailable
-from caravan.nomad_api import AllocatedPort
+from caravan.nomad_api import AllocatedPort, Allocation
 from scheduler.cluster_config import ClusterConfig
 from scheduler.controller import AllocEngine, Controller, placements_of
 from scheduler.metrics import SchedulerMetrics
 from scheduler.model_store import ModelStore
-from scheduler.world import ObservedAlloc, ObservedReplica
+from scheduler.world import ObservedReplica
 
 RUNNING = "00000000-0000-4000-8000-000000000001"
 PENDING = "00000000-0000-4000-8000-000000000002"
@@ -26,11 +26,11 @@ STOPPED = "00000000-0000-4000-8000-000000000003"
 NO_PORT = "00000000-0000-4000-8000-000000000004"
 
 
-def alloc(alloc_id: str, client: str = "running", desired: str = "run") -> ObservedAlloc:
-    return ObservedAlloc(alloc_id, "node-1", client, desired, None, 0, 0)
+def alloc(alloc_id: str, client: str = "running", desired: str = "run") -> Allocation:
+    return Allocation(alloc_id, node_id="node-1", client_status=client, desired_status=desired)
 
 
-def replica(job_id: str, model: str, *allocs: ObservedAlloc) -> ObservedReplica:
+def replica(job_id: str, model: str, *allocs: Allocation) -> ObservedReplica:
     return ObservedReplica(
         job_id=job_id,
         model=model,

@@ -6,6 +6,7 @@ from typing import Any
 
 from profile_builders import make_llamacpp
 
+from caravan.nomad_api import Allocation, Evaluation, JobStub
 from scheduler.cluster_config import ClusterConfig
 from scheduler.render import render
 from scheduler.status import replica_status
@@ -22,16 +23,16 @@ BLOCKED = {
 def status_of(allocs: list[dict[str, Any]], evaluations: list[dict[str, Any]]) -> Any:
     profile = make_llamacpp(resources={"cores": 3})
     config = ClusterConfig()
-    stub = render(profile, 1, config=config)["Job"]
+    stub = JobStub.from_api(render(profile, 1, config=config)["Job"])
     return replica_status(
         profile=profile,
         config=config,
         job_stub=stub,
-        allocs=allocs,
+        allocs=[Allocation.from_api(a) for a in allocs],
         node_names={},
         node_up={},
         health_by_alloc={},
-        evaluations=evaluations,
+        evaluations=[Evaluation.from_api(e) for e in evaluations],
         draining=False,
         now=100.0,
     )

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from nomad_facts import nomad_fact_violations
 
+from caravan.nomad_api import Allocation, JobStub
 from scheduler.cluster_config import ClusterConfig
 from scheduler.profiles import ProfileError, load_profile, profile_from_mapping
 from scheduler.render import RenderError, render, secret_templates
@@ -267,10 +268,15 @@ def _alloc(status: str, modify: int = 1, events: list[dict[str, Any]] | None = N
     }
 
 
+def _observe(stub: dict[str, Any], allocs: list[dict[str, Any]]) -> ObservedPrefetch | None:
+    """Nomad's JSON decoded as caravan.nomad_api decodes it, then observed."""
+    return observe_prefetch(JobStub.from_api(stub), [Allocation.from_api(a) for a in allocs])
+
+
 def test_observed_prefetch_state_and_failure_come_from_nomads_allocations() -> None:
-    assert observe_prefetch({"ID": "caravan-qwen-0", "Meta": {}}, []) is None
-    assert observe_prefetch(_stub(managed_by="someone"), []) is None
-    pending = observe_prefetch(_stub(), [])
+    assert _observe({"ID": "caravan-qwen-0", "Meta": {}}, []) is None
+    assert _observe(_stub(managed_by="someone"), []) is None
+    pending = _observe(_stub(), [])
     assert pending is not None
     assert (PrefetchState.PENDING, "qwen", "h", 5 * NS_PER_S) == (
         pending.state,
@@ -278,7 +284,7 @@ def test_observed_prefetch_state_and_failure_come_from_nomads_allocations() -> N
         pending.spec_hash,
         pending.submit_time_ns,
     )
-    running = observe_prefetch(_stub(), [_alloc("failed"), _alloc("running")])
+    running = _observe(_stub(), [_alloc("failed"), _alloc("running")])
     assert running is not None
     assert PrefetchState.RUNNING is running.state
     events = [
@@ -286,19 +292,19 @@ def test_observed_prefetch_state_and_failure_come_from_nomads_allocations() -> N
         {"Type": "Terminated", "DisplayMessage": "Exit Code: 3"},
         {"Type": "Not Restarting", "DisplayMessage": "Exceeded", "FailsTask": True},
     ]
-    failed = observe_prefetch(_stub(), [_alloc("failed", 1), _alloc("failed", 2, events)])
+    failed = _observe(_stub(), [_alloc("failed", 1), _alloc("failed", 2, events)])
     assert failed is not None
     assert (PrefetchState.FAILED, "Terminated: Exit Code: 3") == (failed.state, failed.failure)
-    complete = observe_prefetch(_stub(), [_alloc("failed"), _alloc("complete")])
+    complete = _observe(_stub(), [_alloc("failed"), _alloc("complete")])
     assert complete is not None
     assert PrefetchState.COMPLETE is complete.state
     # Re-registered for new weights (version 1): the old version's success does not count.
     old_run = {**_alloc("complete"), "JobVersion": 0}
-    rerun = observe_prefetch({**_stub(), "Version": 1}, [old_run])
+    rerun = _observe({**_stub(), "Version": 1}, [old_run])
     assert rerun is not None
     assert PrefetchState.PENDING is rerun.state
     new_run = {**_alloc("running"), "JobVersion": 1}
-    running_again = observe_prefetch({**_stub(), "Version": 1}, [old_run, new_run])
+    running_again = _observe({**_stub(), "Version": 1}, [old_run, new_run])
     assert running_again is not None
     assert PrefetchState.RUNNING is running_again.state
 

@@ -6,6 +6,7 @@ import itertools
 from dataclasses import replace
 from typing import Any
 
+from caravan.nomad_api import Allocation, Node
 from scheduler.cluster_config import ClusterConfig
 from scheduler.plan import (
     Action,
@@ -23,9 +24,7 @@ from scheduler.render import spec_hash
 from scheduler.world import (
     DesiredModel,
     DrainRecord,
-    NodeView,
     Observation,
-    ObservedAlloc,
     ObservedReplica,
     PlannerMemory,
 )
@@ -34,22 +33,19 @@ NS = 1_000_000_000
 NOW = 1_000_000.0
 
 
-def nodes(*names: str, down: tuple[str, ...] = ()) -> dict[str, NodeView]:
-    return {
-        n: NodeView(id=n, name=n, status="down" if n in down else "ready", eligible=True)
-        for n in names
-    }
+def nodes(*names: str, down: tuple[str, ...] = ()) -> dict[str, Node]:
+    return {n: Node(id=n, name=n, status="down" if n in down else "ready") for n in names}
 
 
 def alloc(
     node: str, status: str = "running", *, at: float = NOW - 100, healthy: bool | None = True
-) -> ObservedAlloc:
-    return ObservedAlloc(
+) -> Allocation:
+    return Allocation(
         id=f"alloc-{node}-{at}",
         node_id=node,
         client_status=status,
         desired_status="run" if status in {"running", "pending"} else "stop",
-        healthy=healthy,
+        deployment_healthy=healthy,
         create_time_ns=int(at * NS),
         modify_time_ns=int(at * NS),
     )
@@ -58,7 +54,7 @@ def alloc(
 def replica(
     profile: ModelProfile,
     index: int,
-    *allocs: ObservedAlloc,
+    *allocs: Allocation,
     outdated: bool = False,
     passing: bool | None = True,
     inflight: float | None = None,
@@ -80,7 +76,7 @@ def replica(
 
 def world(
     *replicas: ObservedReplica,
-    node_map: dict[str, NodeView] | None = None,
+    node_map: dict[str, Node] | None = None,
     draining: dict[str, DrainRecord] | None = None,
 ) -> Observation:
     return Observation(
@@ -129,7 +125,7 @@ class SimulatedNomad:
         avoid: set[str] = set()
         for affinity in job.get("Affinities", []):
             avoid |= set(affinity["RTarget"].split(","))
-        load = {n: 0 for n, v in self.observation.nodes.items() if v.is_up}
+        load = {n: 0 for n, v in self.observation.nodes.items() if v.ready}
         for r in self.observation.replicas.values():
             for a in r.live_allocs():
                 if a.node_id in load:
