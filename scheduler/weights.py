@@ -23,9 +23,11 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from caravan.contract import JOB_PREFIX, MANAGED_BY_VALUE, JobMetaKey
-from caravan.nomad_api import Allocation, JobStub
 
 if TYPE_CHECKING:
+    # Types only: profiles import this module, and `caravan validate` must not
+    # load the Nomad client (aiohttp) to check a profile.
+    from caravan.nomad_api import Allocation, JobStub
     from scheduler.cluster_config import ClusterConfig
     from scheduler.profiles import ModelProfile
 
