@@ -386,6 +386,13 @@ class Controller:
             return False
         if not memory.saw_jobs or not desired.profiles:
             return False
+        if all(desired.desired_count(name) == 0 for name in desired.profiles):
+            # Every model is at zero: the empty list is what caravan asked for
+            # (scale to zero), so the next cold start must not wait out the
+            # suspicion window.
+            memory.saw_jobs = False
+            memory.empty_since = None
+            return False
         if memory.empty_since is None:
             memory.empty_since = now
         if now - memory.empty_since < self.settings.empty_list_confirm_s:
