@@ -192,13 +192,15 @@ async def run_scenario(stack: LocalStack, lines: list[dict[str, Any]]) -> None:
 
         # The full expected output: what the rebuilt replica answers the same requests
         # (the simulated engine's text is a pure function of the prompt and position).
-        expected = []
-        for body in bodies:
+        # Asked all at once (max_concurrency is CLIENTS), not one after the other.
+        async def answer(body: dict[str, Any]) -> str:
             async with session.post(
                 url, json={**body, "stream": False}, headers=router.headers
             ) as response:
                 assert response.status == 200
-                expected.append((await response.json())["choices"][0]["message"]["content"])
+                return str((await response.json())["choices"][0]["message"]["content"])
+
+        expected = await asyncio.gather(*(answer(body) for body in bodies))
     print(  # noqa: T201 - the measured hold is part of the report
         f"\nlast replica: kill -> replacement passing {rebuilt_s:.1f}s -> "
         f"all {CLIENTS} streams complete {finished_s:.1f}s"

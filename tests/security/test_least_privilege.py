@@ -299,9 +299,13 @@ async def test_cold_start_works_on_the_routers_and_schedulers_policies(
     The model goes in through the scheduler's HTTP API (the scheduler's token
     writes it); the router writes the cold-start demand record with its own
     token, and the scheduler's autoscaler scales the model back up.
+
+    It is about tokens and policies, not placement or draining: one CPU node
+    is enough for the one replica, and the replica drains for 1 s (not the
+    default 10 s) on scale-to-zero and on delete.
     """
     caplog.set_level(logging.DEBUG, logger="devcluster.consul.http_api")
-    options = least_privilege_options(tmp_path, autoscale_tick_s=1.0)
+    options = least_privilege_options(tmp_path, autoscale_tick_s=1.0, cpu_nodes=1)
     async with local_stack(options) as stack:
         assert stack.router is not None
         layout = KVLayout()
@@ -311,6 +315,7 @@ async def test_cold_start_works_on_the_routers_and_schedulers_policies(
                 "name": "cold",
                 "model": str(stack.engine.model),
                 "replicas": {"min": 0, "max": 1, "initial": 1},
+                "drain_s": 1,
                 "env": {"CARAVAN_SIM_STEP_SECONDS": "0.002", "CARAVAN_SIM_OUTPUT_TOKENS": "4"},
                 "autoscaling": {
                     "target_inflight": 2,
