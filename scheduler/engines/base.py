@@ -67,6 +67,41 @@ def resolve_metrics(
     return ResolvedMetrics(path=override.path, names=names)
 
 
+GIB = 1024**3
+# Tensor-parallel workers exchange tensors through /dev/shm (PyTorch, NCCL);
+# Docker's 64 MB default makes them fail. vLLM's docker docs allow either
+# `--ipc=host` or `--shm-size`; caravan sets the docker driver's `shm_size`
+# (bytes): a private /dev/shm sized by the number of ranks, which needs no
+# docker plugin setting (`ipc_mode = "host"` can be refused by the plugin's
+# `allowed_modes`) and does not share the node's IPC namespace with the
+# container.
+SHM_BYTES_PER_RANK = 4 * GIB
+SHM_BYTES_MIN = 2 * GIB
+
+
+class GpuContainerSizing:
+    """What the GPU server engines (vLLM, SGLang) share: a docker container sized per
+    tensor-parallel rank, and the load time of tens of GB of weights."""
+
+    def startup_timeout_s(self, profile: ModelProfile) -> int:
+        # Downloading and loading tens of GB of weights and capturing CUDA
+        # graphs routinely takes several minutes.
+        return profile.startup_timeout_s or 900
+
+    def default_memory_mb(self, profile: ModelProfile) -> int:
+        return 16384 * profile.tensor_parallel
+
+    def default_cpu_mhz(self, profile: ModelProfile) -> int:
+        return 2000 * profile.tensor_parallel
+
+    def driver(self, profile: ModelProfile, config: ClusterConfig) -> Driver:
+        del profile, config
+        return Driver.DOCKER
+
+    def shm_size_bytes(self, profile: ModelProfile) -> int:
+        return max(SHM_BYTES_MIN, SHM_BYTES_PER_RANK * profile.tensor_parallel)
+
+
 def check_gpu_engine(profile: ModelProfile, engine: str, shown: str) -> None:
     """The rules of a GPU-only, tensor-parallel engine in a docker image."""
     if profile.gpu is None:

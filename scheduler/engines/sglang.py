@@ -28,9 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 from caravan.contract import HTTP_PORT_LABEL, OPENAI_STREAM_TRAITS, StreamTraits
 from caravan.engine_metrics import MetricNames
-from scheduler.engines.base import METRICS_PATH, ResolvedMetrics, check_gpu_engine
-from scheduler.engines.kinds import Driver, Engine
-from scheduler.engines.vllm import SHM_BYTES_MIN, SHM_BYTES_PER_RANK
+from scheduler.engines.base import (
+    METRICS_PATH,
+    GpuContainerSizing,
+    ResolvedMetrics,
+    check_gpu_engine,
+)
+from scheduler.engines.kinds import Engine
 
 if TYPE_CHECKING:
     from scheduler.cluster_config import ClusterConfig
@@ -81,7 +85,7 @@ DENIED_FLAGS = (
 DENIED_ENV = ("SGLANG_HOST_IP", "SGLANG_PORT", "SGLANG_LOGGING_CONFIG_PATH", API_KEY_ENV)
 
 
-class SglangAdapter:
+class SglangAdapter(GpuContainerSizing):
     @property
     def engine(self) -> Engine:
         return Engine.SGLANG
@@ -132,20 +136,6 @@ class SglangAdapter:
     def capacity(self, profile: ModelProfile) -> int:
         return profile.max_concurrency or DEFAULT_MAX_RUNNING_REQUESTS
 
-    def startup_timeout_s(self, profile: ModelProfile) -> int:
-        # Weights download and load, then CUDA graph capture, as with vLLM.
-        return profile.startup_timeout_s or 900
-
-    def default_memory_mb(self, profile: ModelProfile) -> int:
-        return 16384 * profile.tensor_parallel
-
-    def default_cpu_mhz(self, profile: ModelProfile) -> int:
-        return 2000 * profile.tensor_parallel
-
-    def driver(self, profile: ModelProfile, config: ClusterConfig) -> Driver:
-        del profile, config
-        return Driver.DOCKER
-
     def container_port(self, profile: ModelProfile, config: ClusterConfig) -> int | None:
         del profile
         return config.sglang.container_port
@@ -181,5 +171,5 @@ class SglangAdapter:
             "args": self.args(profile, config),
             "ports": [HTTP_PORT_LABEL],
             # Tensor-parallel ranks exchange tensors through /dev/shm (NCCL).
-            "shm_size": max(SHM_BYTES_MIN, SHM_BYTES_PER_RANK * profile.tensor_parallel),
+            "shm_size": self.shm_size_bytes(profile),
         }

@@ -11,8 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 from caravan.contract import HTTP_PORT_LABEL, OPENAI_STREAM_TRAITS, StreamTraits
 from caravan.engine_metrics import MetricNames
-from scheduler.engines.base import METRICS_PATH, ResolvedMetrics, check_gpu_engine
-from scheduler.engines.kinds import Driver, Engine
+from scheduler.engines.base import (
+    METRICS_PATH,
+    GpuContainerSizing,
+    ResolvedMetrics,
+    check_gpu_engine,
+)
+from scheduler.engines.kinds import Engine
 
 if TYPE_CHECKING:
     from scheduler.cluster_config import ClusterConfig
@@ -66,19 +71,9 @@ DENIED_ENV = (
 )
 # vLLM's own default for --max-num-seqs.
 DEFAULT_MAX_NUM_SEQS = 256
-GIB = 1024**3
-# Tensor-parallel workers exchange tensors through /dev/shm (PyTorch, NCCL);
-# Docker's 64 MB default makes them fail. vLLM's docker docs allow either
-# `--ipc=host` or `--shm-size`; caravan sets the docker driver's `shm_size`
-# (bytes): a private /dev/shm sized by the number of ranks, which needs no
-# docker plugin setting (`ipc_mode = "host"` can be refused by the plugin's
-# `allowed_modes`) and does not share the node's IPC namespace with the
-# container.
-SHM_BYTES_PER_RANK = 4 * GIB
-SHM_BYTES_MIN = 2 * GIB
 
 
-class VllmAdapter:
+class VllmAdapter(GpuContainerSizing):
     @property
     def engine(self) -> Engine:
         return Engine.VLLM
@@ -130,27 +125,9 @@ class VllmAdapter:
     def capacity(self, profile: ModelProfile) -> int:
         return profile.max_concurrency or DEFAULT_MAX_NUM_SEQS
 
-    def startup_timeout_s(self, profile: ModelProfile) -> int:
-        # Downloading and loading tens of GB of weights and capturing CUDA
-        # graphs routinely takes several minutes.
-        return profile.startup_timeout_s or 900
-
-    def default_memory_mb(self, profile: ModelProfile) -> int:
-        return 16384 * profile.tensor_parallel
-
-    def default_cpu_mhz(self, profile: ModelProfile) -> int:
-        return 2000 * profile.tensor_parallel
-
-    def driver(self, profile: ModelProfile, config: ClusterConfig) -> Driver:
-        del profile, config
-        return Driver.DOCKER
-
     def container_port(self, profile: ModelProfile, config: ClusterConfig) -> int | None:
         del profile
         return config.vllm.container_port
-
-    def shm_size_bytes(self, profile: ModelProfile) -> int:
-        return max(SHM_BYTES_MIN, SHM_BYTES_PER_RANK * profile.tensor_parallel)
 
     def args(self, profile: ModelProfile, config: ClusterConfig) -> list[str]:
         args = [

@@ -10,7 +10,7 @@ from test_deploy_docs import DEPLOY_DOC, hcl_snippets
 
 from caravan_cli.local_stack import StackOptions
 from scheduler.cluster_config import ClusterConfig
-from scheduler.engines.vllm import SHM_BYTES_MIN, SHM_BYTES_PER_RANK
+from scheduler.engines.base import SHM_BYTES_MIN, SHM_BYTES_PER_RANK
 from scheduler.placement_explain import ReplicaAsk, explain_failed_placement
 from scheduler.profiles import ModelProfile
 from scheduler.render import render
