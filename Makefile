@@ -35,8 +35,13 @@ lint: $(STAMP) ## ruff (lint + format check) and the import contracts
 type: $(STAMP) ## mypy --strict
 	$(BIN)/mypy caravan scheduler router devcluster caravan_cli
 
+# Test processes (pytest-xdist). Most component tests wait on real delays
+# (health checks, heartbeats, windows), not on a CPU, so four share two cores
+# well; `make unit TEST_WORKERS=0` runs the suite in one process.
+TEST_WORKERS ?= 4
+
 unit: $(STAMP) ## the test suite alone
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist worksteal
 
 test: lint type unit ## everything CI runs: lint, types, tests
 

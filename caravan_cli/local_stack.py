@@ -97,6 +97,9 @@ class StackOptions:
 
     # The cluster config's profile policy; None keeps the default.
     profile_policy: ProfilePolicy | None = None
+    # Seconds between Nomad's restarts of a crashed engine (cluster config
+    # `restart_delay_s`); None keeps Nomad's 15 s.
+    restart_delay_s: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +302,8 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
         acl = options.consul_acl
         if options.profile_policy is not None:
             config = config.model_copy(update={"profile_policy": options.profile_policy})
+        if options.restart_delay_s is not None:
+            config = config.model_copy(update={"restart_delay_s": options.restart_delay_s})
         dev_config = DevClusterConfig(
             consul=ConsulConfig(
                 session_ttl_min_s=1.0,

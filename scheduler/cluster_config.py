@@ -10,10 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from caravan.contract import JsonCodec
 from scheduler.gpu_classes import GpuClass, merge_gpu_classes
@@ -86,6 +93,10 @@ class SglangSettings(BaseModel):
     container_port: int = Field(default=30000, ge=1, le=65535)
 
 
+# The window of Nomad's restart policy: `restart_attempts` restarts within it.
+RESTART_INTERVAL_S = 30 * 60
+
+
 class ClusterConfig(BaseModel):
     """Settings shared by every replica job of one cluster."""
 
@@ -104,10 +115,26 @@ class ClusterConfig(BaseModel):
     sglang: SglangSettings = Field(default_factory=SglangSettings)
     # First delay before Nomad reschedules a failed replica (Nomad's minimum is 5 s).
     reschedule_delay_s: int = Field(default=30, ge=5)
+    # Nomad's restart policy for a crashed engine, in place on its node: this
+    # many restarts within 30 minutes, this far apart; one more crash fails the
+    # allocation (reschedule) and, once none is left, the model (fail fast).
+    restart_attempts: int = Field(default=2, ge=0, le=10)
+    restart_delay_s: int = Field(default=15, ge=1, le=3600)
     check_interval_s: int = Field(default=5, ge=1)
     check_timeout_s: int = Field(default=2, ge=1)
     # What profiles may put in env, engine_args and image (scheduler/profile_policy.py).
     profile_policy: ProfilePolicy = Field(default_factory=ProfilePolicy)
+
+    @model_validator(mode="after")
+    def _restarts_fit_their_interval(self) -> Self:
+        # Nomad refuses a restart policy whose attempts x delay exceed its interval.
+        if self.restart_attempts * self.restart_delay_s > RESTART_INTERVAL_S:
+            raise ValueError(
+                f"restart_attempts ({self.restart_attempts}) x restart_delay_s "
+                f"({self.restart_delay_s}) must fit in Nomad's restart interval "
+                f"({RESTART_INTERVAL_S} s)"
+            )
+        return self
 
     @property
     def engine_images(self) -> frozenset[str]:

@@ -37,7 +37,7 @@ from caravan.contract import (
     replica_key_path,
 )
 from scheduler import weights
-from scheduler.cluster_config import ClusterConfig
+from scheduler.cluster_config import RESTART_INTERVAL_S, ClusterConfig
 from scheduler.engines.base import resolve_metrics
 from scheduler.engines.registry import adapter_for
 from scheduler.gpu_classes import GpuClass, UnknownGpuClassError, lookup_gpu_class
@@ -49,12 +49,10 @@ if TYPE_CHECKING:
 
 NS_PER_S = 1_000_000_000
 SPEC_HASH_LEN = 16
-# Nomad's restart policy for one replica: a crashed engine is restarted twice
-# in place (cheap: weights are in the page cache), then the allocation fails
-# and the reschedule policy moves it to another node.
-RESTART_ATTEMPTS = 2
-RESTART_INTERVAL_S = 30 * 60
-RESTART_DELAY_S = 15
+# Nomad's restart policy for one replica: a crashed engine is restarted in
+# place (cheap: weights are in the page cache) `restart_attempts` times (2),
+# `restart_delay_s` (15 s) apart, within RESTART_INTERVAL_S (cluster config);
+# then the allocation fails and the reschedule policy moves it to another node.
 RESCHEDULE_MAX_DELAY_S = 60 * 60
 # Time after which a passing replica counts as healthy for deployments.
 MIN_HEALTHY_TIME_S = 5
@@ -335,9 +333,9 @@ def _job_without_hash(profile: ModelProfile, replica: int, config: ClusterConfig
                 "Name": GROUP_NAME,
                 "Count": 1,
                 "RestartPolicy": {
-                    "Attempts": RESTART_ATTEMPTS,
+                    "Attempts": config.restart_attempts,
                     "Interval": _ns(RESTART_INTERVAL_S),
-                    "Delay": _ns(RESTART_DELAY_S),
+                    "Delay": _ns(config.restart_delay_s),
                     "Mode": "fail",
                 },
                 "ReschedulePolicy": {

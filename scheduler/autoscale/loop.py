@@ -261,15 +261,43 @@ class Autoscaler:
         demand_pending: bool,
         now: float,
     ) -> None:
-        if current == 0 and demand_pending and decision.direction is Direction.UP:
-            self.cold_start_began.setdefault(name, now)
-        began = self.cold_start_began.get(name)
-        if began is not None and ready > 0:
-            self.metrics.cold_start.labels(model=name).observe(now - began)
-            log.info("cold_start_done", extra={"model": name, "seconds": round(now - began, 1)})
-            del self.cold_start_began[name]
-            self.last_cold_start_s[name] = round(now - began, 1)
-            await self.store.clear_demand(name)
+        began, took = cold_start_step(
+            self.cold_start_began.get(name),
+            current=current,
+            direction=decision.direction,
+            ready=ready,
+            now=now,
+        )
+        if took is None:
+            if began is not None:
+                self.cold_start_began[name] = began
+            return
+        self.metrics.cold_start.labels(model=name).observe(took)
+        log.info(
+            "cold_start_done",
+            extra={"model": name, "seconds": round(took, 1), "demand": demand_pending},
+        )
+        self.cold_start_began.pop(name, None)
+        self.last_cold_start_s[name] = round(took, 1)
+        await self.store.clear_demand(name)
+
+
+def cold_start_step(
+    began: float | None, *, current: int, direction: Direction, ready: int, now: float
+) -> tuple[float | None, float | None]:
+    """When the model's cold start began, and how long it took once it is over.
+
+    A cold start is any scale-up from zero desired replicas, whatever asked
+    for it: a router's demand record, or its queue report alone (either can
+    reach the autoscaler first). It ends at the first ready replica. Returns
+    (began, None) while it runs, (None, None) when there is none, and
+    (None, seconds) on the tick it ends.
+    """
+    if began is None and current == 0 and direction is Direction.UP:
+        began = now
+    if began is not None and ready > 0:
+        return None, now - began
+    return began, None
 
 
 def _inflight(load: ReplicaLoad) -> float | None:

@@ -1,10 +1,17 @@
 """Fail fast with the reason, end to end: a bad model path at `min: 0` is a 503 naming it.
 
 devcluster's Nomad runs the real llama-server, which exits at once on a model
-file that does not exist; Nomad restarts it twice, 15 s apart, then stops
-(`Not Restarting: Exceeded allowed attempts ...`). The scheduler records the
-failure in KV, the router answers the held request with it, and the next
-request at once.
+file that does not exist; Nomad restarts it twice, then stops (`Not
+Restarting: Exceeded allowed attempts ...`). The scheduler records the failure
+in KV, the router answers the held request with it, and the next request at
+once.
+
+The test is about that chain, not about Nomad's restart delay: the cluster
+config's `restart_delay_s` is 2 s here instead of Nomad's 15 s (its default
+is checked in tests/unit/scheduler/test_render.py). The acceptance, 60 s with
+the default policy, is asserted on the measured time plus what the longer
+delays would add (two restarts, each up to 13 s longer with Nomad's 25 %
+jitter).
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ pytestmark = [
 
 NAME = "badpath"
 ACCEPTANCE_S = 60.0
+RESTART_DELAY_S = 2
+# What Nomad's default policy (2 restarts, 15 s apart, up to 25 % jitter) adds.
+DEFAULT_POLICY_EXTRA_S = 2 * (15 - RESTART_DELAY_S) * 1.25
 
 
 def bad_path_profile() -> ModelProfile:
@@ -67,6 +77,7 @@ async def stack(tmp_path: Path) -> AsyncIterator[LocalStack]:
         autoscale_tick_s=1.0,
         work_dir=tmp_path,
         resync_s=2.0,
+        restart_delay_s=RESTART_DELAY_S,
         router=RouterSettings(port=0, log_level="warning"),
     )
     async with local_stack(options) as running:
@@ -132,7 +143,7 @@ async def test_bad_model_path_at_min_zero_answers_503_naming_the_failure_within_
 
     error = document["error"]
     assert (503, "model_unavailable") == (status, error["code"]), document
-    assert took_s < ACCEPTANCE_S
+    assert took_s + DEFAULT_POLICY_EXTRA_S < ACCEPTANCE_S, took_s
     assert headers.get("Retry-After") == "10"
     assert f"Model '{NAME}' is unavailable: replica 0: " in error["message"]
     assert (

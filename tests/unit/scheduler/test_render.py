@@ -310,3 +310,30 @@ def test_llamacpp_docker_picks_the_cpu_or_cuda_image():
     gpu = task_of(render(make_llamacpp(driver="docker", gpu={"class": "l4"}), 0, config=config))
     assert cpu["Config"]["image"] == config.llamacpp.image
     assert gpu["Config"]["image"] == config.llamacpp.cuda_image
+
+
+def test_restart_policy_defaults_to_nomads_and_follows_the_cluster_config():
+    """Two restarts 15 s apart in 30 min (Nomad's service default) unless the operator says."""
+    policy = group_of(render(make_llamacpp(), 0))["RestartPolicy"]
+    assert (policy["Attempts"], policy["Delay"], policy["Interval"], policy["Mode"]) == (
+        2,
+        15 * 10**9,
+        30 * 60 * 10**9,
+        "fail",
+    )
+    config = ClusterConfig(restart_attempts=4, restart_delay_s=3)
+    policy = group_of(render(make_llamacpp(), 0, config=config))["RestartPolicy"]
+    assert (policy["Attempts"], policy["Delay"]) == (4, 3 * 10**9)
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"restart_attempts": 11}, "restart_attempts"),
+        ({"restart_delay_s": 0}, "restart_delay_s"),
+        ({"restart_attempts": 10, "restart_delay_s": 181}, "restart interval"),
+    ],
+)
+def test_restart_policy_nomad_would_refuse_is_refused_by_name(fields: dict[str, int], named: str):
+    with pytest.raises(ValueError, match=named):
+        ClusterConfig.model_validate(fields)
