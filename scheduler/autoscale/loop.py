@@ -112,14 +112,19 @@ class Autoscaler:
         )
 
     async def run(self) -> None:
+        # Ticks keep their cadence: the time a tick took (scrapes, KV reads)
+        # comes off the wait for the next one, so the evaluation interval is
+        # what the profile says, not that plus the tick's own time.
+        loop = asyncio.get_running_loop()
         async with aiohttp.ClientSession() as session:
             while True:
+                started = loop.time()
                 if self.is_leader():
                     try:
                         await self.tick(session)
                     except HashiError as exc:
                         log.warning("autoscaler_tick_failed", extra={"error": str(exc)})
-                await asyncio.sleep(self.settings.tick_s)
+                await asyncio.sleep(next_tick_in(self.settings.tick_s, loop.time() - started))
 
     async def _router_reports(
         self, session: aiohttp.ClientSession
@@ -280,6 +285,15 @@ class Autoscaler:
         self.cold_start_began.pop(name, None)
         self.last_cold_start_s[name] = round(took, 1)
         await self.store.clear_demand(name)
+
+
+def next_tick_in(tick_s: float, took_s: float) -> float:
+    """Seconds to wait before the next tick, when this one took `took_s`.
+
+    A tick that overran its interval is followed by a short pause, not by a
+    burst of catch-up ticks.
+    """
+    return max(tick_s - took_s, tick_s / 10)
 
 
 def cold_start_step(

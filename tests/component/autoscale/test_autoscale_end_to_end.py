@@ -21,11 +21,13 @@ from scheduler.model_store import ModelStore
 from scheduler.profiles import ModelProfile
 
 UP_WINDOW_S = 2.0
-DOWN_WINDOW_S = 12.0
-# The autoscaler evaluates twice a second (tick and evaluation interval): the
+# Shorter than the 12 s sample (30 evaluations) of the constant-load test, so a
+# flap would show.
+DOWN_WINDOW_S = 8.0
+# The autoscaler evaluates every 0.4 s (tick and evaluation interval): the
 # tests count decisions in evaluations, so they see as many decisions as with
-# the 1 s they ran at before, in half the time.
-EVALUATION_S = 0.5
+# the 1 s they ran at before, in less time.
+EVALUATION_S = 0.4
 
 
 def scaler_profile(**overrides: Any) -> ModelProfile:
@@ -236,8 +238,9 @@ async def test_constant_load_changes_the_count_at_most_once_after_settling(stack
     """Under a constant load the replica count settles, then changes at most once (30 evaluations).
 
     Settled means the up window plus 5 more evaluations have passed since the
-    scale-up; the sample is 30 evaluations (15 s at EVALUATION_S, not 30 s at
-    1 s: the claim is about the number of decisions, not their spacing).
+    scale-up; the sample is 30 evaluations (12 s at EVALUATION_S, not 30 s at
+    1 s: the claim is about the number of decisions, not their spacing; it is
+    still longer than the down window, so a count that flaps down would show).
     """
     await store_of(stack).submit([scaler_profile()])
     await wait_for(lambda: _eq(passing(stack, "scaler"), 1), 60, "first replica")

@@ -1,8 +1,8 @@
-"""When a cold start begins and ends: any scale-up from zero, until the first ready replica."""
+"""The autoscale loop's pure steps: cold-start timing and the tick cadence."""
 
 from __future__ import annotations
 
-from scheduler.autoscale.loop import cold_start_step
+from scheduler.autoscale.loop import cold_start_step, next_tick_in
 from scheduler.autoscale.memory import Direction
 
 
@@ -41,3 +41,9 @@ def test_a_second_up_decision_keeps_the_first_start() -> None:
         4.0,
         None,
     )
+
+
+def test_a_tick_keeps_its_cadence_and_an_overrun_does_not_burst() -> None:
+    assert next_tick_in(2.0, 0.5) == 1.5
+    assert next_tick_in(2.0, 0.0) == 2.0
+    assert next_tick_in(2.0, 5.0) == 0.2
