@@ -65,6 +65,38 @@ class JobMetaKey:
 MANAGED_BY_VALUE = "caravan"
 
 
+class RouterMetaKey:
+    """Keys of the Consul service `Meta` of a router."""
+
+    # "host:port" of the listener serving the router's /metrics when that is
+    # not its public port: the admin listener (`admin_port`), where a
+    # `--workers N` supervisor also merges every worker's metrics.
+    METRICS_ADDR = "metrics_addr"
+
+
+def router_metrics_addr(host: str, port: int) -> str:
+    """The `metrics_addr` Meta value of a router whose /metrics is at host:port."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def router_metrics_base_url(address: str, port: int, meta: Mapping[str, str]) -> str | None:
+    """Where a registered router's /metrics is: its `metrics_addr`, else its public port.
+
+    None when the Meta value is not a host and port (the router cannot be scraped).
+    """
+    published = meta.get(RouterMetaKey.METRICS_ADDR)
+    if published is None:
+        host = f"[{address}]" if ":" in address else address
+        return f"http://{host}:{port}"
+    host_part, sep, port_part = published.rpartition(":")
+    if not sep or not host_part or not port_part.isdigit() or not 0 < int(port_part) < 65536:
+        return None
+    bare = host_part.removeprefix("[").removesuffix("]")
+    if not bare or any(c in bare for c in "/?#@ ") or ("[" in host_part) != (":" in bare):
+        return None
+    return f"http://{host_part}:{int(port_part)}"
+
+
 class ServiceMetaKey:
     """Keys of the Consul service `Meta` of a replica (contract 4).
 

@@ -35,7 +35,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from caravan.consul_api import HttpCheck, ServiceRegistration
-from caravan.contract import ROUTER_SERVICE
+from caravan.contract import ROUTER_SERVICE, RouterMetaKey, router_metrics_addr
 from router.admission_gate import AdmissionGate, DemandSignal, DemandStore
 from router.api_keys import KeyRing, build_key_ring, load_key_file
 from router.breaker import phase_at
@@ -108,6 +108,13 @@ def router_registration(
         address=address,
         port=port,
         tags=(ROUTER_TAG,),
+        # The autoscaler reads the router's queues from /metrics: say where it
+        # is when it is not on the public port.
+        meta=(
+            {RouterMetaKey.METRICS_ADDR: router_metrics_addr(check_address, check_port)}
+            if admin_port is not None
+            else {}
+        ),
         checks=(
             HttpCheck(
                 url=f"http://{host}:{check_port}/health",

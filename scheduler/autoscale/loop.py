@@ -24,7 +24,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 import aiohttp
@@ -37,6 +37,7 @@ from caravan.contract import (
     ServiceMetaKey,
     decode_metric_names,
     model_service_name,
+    router_metrics_base_url,
 )
 from caravan.errors import HashiError
 from scheduler.autoscale.inflight import InflightView
@@ -86,6 +87,17 @@ def replica_target(entry: HealthEntry) -> ReplicaTarget | None:
     )
 
 
+def router_targets(routers: Iterable[HealthEntry]) -> list[RouterTarget]:
+    """Where each passing router's /metrics is: its `metrics_addr` Meta, else its public port."""
+    return [
+        RouterTarget(router_id=r.service_id, base_url=url)
+        for r in routers
+        if r.address
+        and r.port
+        and (url := router_metrics_base_url(r.address, r.port, r.meta)) is not None
+    ]
+
+
 @dataclass(slots=True)
 class Autoscaler:
     store: ModelStore
@@ -130,12 +142,9 @@ class Autoscaler:
         self, session: aiohttp.ClientSession
     ) -> tuple[RouterQueueReport, ...]:
         _, routers = await self.health.health_service(ROUTER_SERVICE, passing=True)
-        targets = [
-            RouterTarget(router_id=r.service_id, base_url=f"http://{r.address}:{r.port}")
-            for r in routers
-            if r.address and r.port
-        ]
-        scrapes = await scrape_routers(session, targets, timeout_s=self.settings.scrape_timeout_s)
+        scrapes = await scrape_routers(
+            session, router_targets(routers), timeout_s=self.settings.scrape_timeout_s
+        )
         return tuple(s.report for s in scrapes)
 
     async def tick(self, session: aiohttp.ClientSession) -> None:

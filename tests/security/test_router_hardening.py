@@ -41,6 +41,8 @@ from router_hardening_harness import (
 from caravan.consul_api import ConsulClient
 from caravan.contract import ROUTER_SERVICE
 from devcluster.consul.server import ConsulServer
+from scheduler.autoscale.loop import router_targets
+from scheduler.autoscale.scrape import scrape_routers
 
 OPENAI_ERROR_FIELDS = {"message", "type", "param", "code"}
 
@@ -730,6 +732,9 @@ async def test_caravan_router_with_an_admin_port_checks_health_there(
 
         # Consul's check of /health goes to the admin port (the public one answers 404).
         await wait_until(router_passing, timeout_s=20, what="router check passing")
+        # The autoscaler finds the router's queues there too, from its Meta.
+        _, entries = await consul.health_service(ROUTER_SERVICE, passing=True)
+        [scraped] = await scrape_routers(http, router_targets(entries))
         statuses = {}
         for name, url in (
             ("admin-metrics", admin_url + "/metrics"),
@@ -744,3 +749,4 @@ async def test_caravan_router_with_an_admin_port_checks_health_there(
 
     assert admin_line.startswith("caravan router admin on http://127.0.0.1:")
     assert {"admin-metrics": 200, "public-metrics": 404, "public-health": 404} == statuses
+    assert (scraped.failure, scraped.report.depth_by_model) == (None, {})

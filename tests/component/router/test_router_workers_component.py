@@ -25,6 +25,8 @@ from router_cluster import REPO, FakeEngine, chat_body, read_stream, register_re
 from caravan.consul_api import ConsulClient
 from caravan.contract import ROUTER_SERVICE
 from devcluster.consul.server import ConsulServer
+from scheduler.autoscale.loop import router_targets
+from scheduler.autoscale.scrape import scrape_routers
 
 MODEL = "tiny"
 
@@ -102,6 +104,8 @@ async def test_two_workers_share_the_port_register_once_and_drain_on_sigterm(
             await wait_until(registered_and_passing, timeout_s=30, what="router passing")
             _, entries = await consul.health_service(ROUTER_SERVICE)
             check_urls = await _check_urls(http, server)
+            # The autoscaler finds the merged /metrics through the registration's Meta.
+            [scraped] = await scrape_routers(http, router_targets(entries))
 
             async def both_routable() -> bool:
                 known = await per_worker(http, router.admin_url, "caravan_router_endpoints")
@@ -149,6 +153,9 @@ async def test_two_workers_share_the_port_register_once_and_drain_on_sigterm(
     assert len(entries) == 1
     assert entries[0].port == int(router.url.rsplit(":", 1)[-1])
     assert check_urls == [router.admin_url + "/health"]
+    assert [target.url for target in router_targets(entries)] == [router.admin_url + "/metrics"]
+    assert scraped.failure is None
+    assert scraped.report.depth_by_model is not None
     assert sum(held.values()) == len(streams)
     assert still_running
     assert statuses == [200] * len(streams)
