@@ -720,7 +720,7 @@ class Controller:
             case ClearDrainMarker():
                 await self.store.clear_draining(action.job_id)
             case RegisterPrefetch():
-                await self.nomad.register_job(action.body)
+                await self.nomad.register_job(action.body, enforce_index=action.enforce_index)
 
     async def _hand_engine_key(self, model: str, job_id: str) -> None:
         """Before a replica job is registered, its own variable holds the model's key."""

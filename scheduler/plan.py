@@ -57,6 +57,7 @@ from scheduler.world import (
 
 if TYPE_CHECKING:
     from scheduler.cluster_config import ClusterConfig
+    from scheduler.weights import ObservedPrefetch
 
 NS_PER_S = 1_000_000_000
 DEFAULT_ORPHAN_DRAIN_S = 10.0
@@ -128,6 +129,8 @@ class RegisterPrefetch:
     model: str
     body: dict[str, Any] = field(repr=False)
     reason: str
+    # The JobModifyIndex the plan saw (0: no such job), as for `Register`.
+    enforce_index: int = 0
 
 
 Action = Register | Replace | StartDrain | Deregister | ClearDrainMarker | RegisterPrefetch
@@ -309,6 +312,7 @@ class _ModelPlanner:
                     model=profile.name,
                     body=gate.register,
                     reason=gate.status or "prefetch",
+                    enforce_index=_prefetch_index(self.observed.prefetch.get(profile.name)),
                 )
             )
         if not gate.ready and not gate.failed:
@@ -567,3 +571,8 @@ def plan(
 def drain_record_for(action: StartDrain, now: float) -> DrainRecord:
     """The KV drain marker a StartDrain action writes."""
     return DrainRecord(model=action.model, since=now, drain_s=action.drain_s, reason=action.reason)
+
+
+def _prefetch_index(seen: ObservedPrefetch | None) -> int:
+    """The JobModifyIndex the plan read for the prefetch job, 0 when it had none (facts N3)."""
+    return 0 if seen is None else seen.job_modify_index

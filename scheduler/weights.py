@@ -376,6 +376,8 @@ class ObservedPrefetch:
     submit_time_ns: int
     # Why it failed, in Nomad's words (the failing task event), when it did.
     failure: str | None = None
+    # The job's JobModifyIndex as read: a re-registration is conditioned on it.
+    job_modify_index: int = 0
 
 
 def _failure_text(alloc: Allocation) -> str:
@@ -420,6 +422,7 @@ def observe_prefetch(stub: JobStub, allocs: Sequence[Allocation]) -> ObservedPre
         state=state,
         submit_time_ns=stub.submit_time_ns,
         failure=failure,
+        job_modify_index=stub.job_modify_index,
     )
 
 

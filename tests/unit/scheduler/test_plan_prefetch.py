@@ -44,6 +44,7 @@ def test_prefetch_is_registered_first_and_replicas_wait() -> None:
     assert isinstance(action, RegisterPrefetch)
     assert prefetch_job_id(profile.name) == action.job_id
     assert "batch" == action.body["Job"]["Type"]
+    assert 0 == action.enforce_index  # the job must not exist yet
     (report,) = result.reports
     assert ("registering (not run yet)", False) == (report.prefetch, report.prefetch_failed)
     assert result.requeue_after_s is not None
@@ -85,9 +86,11 @@ def test_failed_prefetch_is_reported_and_holds_replicas() -> None:
 
 def test_changed_weights_register_the_prefetch_again() -> None:
     profile = _profile()
-    seen = _seen(profile, PrefetchState.COMPLETE, spec_hash="older-version")
+    seen = _seen(profile, PrefetchState.COMPLETE, spec_hash="older-version", job_modify_index=41)
     result = run_plan(desired((profile, 1)), seen)
     assert [type(a) for a in result.actions] == [RegisterPrefetch]
+    # Conditioned on the version the plan read (facts N3): a lost race re-plans.
+    assert 41 == result.actions[0].enforce_index
     assert "registering (weights changed)" == result.reports[0].prefetch
 
 

@@ -250,6 +250,7 @@ def _stub(**meta: str) -> dict[str, Any]:
     return {
         "ID": "caravan-qwen-prefetch",
         "SubmitTime": 5 * NS_PER_S,
+        "JobModifyIndex": 17,
         "Meta": {
             "caravan_kind": "prefetch",
             "managed_by": "caravan",
@@ -278,11 +279,12 @@ def test_observed_prefetch_state_and_failure_come_from_nomads_allocations() -> N
     assert _observe(_stub(managed_by="someone"), []) is None
     pending = _observe(_stub(), [])
     assert pending is not None
-    assert (PrefetchState.PENDING, "qwen", "h", 5 * NS_PER_S) == (
+    assert (PrefetchState.PENDING, "qwen", "h", 5 * NS_PER_S, 17) == (
         pending.state,
         pending.model,
         pending.spec_hash,
         pending.submit_time_ns,
+        pending.job_modify_index,
     )
     running = _observe(_stub(), [_alloc("failed"), _alloc("running")])
     assert running is not None
