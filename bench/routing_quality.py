@@ -568,6 +568,8 @@ class Cell:
     prefix_missed: float | None = None
     history_cached: float | None = None
     peak_engine_busy: int = 0
+    duration_s: float = math.nan  # seconds of arrivals
+    wall_s: float = math.nan  # the whole cell: start, play, drain, stop
 
 
 def _percentile(values: list[float], fraction: float) -> float:
@@ -598,18 +600,41 @@ def summarise(
             (o.cached_tokens or 0) < (system_tokens[r.system] // block) * block - block  # type: ignore[index]
             for r, o in shared
         ) / len(shared)
-        previous: dict[int, int] = {}
+        previous: dict[int, TraceRequest] = {}
         later = cached = 0
         for request, outcome in sorted(shared, key=lambda item: item[0].at):
             conversation = request.conversation
             assert conversation is not None
             if request.turn > 0 and conversation in previous:
                 later += 1
-                # Every full block of the previous turn's prompt was found cached.
-                cached += (outcome.cached_tokens or 0) >= (previous[conversation] // block) * block
-            if outcome.prompt_tokens is not None:
-                previous[conversation] = outcome.prompt_tokens
+                # Every block of the previous turn's prompt that this one can share was cached.
+                history = shareable_history(previous[conversation], request, block)
+                cached += (outcome.cached_tokens or 0) >= history
+            previous[conversation] = request
         cell.history_cached = cached / later if later else None
+
+
+def _prompt_tokens(request: TraceRequest) -> list[str]:
+    from devcluster.engine.text import ChatMessage, render_chatml, tokenize  # noqa: PLC0415
+
+    messages = [ChatMessage(role, text) for role, text in request.messages]
+    return tokenize(render_chatml(messages, add_generation_prompt=True))
+
+
+def shareable_history(previous: TraceRequest, current: TraceRequest, block: int) -> int:
+    """The previous turn's prompt tokens that the current turn's prompt can find cached.
+
+    Their common token prefix, in full blocks. Not the whole previous prompt:
+    its last token (the generation prompt's newline) is tokenized together
+    with the reply's first word in the next turn, so a previous prompt that
+    ends on a block boundary can never share its last block, on any engine.
+    """
+    common = 0
+    for mine, theirs in zip(_prompt_tokens(previous), _prompt_tokens(current), strict=False):
+        if mine != theirs:
+            break
+        common += 1
+    return common // block * block
 
 
 async def run_cell(
@@ -688,8 +713,8 @@ def _fmt(value: float | None, digits: int = 0) -> str:
 
 def print_tables(cells: list[Cell], fleet: Fleet, args: argparse.Namespace) -> None:
     print(
-        f"\n{fleet.caption()}; cores: {os.cpu_count()}; "
-        f"{args.duration:.0f} s of arrivals per cell, seed {args.seed}\n"
+        f"\n{fleet.caption()}; cores: {os.cpu_count()}; at least {args.duration:.0f} s of "
+        f"arrivals and {args.min_requests} requests per cell, seed {args.seed}\n"
     )
     header = (
         "| workload | load | target | rep | requests | errors | TTFT p50 ms | p90 | p99 | "
@@ -727,6 +752,110 @@ def print_tables(cells: list[Cell], fleet: Fleet, args: argparse.Namespace) -> N
         )
 
 
+def _ratio(value: float | None, base: float | None) -> str:
+    if value is None or base is None or math.isnan(value) or math.isnan(base) or base <= 0:
+        return "-"
+    return f"{value / base:.2f}"
+
+
+def _best(cells: list[Cell], quantile: str) -> float | None:
+    values = [
+        c.ttft_ms[quantile] for c in cells if not math.isnan(c.ttft_ms.get(quantile, math.nan))
+    ]
+    return min(values) if values else None
+
+
+def print_acceptance(cells: list[Cell], default: str) -> None:
+    """Issue 13's acceptance ratios of the default policy, per workload, load and repetition."""
+    by_group: dict[tuple[str, str, int], dict[str, Cell]] = {}
+    for c in cells:
+        by_group.setdefault((c.workload, c.load, c.rep), {})[c.target] = c
+    print(f"\nAcceptance ratios of `{default}` (same workload, load and repetition):\n")
+    print(
+        "| workload | load | rep | p50 / RR | p99 / RR | p50 / best(RR,LOR) | p99 / best(RR,LOR) "
+        "| p50 / best vllm-router | p99 / best vllm-router | prefix missed / RR's "
+        "| history cached | errors (all targets) | peak busy (default) |"
+    )
+    print("|" + "---|" * 13)
+    for (workload, load, rep), group in by_group.items():
+        mine = group.get(default)
+        if mine is None:
+            continue
+        rr = group.get("rr")
+        baselines = [c for c in (rr, group.get("lor")) if c is not None]
+        peers = [c for t, c in group.items() if t.startswith("vllm-router-")]
+        row = [
+            workload, load, str(rep),
+            _ratio(mine.ttft_ms["p50"], rr.ttft_ms["p50"] if rr else None),
+            _ratio(mine.ttft_ms["p99"], rr.ttft_ms["p99"] if rr else None),
+            _ratio(mine.ttft_ms["p50"], _best(baselines, "p50")),
+            _ratio(mine.ttft_ms["p99"], _best(baselines, "p99")),
+            _ratio(mine.ttft_ms["p50"], _best(peers, "p50")),
+            _ratio(mine.ttft_ms["p99"], _best(peers, "p99")),
+            _ratio(mine.prefix_missed, rr.prefix_missed if rr else None),
+            _fmt(mine.history_cached, 2),
+            str(sum(c.errors for c in group.values())),
+            str(mine.peak_engine_busy),
+        ]  # fmt: skip
+        print("| " + " | ".join(row) + " |")
+
+
+@dataclass(frozen=True)
+class PlannedCells:
+    """One workload and load: its trace, and how many times each target plays it."""
+
+    workload: str
+    load: str
+    trace: list[TraceRequest]
+    duration_s: float
+    reps: int
+
+
+def cell_trace(
+    workload: str, load: str, seed: int, duration_s: float, *, min_requests: int, fleet: Fleet
+) -> tuple[list[TraceRequest], float]:
+    """The cell's trace: `duration_s` of arrivals, longer until it holds `min_requests`.
+
+    A light cell has few requests per second; with fewer than about 100 its
+    p99 is its single worst request, so it runs longer instead.
+    """
+    trace = scaled_trace(workload, LOADS[load], seed, duration_s, fleet)
+    while len(trace) < min_requests:
+        duration_s = math.ceil(duration_s * max(1.05, min_requests / max(len(trace), 1)))
+        trace = scaled_trace(workload, LOADS[load], seed, duration_s, fleet)
+    return trace, duration_s
+
+
+# Seconds a cell takes beyond its arrivals, measured on a 2-core machine: engines
+# (re)started and passing in Consul, the router up with one scrape, the last answers.
+STARTUP_S = {"rr": 3.0, "lor": 3.0, "caravan": 6.0, "vllm-router": 6.0}
+DRAIN_S = {"light": 2.0, "near": 3.0, "over": 6.0}
+
+
+def estimated_wall_s(plan: list[PlannedCells], targets: list[str]) -> float:
+    total = 0.0
+    for planned in plan:
+        last = planned.trace[-1].at if planned.trace else 0.0
+        for target in targets:
+            startup = STARTUP_S.get(target, STARTUP_S.get(target.split("-")[0], 6.0))
+            total += planned.reps * (startup + last + DRAIN_S.get(planned.load, 4.0))
+    return total
+
+
+def parse_repeats(text: str) -> set[tuple[str, str]]:
+    """`unique/light,mixed/over` -> {(workload, load), ...}; bad names raise ValueError."""
+    chosen: set[tuple[str, str]] = set()
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        workload, _, load = item.partition("/")
+        if workload not in WORKLOADS or load not in LOADS:
+            raise ValueError(
+                f"--repeat: {item!r} is not workload/load (workloads {', '.join(WORKLOADS)}; "
+                f"loads {', '.join(LOADS)})"
+            )
+        chosen.add((workload, load))
+    return chosen
+
+
 def orchestrate(args: argparse.Namespace) -> int:
     # SIGTERM unwinds like Ctrl-C, so every started process is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -753,6 +882,38 @@ def orchestrate(args: argparse.Namespace) -> int:
         return 2
     workloads = args.workloads.split(",")
     loads = args.loads.split(",")
+    bad = [w for w in workloads if w not in WORKLOADS] + [x for x in loads if x not in LOADS]
+    if bad:
+        print(f"unknown workloads or loads: {bad}", file=sys.stderr)
+        return 2
+    try:
+        repeated = parse_repeats(args.repeat)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    plan: list[PlannedCells] = []
+    for workload in workloads:
+        for load in loads:
+            trace, duration_s = cell_trace(
+                workload,
+                load,
+                args.seed,
+                args.duration,
+                min_requests=args.min_requests,
+                fleet=fleet,
+            )
+            reps = args.repeat_reps if (workload, load) in repeated else args.reps
+            plan.append(PlannedCells(workload, load, trace, duration_s, reps))
+    for planned in plan:
+        print(
+            f"{planned.workload}/{planned.load}: {len(planned.trace)} requests over "
+            f"{planned.duration_s:.0f} s, {planned.reps} repetition(s) of {len(targets)} targets"
+        )
+    estimate = estimated_wall_s(plan, targets)
+    print(f"estimated wall time: {estimate / 60:.1f} min", flush=True)
+    if args.plan_only:
+        return 0
+    began = time.monotonic()
     system_tokens = [
         _tokens(f"<|im_start|>system\n{text}<|im_end|>\n") for text in _system_prompts(16, 1100)
     ]
@@ -764,39 +925,41 @@ def orchestrate(args: argparse.Namespace) -> int:
         consul_addr = consul.group(1)
         ports = free_ports(fleet.engines)
         asyncio.run(register_engines(consul_addr, ports, fleet))
-        for workload in workloads:
-            for load in loads:
-                trace = scaled_trace(workload, LOADS[load], args.seed, args.duration, fleet)
-                print(
-                    f"{workload}/{load}: {len(trace)} requests over {args.duration:.0f} s",
-                    flush=True,
-                )
-                for rep in range(args.reps):
-                    order = targets[rep % len(targets) :] + targets[: rep % len(targets)]
-                    for target in order:
-                        cell = Cell(workload, load, target, rep)
-                        for attempt in (1, 2):
-                            try:
-                                asyncio.run(
+        for planned in plan:
+            workload, load, trace = planned.workload, planned.load, planned.trace
+            print(f"{workload}/{load}:", flush=True)
+            for rep in range(planned.reps):
+                order = targets[rep % len(targets) :] + targets[: rep % len(targets)]
+                for target in order:
+                    cell = Cell(workload, load, target, rep, duration_s=planned.duration_s)
+                    cell_began = time.monotonic()
+                    for attempt in (1, 2):
+                        try:
+                            asyncio.run(
                                     run_cell(
                                         cell, trace, consul_addr=consul_addr, ports=ports,
                                         fleet=fleet, vllm_router=vllm_router,
                                         system_tokens=system_tokens, seed=args.seed,
                                     )
                                 )  # fmt: skip
-                                break
-                            except RuntimeError as exc:
-                                # Something did not start (a port taken meanwhile): once more.
-                                print(f"  {target}: {exc}; attempt {attempt}", flush=True)
-                                if attempt == 2:
-                                    raise
-                        cells.append(cell)
-                        print(
-                            f"  {target} rep {rep}: TTFT p50 {cell.ttft_ms['p50']:.0f} ms, "
-                            f"p99 {cell.ttft_ms['p99']:.0f} ms, errors {cell.errors}",
-                            flush=True,
-                        )
+                            break
+                        except RuntimeError as exc:
+                            # Something did not start (a port taken meanwhile): once more.
+                            print(f"  {target}: {exc}; attempt {attempt}", flush=True)
+                            if attempt == 2:
+                                raise
+                    cell.wall_s = time.monotonic() - cell_began
+                    cells.append(cell)
+                    print(
+                        f"  {target} rep {rep}: TTFT p50 {cell.ttft_ms['p50']:.0f} ms, "
+                        f"p99 {cell.ttft_ms['p99']:.0f} ms, errors {cell.errors} "
+                        f"({cell.wall_s:.0f} s)",
+                        flush=True,
+                    )
     print_tables(cells, fleet, args)
+    print_acceptance(cells, args.default_target)
+    wall = time.monotonic() - began
+    print(f"\ntotal wall time: {wall / 60:.1f} min (estimated {estimate / 60:.1f} min)")
     if args.out:
         Path(args.out).write_text(json.dumps([asdict(c) for c in cells], indent=1))
     return 0
@@ -812,8 +975,30 @@ def main() -> int:
     parser.add_argument("--targets", default="", help="comma-separated (default: all)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--loads", default=",".join(LOADS))
-    parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per cell")
+    parser.add_argument(
+        "--duration", type=float, default=10.0, help="seconds of arrivals per cell, at least"
+    )
+    parser.add_argument(
+        "--min-requests",
+        type=int,
+        default=150,
+        help="a cell with fewer requests runs longer (p99 is then not the single worst)",
+    )
     parser.add_argument("--reps", type=int, default=1, help="repetitions of every cell")
+    parser.add_argument(
+        "--repeat",
+        default="",
+        help="workload/load cells to repeat --repeat-reps times, e.g. unique/light,mixed/over",
+    )
+    parser.add_argument("--repeat-reps", type=int, default=2)
+    parser.add_argument(
+        "--default-target",
+        default="caravan-predicted_ttft",
+        help="whose acceptance ratios are printed",
+    )
+    parser.add_argument(
+        "--plan-only", action="store_true", help="print the cells and the time estimate, stop"
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default="", help="write every cell as JSON here")
     parser.add_argument(
@@ -825,6 +1010,7 @@ def main() -> int:
         return 0
     if args.quick:
         args.duration = 6.0
+        args.min_requests = 0
         if not args.targets:
             args.targets = "rr,lor,caravan-prefix_affinity,caravan-predicted_ttft"
     return orchestrate(args)
