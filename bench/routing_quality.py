@@ -223,21 +223,30 @@ def round_robin_work(trace: list[TraceRequest], engines: int) -> float:
     return total / len(trace)
 
 
+# Seconds of arrivals of the probe a load is calibrated on (the cell length of runs 1-3).
+PROBE_S = 12.0
+
+
 def scaled_trace(
     workload: str, load: float, seed: int, duration_s: float, fleet: Fleet
 ) -> list[TraceRequest]:
     """The trace at `load` x the fleet's prefill capacity under round robin."""
+    return build_trace(workload, seed, duration_s, load_scale(workload, load, seed, fleet))
+
+
+def load_scale(workload: str, load: float, seed: int, fleet: Fleet) -> float:
+    """The `build_trace` rate scale that puts the workload at `load` (see `scaled_trace`)."""
     # A dense probe (many requests), so the work per request and the request
-    # rate it is scaled from are not the noise of a dozen samples.
+    # rate it is scaled from are not the noise of a dozen samples. Its length
+    # is fixed: a longer cell has the same arrival rate, not a new calibration.
     probe_scale = 20.0
-    probe = build_trace(workload, seed, duration_s, probe_scale)
+    probe = build_trace(workload, seed, PROBE_S, probe_scale)
     per_request = round_robin_work(probe, fleet.engines)
     # Later turns run past the arrival window: the rate is over the whole span.
-    span = max((r.at for r in probe), default=duration_s)
+    span = max((r.at for r in probe), default=PROBE_S)
     requests_per_unit = len(probe) / max(span, 1e-9)
     target_rps = load * fleet.engines * fleet.prefill_tokens_per_s / per_request
-    scale = probe_scale * target_rps / max(requests_per_unit, 1e-9)
-    return build_trace(workload, seed, duration_s, scale)
+    return probe_scale * target_rps / max(requests_per_unit, 1e-9)
 
 
 # -- the engines (one process, one event loop, N instances) ---------------------------------
@@ -465,7 +474,10 @@ def started(
         yield match
     finally:
         proc.stop()
-        log.unlink(missing_ok=True)
+        if os.environ.get("CARAVAN_BENCH_KEEP_LOGS"):
+            print(f"  log of {Path(command[0]).name} {' '.join(command[1:3])}: {log}", flush=True)
+        else:
+            log.unlink(missing_ok=True)
 
 
 def free_ports(count: int) -> list[int]:
@@ -676,8 +688,13 @@ async def run_cell(
                 "CONSUL_HTTP_ADDR": consul_addr,
                 "CARAVAN_ROUTER_PORT": "0",
                 "CARAVAN_ROUTER_REGISTER_SERVICE": "false",
+                # The engines are registered directly, with no Nomad allocation or
+                # scheduler placement behind them to verify them by.
+                "CARAVAN_ROUTER_ALLOW_UNVERIFIED_ENDPOINTS": "true",
                 "CARAVAN_ROUTER_POLICY": cell.target.removeprefix("caravan-"),
-                "CARAVAN_ROUTER_LOG_LEVEL": "warning",
+                "CARAVAN_ROUTER_LOG_LEVEL": os.environ.get(
+                    "CARAVAN_BENCH_ROUTER_LOG_LEVEL", "warning"
+                ),
             }
             match = stack.enter_context(
                 started([python, "-m", "router"], r"listening on http://[\d.]+:(\d+)", env=env)
@@ -819,10 +836,11 @@ def cell_trace(
     A light cell has few requests per second; with fewer than about 100 its
     p99 is its single worst request, so it runs longer instead.
     """
-    trace = scaled_trace(workload, LOADS[load], seed, duration_s, fleet)
+    scale = load_scale(workload, LOADS[load], seed, fleet)
+    trace = build_trace(workload, seed, duration_s, scale)
     while len(trace) < min_requests:
-        duration_s = math.ceil(duration_s * max(1.05, min_requests / max(len(trace), 1)))
-        trace = scaled_trace(workload, LOADS[load], seed, duration_s, fleet)
+        duration_s += 1.0
+        trace = build_trace(workload, seed, duration_s, scale)
     return trace, duration_s
 
 
