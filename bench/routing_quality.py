@@ -839,7 +839,9 @@ def cell_trace(
     scale = load_scale(workload, LOADS[load], seed, fleet)
     trace = build_trace(workload, seed, duration_s, scale)
     while len(trace) < min_requests:
-        duration_s += 1.0
+        # As long as the rate so far says, and one second more each time that falls short.
+        needed = math.ceil(duration_s * min_requests / max(len(trace), 1))
+        duration_s = max(duration_s + 1.0, float(needed))
         trace = build_trace(workload, seed, duration_s, scale)
     return trace, duration_s
 
