@@ -876,6 +876,218 @@ def parse_repeats(text: str) -> set[tuple[str, str]]:
     return chosen
 
 
+# -- offline replay -------------------------------------------------------------------------
+
+
+def offline_cell(
+    cell: Cell, trace: list[TraceRequest], fleet: Fleet, system_tokens: list[int]
+) -> None:
+    """Replay the trace on a virtual clock: the engines' batch core, the router's pure picker.
+
+    No processes, sockets or CPU contention, so the figures are exact and the
+    same on every machine: what the policy does, apart from the noise of a
+    shared machine. The router parts are the ones it runs (`pick`,
+    `start_request`, `begin_prefill`, `end_prefill`, `record_load`,
+    `record_cache_figures`, a scrape every second); a request takes no time
+    on the wire, and the admission queue is not modelled (a pick that finds
+    every endpoint full goes to the least loaded).
+    """
+    import heapq  # noqa: PLC0415
+
+    from caravan.consul_api import HealthEntry  # noqa: PLC0415
+    from caravan.engine_metrics import EngineLoad  # noqa: PLC0415
+    from devcluster.engine.batch import (  # noqa: PLC0415
+        BatchCore,
+        PerfModel,
+        SequenceSpec,
+        StepPlan,
+        prompt_block_hashes,
+    )
+    from router.balancer import (  # noqa: PLC0415
+        BalancerConfig,
+        Picked,
+        PickerMemory,
+        Policy,
+        RequestFeatures,
+        pick,
+    )
+    from router.breaker import BreakerPolicy  # noqa: PLC0415
+    from router.cost_model import CacheFigures  # noqa: PLC0415
+    from router.endpoints import snapshot_from_health  # noqa: PLC0415
+    from router.live_state import (  # noqa: PLC0415
+        Lease,
+        Prefill,
+        begin_prefill,
+        end_prefill,
+        finish_request,
+        own_counts,
+        peer_rate_of,
+        reconcile_live_state,
+        record_cache_figures,
+        record_load,
+        start_request,
+    )
+    from router.live_state import Outcome as RouterOutcome  # noqa: PLC0415
+    from router.prefix_index import prompt_shape  # noqa: PLC0415
+
+    perf = PerfModel(
+        max_num_seqs=fleet.max_num_seqs,
+        kv_cache_tokens=fleet.kv_blocks * fleet.block_size,
+        block_size=fleet.block_size,
+        max_batched_tokens=fleet.chunk_tokens,
+        step_seconds=fleet.step_s,
+        decode_seconds_per_seq=fleet.decode_s_per_seq,
+        prefill_seconds_per_token=fleet.prefill_s_per_token,
+    )
+    cores = [BatchCore(perf) for _ in range(fleet.engines)]
+    ids = [f"{SERVICE}-{replica}" for replica in range(fleet.engines)]
+    entries = [
+        HealthEntry.from_api({
+            "Node": {"Node": "bench", "Address": "127.0.0.1"},
+            "Service": {
+                "ID": service_id, "Service": SERVICE, "Tags": ["caravan"],
+                "Address": "127.0.0.1", "Port": 20000 + replica,
+                "Meta": {
+                    "caravan_model": MODEL, "served_models": MODEL, "engine": "vllm",
+                    "replica": str(replica), "capacity": str(fleet.max_num_seqs),
+                    "metrics_path": "/metrics",
+                },
+            },
+            "Checks": [],
+        })
+        for replica, service_id in enumerate(ids)
+    ]  # fmt: skip
+    snapshot, _ = snapshot_from_health({SERVICE: entries}, 1)
+    live = reconcile_live_state({}, snapshot)
+    config = BalancerConfig()
+    memory = PickerMemory(rng=random.Random(cell.rep))
+    breaker = BreakerPolicy()
+    policy = (
+        Policy(cell.target.removeprefix("caravan-")) if cell.target.startswith("caravan-") else None
+    )
+
+    events: list[tuple[float, int, str, Any]] = []
+    sequence = 0
+
+    def push(at: float, kind: str, data: Any) -> None:
+        nonlocal sequence
+        sequence += 1
+        heapq.heappush(events, (at, sequence, kind, data))
+
+    for number, request in enumerate(trace):
+        push(request.at, "arrive", number)
+    push(0.0, "scrape", None)
+    push(0.0, "sample", None)
+    plans: list[StepPlan | None] = [None] * fleet.engines
+    outcomes = [Outcome(ok=False) for _ in trace]
+    started_at = [0.0] * len(trace)
+    owners: dict[str, tuple[int, int, Prefill | None, Lease | None]] = {}
+    outstanding = [0] * fleet.engines
+    cursor = 0
+    peak = 0
+
+    def step(engine: int, now: float) -> None:
+        if plans[engine] is None:
+            plans[engine] = cores[engine].schedule(now)
+            if plans[engine] is not None:
+                push(now + plans[engine].duration, "step", engine)  # type: ignore[union-attr]
+
+    while events:
+        now, _, kind, data = heapq.heappop(events)
+        if kind == "arrive":
+            request = trace[data]
+            messages = [{"role": role, "content": text} for role, text in request.messages]
+            tokens = _prompt_tokens(request)
+            prefill: Prefill | None = None
+            lease: Lease | None = None
+            if cell.target == "rr":
+                engine = cursor % fleet.engines
+                cursor += 1
+            elif cell.target == "lor":
+                fewest = min(outstanding)
+                choices = [i for i, n in enumerate(outstanding) if n == fewest]
+                engine = choices[cursor % len(choices)]
+                cursor += 1
+            else:
+                assert policy is not None
+                shape = prompt_shape({"messages": messages}, config.cost.shape)
+                features = RequestFeatures(model=MODEL, prompt=shape)
+                result = pick(snapshot, live, features, policy, now, config=config, memory=memory)
+                if isinstance(result, Picked):
+                    endpoint = result.endpoint
+                else:  # every engine full: the real router would queue it
+                    endpoint = snapshot.by_id[ids[outstanding.index(min(outstanding))]]
+                engine = ids.index(endpoint.id)
+                lease = start_request(live, endpoint.id, breaker, now)
+                if shape is not None:
+                    prefill = begin_prefill(
+                        live, endpoint, shape, now, config.cost,
+                        max_age_s=config.load_max_age_s, peer=peer_rate_of(snapshot, live, MODEL),
+                    )  # fmt: skip
+            outstanding[engine] += 1
+            started_at[data] = now
+            request_id = str(data)
+            owners[request_id] = (data, engine, prefill, lease)
+            cores[engine].submit(
+                SequenceSpec(
+                    request_id=request_id,
+                    prompt_len=len(tokens),
+                    block_hashes=prompt_block_hashes(tokens, fleet.block_size),
+                    output_len=fleet.output_tokens,
+                ),
+                now,
+            )
+            step(engine, now)
+        elif kind == "step":
+            plan = plans[data]
+            assert plan is not None
+            plans[data] = None
+            result_of_step = cores[data].complete(plan, now)
+            for first in result_of_step.first_tokens:
+                number, _, prefill, _ = owners[first.request_id]
+                outcomes[number].ttft_s = now - started_at[number]
+                outcomes[number].prompt_tokens = first.prompt_len
+                outcomes[number].cached_tokens = first.cached_tokens
+                if prefill is not None:
+                    end_prefill(live, prefill, now, config.cost, first_token=True)
+            for finished in result_of_step.finished:
+                number, engine, _, lease = owners.pop(finished.request_id)
+                outcomes[number].ok = True
+                outcomes[number].e2e_s = now - started_at[number]
+                outcomes[number].done_at = now
+                outstanding[engine] -= 1
+                if lease is not None:
+                    finish_request(live, lease, RouterOutcome.SUCCESS, breaker, now)
+            step(data, now)
+        elif kind == "scrape":
+            for engine, core in enumerate(cores):
+                stats = core.stats()
+                load = EngineLoad(
+                    running=float(stats.running),
+                    waiting=float(stats.waiting),
+                    kv_cache_usage=stats.kv_cache_usage,
+                )
+                own = own_counts(live, ids[engine])
+                record_load(live, ids[engine], load, now, own_before=own)
+                figures = CacheFigures(
+                    kv_cache_tokens=perf.kv_cache_tokens,
+                    prefix_queries=float(stats.prefix_queries_tokens),
+                    prefix_hits=float(stats.prefix_hits_tokens),
+                )
+                record_cache_figures(live, ids[engine], figures, config.cost)
+            if owners or events:
+                push(now + 1.0, "scrape", None)
+        elif kind == "sample":
+            peak = max([peak, *(c.stats().running + c.stats().waiting for c in cores)])
+            if owners or any(e[2] != "scrape" for e in events):
+                push(now + 0.5, "sample", None)
+    hits = sum(core.stats().prefix_hits_tokens for core in cores)
+    queries = sum(core.stats().prefix_queries_tokens for core in cores)
+    cell.peak_engine_busy = peak
+    cell.hit_rate = hits / queries if queries else math.nan
+    summarise(cell, trace, outcomes, system_tokens, fleet.block_size)
+
+
 def orchestrate(args: argparse.Namespace) -> int:
     # SIGTERM unwinds like Ctrl-C, so every started process is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -886,6 +1098,9 @@ def orchestrate(args: argparse.Namespace) -> int:
         targets = ["rr", "lor", *(f"caravan-{p}" for p in CARAVAN_POLICIES)]
         if vllm_router is not None:
             targets += [f"vllm-router-{p}" for p in VLLM_ROUTER_POLICIES]
+    if args.offline:
+        # Replayed through the router's picker; vllm-router has no pure core to replay.
+        vllm_router = None
     if vllm_router is None:
         dropped = [t for t in targets if t.startswith("vllm-router-")]
         if dropped:
@@ -938,6 +1153,22 @@ def orchestrate(args: argparse.Namespace) -> int:
         _tokens(f"<|im_start|>system\n{text}<|im_end|>\n") for text in _system_prompts(16, 1100)
     ]
     cells: list[Cell] = []
+    if args.offline:
+        for planned in plan:
+            for rep in range(planned.reps):
+                for target in targets:
+                    cell = Cell(planned.workload, planned.load, target, rep)
+                    cell.duration_s = planned.duration_s
+                    offline_cell(cell, planned.trace, fleet, system_tokens)
+                    cells.append(cell)
+                    print(
+                        f"  {planned.workload}/{planned.load} {target} rep {rep}: "
+                        f"TTFT p50 {cell.ttft_ms['p50']:.0f} ms, p99 {cell.ttft_ms['p99']:.0f} ms",
+                        flush=True,
+                    )
+        print_tables(cells, fleet, args)
+        print_acceptance(cells, args.default_target)
+        return 0
     with started(
         [sys.executable, "-m", "devcluster", "--consul-port", "0", "--dns-port", "0"],
         r"CONSUL_HTTP_ADDR=([\d.:]+)",
@@ -1018,6 +1249,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--plan-only", action="store_true", help="print the cells and the time estimate, stop"
+    )
+    parser.add_argument(
+        "--offline",
+        action="store_true",
+        help="replay on a virtual clock (batch core + the router's picker): exact, no processes",
     )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default="", help="write every cell as JSON here")

@@ -97,3 +97,20 @@ def test_acceptance_ratios_are_against_the_best_of_each_group(
     assert row == (
         "| shared | near | 0 | 0.25 | 0.60 | 0.50 | 0.60 | 0.40 | 0.75 | 0.25 | 0.93 | 1 | 0 |"
     )
+
+
+def test_the_offline_replay_answers_every_request_at_the_engines_speed() -> None:
+    """One prompt on an idle fleet: its TTFT is its prefill in full chunks, exactly."""
+    fleet = Fleet()
+    words = " ".join(["word"] * 1000)
+    trace = [
+        TraceRequest(at=0.0, messages=(("user", words),), system=None, conversation=None, turn=0)
+    ]
+    tokens = len(_prompt_tokens(trace[0]))
+    chunks = math.ceil(tokens / fleet.chunk_tokens)
+    expected = chunks * fleet.step_s + tokens * fleet.prefill_s_per_token
+    for target in ("rr", "caravan-predicted_ttft"):
+        replayed = Cell("unique", "light", target, 0)
+        routing_quality.offline_cell(replayed, trace, fleet, [])
+        assert replayed.errors == 0
+        assert replayed.ttft_ms["p50"] == pytest.approx(1e3 * expected)
