@@ -848,8 +848,8 @@ def cell_trace(
 
 # Seconds a cell takes beyond its arrivals, measured on a 2-core machine: engines
 # (re)started and passing in Consul, the router up with one scrape, the last answers.
-STARTUP_S = {"rr": 3.0, "lor": 3.0, "caravan": 6.0, "vllm-router": 6.0}
-DRAIN_S = {"light": 2.0, "near": 3.0, "over": 6.0}
+STARTUP_S = {"rr": 1.5, "lor": 1.5, "caravan": 3.0, "vllm-router": 2.5}
+DRAIN_S = {"light": 1.0, "near": 1.5, "over": 3.0}
 
 
 def estimated_wall_s(plan: list[PlannedCells], targets: list[str]) -> float:
@@ -857,7 +857,8 @@ def estimated_wall_s(plan: list[PlannedCells], targets: list[str]) -> float:
     for planned in plan:
         last = planned.trace[-1].at if planned.trace else 0.0
         for target in targets:
-            startup = STARTUP_S.get(target, STARTUP_S.get(target.split("-")[0], 6.0))
+            family = "vllm-router" if target.startswith("vllm-router-") else target.split("-")[0]
+            startup = STARTUP_S.get(family, 3.0)
             total += planned.reps * (startup + last + DRAIN_S.get(planned.load, 4.0))
     return total
 

@@ -114,3 +114,16 @@ def test_the_offline_replay_answers_every_request_at_the_engines_speed() -> None
         routing_quality.offline_cell(replayed, trace, fleet, [])
         assert replayed.errors == 0
         assert replayed.ttft_ms["p50"] == pytest.approx(1e3 * expected)
+
+
+def test_the_wall_time_estimate_counts_every_target_and_repetition() -> None:
+    trace = [
+        TraceRequest(at=t, messages=(("user", "hi"),), system=None, conversation=None, turn=0)
+        for t in (0.0, 20.0)
+    ]
+    plan = [routing_quality.PlannedCells("unique", "light", trace, 20.0, reps=2)]
+    targets = ["rr", "caravan-predicted_ttft", "vllm-router-cache_aware"]
+    startup = sum(routing_quality.STARTUP_S[family] for family in ("rr", "caravan", "vllm-router"))
+    drain = 3 * routing_quality.DRAIN_S["light"]
+    expected = 2 * (startup + 3 * 20.0 + drain)
+    assert routing_quality.estimated_wall_s(plan, targets) == pytest.approx(expected)
