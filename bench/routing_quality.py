@@ -223,21 +223,30 @@ def round_robin_work(trace: list[TraceRequest], engines: int) -> float:
     return total / len(trace)
 
 
+# Seconds of arrivals of the probe a load is calibrated on (the cell length of runs 1-3).
+PROBE_S = 12.0
+
+
 def scaled_trace(
     workload: str, load: float, seed: int, duration_s: float, fleet: Fleet
 ) -> list[TraceRequest]:
     """The trace at `load` x the fleet's prefill capacity under round robin."""
+    return build_trace(workload, seed, duration_s, load_scale(workload, load, seed, fleet))
+
+
+def load_scale(workload: str, load: float, seed: int, fleet: Fleet) -> float:
+    """The `build_trace` rate scale that puts the workload at `load` (see `scaled_trace`)."""
     # A dense probe (many requests), so the work per request and the request
-    # rate it is scaled from are not the noise of a dozen samples.
+    # rate it is scaled from are not the noise of a dozen samples. Its length
+    # is fixed: a longer cell has the same arrival rate, not a new calibration.
     probe_scale = 20.0
-    probe = build_trace(workload, seed, duration_s, probe_scale)
+    probe = build_trace(workload, seed, PROBE_S, probe_scale)
     per_request = round_robin_work(probe, fleet.engines)
     # Later turns run past the arrival window: the rate is over the whole span.
-    span = max((r.at for r in probe), default=duration_s)
+    span = max((r.at for r in probe), default=PROBE_S)
     requests_per_unit = len(probe) / max(span, 1e-9)
     target_rps = load * fleet.engines * fleet.prefill_tokens_per_s / per_request
-    scale = probe_scale * target_rps / max(requests_per_unit, 1e-9)
-    return build_trace(workload, seed, duration_s, scale)
+    return probe_scale * target_rps / max(requests_per_unit, 1e-9)
 
 
 # -- the engines (one process, one event loop, N instances) ---------------------------------
@@ -465,7 +474,10 @@ def started(
         yield match
     finally:
         proc.stop()
-        log.unlink(missing_ok=True)
+        if os.environ.get("CARAVAN_BENCH_KEEP_LOGS"):
+            print(f"  log of {Path(command[0]).name} {' '.join(command[1:3])}: {log}", flush=True)
+        else:
+            log.unlink(missing_ok=True)
 
 
 def free_ports(count: int) -> list[int]:
@@ -568,6 +580,8 @@ class Cell:
     prefix_missed: float | None = None
     history_cached: float | None = None
     peak_engine_busy: int = 0
+    duration_s: float = math.nan  # seconds of arrivals
+    wall_s: float = math.nan  # the whole cell: start, play, drain, stop
 
 
 def _percentile(values: list[float], fraction: float) -> float:
@@ -598,18 +612,41 @@ def summarise(
             (o.cached_tokens or 0) < (system_tokens[r.system] // block) * block - block  # type: ignore[index]
             for r, o in shared
         ) / len(shared)
-        previous: dict[int, int] = {}
+        previous: dict[int, TraceRequest] = {}
         later = cached = 0
         for request, outcome in sorted(shared, key=lambda item: item[0].at):
             conversation = request.conversation
             assert conversation is not None
             if request.turn > 0 and conversation in previous:
                 later += 1
-                # Every full block of the previous turn's prompt was found cached.
-                cached += (outcome.cached_tokens or 0) >= (previous[conversation] // block) * block
-            if outcome.prompt_tokens is not None:
-                previous[conversation] = outcome.prompt_tokens
+                # Every block of the previous turn's prompt that this one can share was cached.
+                history = shareable_history(previous[conversation], request, block)
+                cached += (outcome.cached_tokens or 0) >= history
+            previous[conversation] = request
         cell.history_cached = cached / later if later else None
+
+
+def _prompt_tokens(request: TraceRequest) -> list[str]:
+    from devcluster.engine.text import ChatMessage, render_chatml, tokenize  # noqa: PLC0415
+
+    messages = [ChatMessage(role, text) for role, text in request.messages]
+    return tokenize(render_chatml(messages, add_generation_prompt=True))
+
+
+def shareable_history(previous: TraceRequest, current: TraceRequest, block: int) -> int:
+    """The previous turn's prompt tokens that the current turn's prompt can find cached.
+
+    Their common token prefix, in full blocks. Not the whole previous prompt:
+    its last token (the generation prompt's newline) is tokenized together
+    with the reply's first word in the next turn, so a previous prompt that
+    ends on a block boundary can never share its last block, on any engine.
+    """
+    common = 0
+    for mine, theirs in zip(_prompt_tokens(previous), _prompt_tokens(current), strict=False):
+        if mine != theirs:
+            break
+        common += 1
+    return common // block * block
 
 
 async def run_cell(
@@ -651,8 +688,13 @@ async def run_cell(
                 "CONSUL_HTTP_ADDR": consul_addr,
                 "CARAVAN_ROUTER_PORT": "0",
                 "CARAVAN_ROUTER_REGISTER_SERVICE": "false",
+                # The engines are registered directly, with no Nomad allocation or
+                # scheduler placement behind them to verify them by.
+                "CARAVAN_ROUTER_ALLOW_UNVERIFIED_ENDPOINTS": "true",
                 "CARAVAN_ROUTER_POLICY": cell.target.removeprefix("caravan-"),
-                "CARAVAN_ROUTER_LOG_LEVEL": "warning",
+                "CARAVAN_ROUTER_LOG_LEVEL": os.environ.get(
+                    "CARAVAN_BENCH_ROUTER_LOG_LEVEL", "warning"
+                ),
             }
             match = stack.enter_context(
                 started([python, "-m", "router"], r"listening on http://[\d.]+:(\d+)", env=env)
@@ -688,8 +730,8 @@ def _fmt(value: float | None, digits: int = 0) -> str:
 
 def print_tables(cells: list[Cell], fleet: Fleet, args: argparse.Namespace) -> None:
     print(
-        f"\n{fleet.caption()}; cores: {os.cpu_count()}; "
-        f"{args.duration:.0f} s of arrivals per cell, seed {args.seed}\n"
+        f"\n{fleet.caption()}; cores: {os.cpu_count()}; at least {args.duration:.0f} s of "
+        f"arrivals and {args.min_requests} requests per cell, seed {args.seed}\n"
     )
     header = (
         "| workload | load | target | rep | requests | errors | TTFT p50 ms | p90 | p99 | "
@@ -727,6 +769,326 @@ def print_tables(cells: list[Cell], fleet: Fleet, args: argparse.Namespace) -> N
         )
 
 
+def _ratio(value: float | None, base: float | None) -> str:
+    if value is None or base is None or math.isnan(value) or math.isnan(base) or base <= 0:
+        return "-"
+    return f"{value / base:.2f}"
+
+
+def _best(cells: list[Cell], quantile: str) -> float | None:
+    values = [
+        c.ttft_ms[quantile] for c in cells if not math.isnan(c.ttft_ms.get(quantile, math.nan))
+    ]
+    return min(values) if values else None
+
+
+def print_acceptance(cells: list[Cell], default: str) -> None:
+    """Issue 13's acceptance ratios of the default policy, per workload, load and repetition."""
+    by_group: dict[tuple[str, str, int], dict[str, Cell]] = {}
+    for c in cells:
+        by_group.setdefault((c.workload, c.load, c.rep), {})[c.target] = c
+    print(f"\nAcceptance ratios of `{default}` (same workload, load and repetition):\n")
+    print(
+        "| workload | load | rep | p50 / RR | p99 / RR | p50 / best(RR,LOR) | p99 / best(RR,LOR) "
+        "| p50 / best vllm-router | p99 / best vllm-router | prefix missed / RR's "
+        "| history cached | errors (all targets) | peak busy (default) |"
+    )
+    print("|" + "---|" * 13)
+    for (workload, load, rep), group in by_group.items():
+        mine = group.get(default)
+        if mine is None:
+            continue
+        rr = group.get("rr")
+        baselines = [c for c in (rr, group.get("lor")) if c is not None]
+        peers = [c for t, c in group.items() if t.startswith("vllm-router-")]
+        row = [
+            workload, load, str(rep),
+            _ratio(mine.ttft_ms["p50"], rr.ttft_ms["p50"] if rr else None),
+            _ratio(mine.ttft_ms["p99"], rr.ttft_ms["p99"] if rr else None),
+            _ratio(mine.ttft_ms["p50"], _best(baselines, "p50")),
+            _ratio(mine.ttft_ms["p99"], _best(baselines, "p99")),
+            _ratio(mine.ttft_ms["p50"], _best(peers, "p50")),
+            _ratio(mine.ttft_ms["p99"], _best(peers, "p99")),
+            _ratio(mine.prefix_missed, rr.prefix_missed if rr else None),
+            _fmt(mine.history_cached, 2),
+            str(sum(c.errors for c in group.values())),
+            str(mine.peak_engine_busy),
+        ]  # fmt: skip
+        print("| " + " | ".join(row) + " |")
+
+
+@dataclass(frozen=True)
+class PlannedCells:
+    """One workload and load: its trace, and how many times each target plays it."""
+
+    workload: str
+    load: str
+    trace: list[TraceRequest]
+    duration_s: float
+    reps: int
+
+
+def cell_trace(
+    workload: str, load: str, seed: int, duration_s: float, *, min_requests: int, fleet: Fleet
+) -> tuple[list[TraceRequest], float]:
+    """The cell's trace: `duration_s` of arrivals, longer until it holds `min_requests`.
+
+    A light cell has few requests per second; with fewer than about 100 its
+    p99 is its single worst request, so it runs longer instead.
+    """
+    scale = load_scale(workload, LOADS[load], seed, fleet)
+    trace = build_trace(workload, seed, duration_s, scale)
+    while len(trace) < min_requests:
+        # As long as the rate so far says, and one second more each time that falls short.
+        needed = math.ceil(duration_s * min_requests / max(len(trace), 1))
+        duration_s = max(duration_s + 1.0, float(needed))
+        trace = build_trace(workload, seed, duration_s, scale)
+    return trace, duration_s
+
+
+# Seconds a cell takes beyond its arrivals, measured on a 2-core machine: engines
+# (re)started and passing in Consul, the router up with one scrape, the last answers.
+STARTUP_S = {"rr": 1.5, "lor": 1.5, "caravan": 3.0, "vllm-router": 2.5}
+DRAIN_S = {"light": 1.0, "near": 1.5, "over": 3.0}
+
+
+def estimated_wall_s(plan: list[PlannedCells], targets: list[str]) -> float:
+    total = 0.0
+    for planned in plan:
+        last = planned.trace[-1].at if planned.trace else 0.0
+        for target in targets:
+            family = "vllm-router" if target.startswith("vllm-router-") else target.split("-")[0]
+            startup = STARTUP_S.get(family, 3.0)
+            total += planned.reps * (startup + last + DRAIN_S.get(planned.load, 4.0))
+    return total
+
+
+def parse_repeats(text: str) -> set[tuple[str, str]]:
+    """`unique/light,mixed/over` -> {(workload, load), ...}; bad names raise ValueError."""
+    chosen: set[tuple[str, str]] = set()
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        workload, _, load = item.partition("/")
+        if workload not in WORKLOADS or load not in LOADS:
+            raise ValueError(
+                f"--repeat: {item!r} is not workload/load (workloads {', '.join(WORKLOADS)}; "
+                f"loads {', '.join(LOADS)})"
+            )
+        chosen.add((workload, load))
+    return chosen
+
+
+# -- offline replay -------------------------------------------------------------------------
+
+
+def offline_cell(
+    cell: Cell, trace: list[TraceRequest], fleet: Fleet, system_tokens: list[int]
+) -> None:
+    """Replay the trace on a virtual clock: the engines' batch core, the router's pure picker.
+
+    No processes, sockets or CPU contention, so the figures are exact and the
+    same on every machine: what the policy does, apart from the noise of a
+    shared machine. The router parts are the ones it runs (`pick`,
+    `start_request`, `begin_prefill`, `end_prefill`, `record_load`,
+    `record_cache_figures`, a scrape every second); a request takes no time
+    on the wire, and the admission queue is not modelled (a pick that finds
+    every endpoint full goes to the least loaded).
+    """
+    import heapq  # noqa: PLC0415
+
+    from caravan.consul_api import HealthEntry  # noqa: PLC0415
+    from caravan.engine_metrics import EngineLoad  # noqa: PLC0415
+    from devcluster.engine.batch import (  # noqa: PLC0415
+        BatchCore,
+        PerfModel,
+        SequenceSpec,
+        StepPlan,
+        prompt_block_hashes,
+    )
+    from router.balancer import (  # noqa: PLC0415
+        BalancerConfig,
+        Picked,
+        PickerMemory,
+        Policy,
+        RequestFeatures,
+        pick,
+    )
+    from router.breaker import BreakerPolicy  # noqa: PLC0415
+    from router.cost_model import CacheFigures  # noqa: PLC0415
+    from router.endpoints import snapshot_from_health  # noqa: PLC0415
+    from router.live_state import (  # noqa: PLC0415
+        Lease,
+        Prefill,
+        begin_prefill,
+        end_prefill,
+        finish_request,
+        own_counts,
+        peer_rate_of,
+        reconcile_live_state,
+        record_cache_figures,
+        record_load,
+        start_request,
+    )
+    from router.live_state import Outcome as RouterOutcome  # noqa: PLC0415
+    from router.prefix_index import prompt_shape  # noqa: PLC0415
+
+    perf = PerfModel(
+        max_num_seqs=fleet.max_num_seqs,
+        kv_cache_tokens=fleet.kv_blocks * fleet.block_size,
+        block_size=fleet.block_size,
+        max_batched_tokens=fleet.chunk_tokens,
+        step_seconds=fleet.step_s,
+        decode_seconds_per_seq=fleet.decode_s_per_seq,
+        prefill_seconds_per_token=fleet.prefill_s_per_token,
+    )
+    cores = [BatchCore(perf) for _ in range(fleet.engines)]
+    ids = [f"{SERVICE}-{replica}" for replica in range(fleet.engines)]
+    entries = [
+        HealthEntry.from_api({
+            "Node": {"Node": "bench", "Address": "127.0.0.1"},
+            "Service": {
+                "ID": service_id, "Service": SERVICE, "Tags": ["caravan"],
+                "Address": "127.0.0.1", "Port": 20000 + replica,
+                "Meta": {
+                    "caravan_model": MODEL, "served_models": MODEL, "engine": "vllm",
+                    "replica": str(replica), "capacity": str(fleet.max_num_seqs),
+                    "metrics_path": "/metrics",
+                },
+            },
+            "Checks": [],
+        })
+        for replica, service_id in enumerate(ids)
+    ]  # fmt: skip
+    snapshot, _ = snapshot_from_health({SERVICE: entries}, 1)
+    live = reconcile_live_state({}, snapshot)
+    config = BalancerConfig()
+    memory = PickerMemory(rng=random.Random(cell.rep))
+    breaker = BreakerPolicy()
+    policy = (
+        Policy(cell.target.removeprefix("caravan-")) if cell.target.startswith("caravan-") else None
+    )
+
+    events: list[tuple[float, int, str, Any]] = []
+    sequence = 0
+
+    def push(at: float, kind: str, data: Any) -> None:
+        nonlocal sequence
+        sequence += 1
+        heapq.heappush(events, (at, sequence, kind, data))
+
+    for number, request in enumerate(trace):
+        push(request.at, "arrive", number)
+    push(0.0, "scrape", None)
+    push(0.0, "sample", None)
+    plans: list[StepPlan | None] = [None] * fleet.engines
+    outcomes = [Outcome(ok=False) for _ in trace]
+    started_at = [0.0] * len(trace)
+    owners: dict[str, tuple[int, int, Prefill | None, Lease | None]] = {}
+    outstanding = [0] * fleet.engines
+    cursor = 0
+    peak = 0
+
+    def step(engine: int, now: float) -> None:
+        if plans[engine] is None:
+            plans[engine] = cores[engine].schedule(now)
+            if plans[engine] is not None:
+                push(now + plans[engine].duration, "step", engine)  # type: ignore[union-attr]
+
+    while events:
+        now, _, kind, data = heapq.heappop(events)
+        if kind == "arrive":
+            request = trace[data]
+            messages = [{"role": role, "content": text} for role, text in request.messages]
+            tokens = _prompt_tokens(request)
+            prefill: Prefill | None = None
+            lease: Lease | None = None
+            if cell.target == "rr":
+                engine = cursor % fleet.engines
+                cursor += 1
+            elif cell.target == "lor":
+                fewest = min(outstanding)
+                choices = [i for i, n in enumerate(outstanding) if n == fewest]
+                engine = choices[cursor % len(choices)]
+                cursor += 1
+            else:
+                assert policy is not None
+                shape = prompt_shape({"messages": messages}, config.cost.shape)
+                features = RequestFeatures(model=MODEL, prompt=shape)
+                result = pick(snapshot, live, features, policy, now, config=config, memory=memory)
+                if isinstance(result, Picked):
+                    endpoint = result.endpoint
+                else:  # every engine full: the real router would queue it
+                    endpoint = snapshot.by_id[ids[outstanding.index(min(outstanding))]]
+                engine = ids.index(endpoint.id)
+                lease = start_request(live, endpoint.id, breaker, now)
+                if shape is not None:
+                    prefill = begin_prefill(
+                        live, endpoint, shape, now, config.cost,
+                        max_age_s=config.load_max_age_s, peer=peer_rate_of(snapshot, live, MODEL),
+                    )  # fmt: skip
+            outstanding[engine] += 1
+            started_at[data] = now
+            request_id = str(data)
+            owners[request_id] = (data, engine, prefill, lease)
+            cores[engine].submit(
+                SequenceSpec(
+                    request_id=request_id,
+                    prompt_len=len(tokens),
+                    block_hashes=prompt_block_hashes(tokens, fleet.block_size),
+                    output_len=fleet.output_tokens,
+                ),
+                now,
+            )
+            step(engine, now)
+        elif kind == "step":
+            plan = plans[data]
+            assert plan is not None
+            plans[data] = None
+            result_of_step = cores[data].complete(plan, now)
+            for first in result_of_step.first_tokens:
+                number, _, prefill, _ = owners[first.request_id]
+                outcomes[number].ttft_s = now - started_at[number]
+                outcomes[number].prompt_tokens = first.prompt_len
+                outcomes[number].cached_tokens = first.cached_tokens
+                if prefill is not None:
+                    end_prefill(live, prefill, now, config.cost, first_token=True)
+            for finished in result_of_step.finished:
+                number, engine, _, lease = owners.pop(finished.request_id)
+                outcomes[number].ok = True
+                outcomes[number].e2e_s = now - started_at[number]
+                outcomes[number].done_at = now
+                outstanding[engine] -= 1
+                if lease is not None:
+                    finish_request(live, lease, RouterOutcome.SUCCESS, breaker, now)
+            step(data, now)
+        elif kind == "scrape":
+            for engine, core in enumerate(cores):
+                stats = core.stats()
+                load = EngineLoad(
+                    running=float(stats.running),
+                    waiting=float(stats.waiting),
+                    kv_cache_usage=stats.kv_cache_usage,
+                )
+                own = own_counts(live, ids[engine])
+                record_load(live, ids[engine], load, now, own_before=own)
+                figures = CacheFigures(
+                    kv_cache_tokens=perf.kv_cache_tokens,
+                    prefix_queries=float(stats.prefix_queries_tokens),
+                    prefix_hits=float(stats.prefix_hits_tokens),
+                )
+                record_cache_figures(live, ids[engine], figures, config.cost)
+            if owners or events:
+                push(now + 1.0, "scrape", None)
+        elif kind == "sample":
+            peak = max([peak, *(c.stats().running + c.stats().waiting for c in cores)])
+            if owners or any(e[2] != "scrape" for e in events):
+                push(now + 0.5, "sample", None)
+    hits = sum(core.stats().prefix_hits_tokens for core in cores)
+    queries = sum(core.stats().prefix_queries_tokens for core in cores)
+    cell.peak_engine_busy = peak
+    cell.hit_rate = hits / queries if queries else math.nan
+    summarise(cell, trace, outcomes, system_tokens, fleet.block_size)
+
+
 def orchestrate(args: argparse.Namespace) -> int:
     # SIGTERM unwinds like Ctrl-C, so every started process is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -737,6 +1099,9 @@ def orchestrate(args: argparse.Namespace) -> int:
         targets = ["rr", "lor", *(f"caravan-{p}" for p in CARAVAN_POLICIES)]
         if vllm_router is not None:
             targets += [f"vllm-router-{p}" for p in VLLM_ROUTER_POLICIES]
+    if args.offline:
+        # Replayed through the router's picker; vllm-router has no pure core to replay.
+        vllm_router = None
     if vllm_router is None:
         dropped = [t for t in targets if t.startswith("vllm-router-")]
         if dropped:
@@ -753,10 +1118,58 @@ def orchestrate(args: argparse.Namespace) -> int:
         return 2
     workloads = args.workloads.split(",")
     loads = args.loads.split(",")
+    bad = [w for w in workloads if w not in WORKLOADS] + [x for x in loads if x not in LOADS]
+    if bad:
+        print(f"unknown workloads or loads: {bad}", file=sys.stderr)
+        return 2
+    try:
+        repeated = parse_repeats(args.repeat)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    plan: list[PlannedCells] = []
+    for workload in workloads:
+        for load in loads:
+            trace, duration_s = cell_trace(
+                workload,
+                load,
+                args.seed,
+                args.duration,
+                min_requests=args.min_requests,
+                fleet=fleet,
+            )
+            reps = args.repeat_reps if (workload, load) in repeated else args.reps
+            plan.append(PlannedCells(workload, load, trace, duration_s, reps))
+    for planned in plan:
+        print(
+            f"{planned.workload}/{planned.load}: {len(planned.trace)} requests over "
+            f"{planned.duration_s:.0f} s, {planned.reps} repetition(s) of {len(targets)} targets"
+        )
+    estimate = estimated_wall_s(plan, targets)
+    print(f"estimated wall time: {estimate / 60:.1f} min", flush=True)
+    if args.plan_only:
+        return 0
+    began = time.monotonic()
     system_tokens = [
         _tokens(f"<|im_start|>system\n{text}<|im_end|>\n") for text in _system_prompts(16, 1100)
     ]
     cells: list[Cell] = []
+    if args.offline:
+        for planned in plan:
+            for rep in range(planned.reps):
+                for target in targets:
+                    cell = Cell(planned.workload, planned.load, target, rep)
+                    cell.duration_s = planned.duration_s
+                    offline_cell(cell, planned.trace, fleet, system_tokens)
+                    cells.append(cell)
+                    print(
+                        f"  {planned.workload}/{planned.load} {target} rep {rep}: "
+                        f"TTFT p50 {cell.ttft_ms['p50']:.0f} ms, p99 {cell.ttft_ms['p99']:.0f} ms",
+                        flush=True,
+                    )
+        print_tables(cells, fleet, args)
+        print_acceptance(cells, args.default_target)
+        return 0
     with started(
         [sys.executable, "-m", "devcluster", "--consul-port", "0", "--dns-port", "0"],
         r"CONSUL_HTTP_ADDR=([\d.:]+)",
@@ -764,39 +1177,41 @@ def orchestrate(args: argparse.Namespace) -> int:
         consul_addr = consul.group(1)
         ports = free_ports(fleet.engines)
         asyncio.run(register_engines(consul_addr, ports, fleet))
-        for workload in workloads:
-            for load in loads:
-                trace = scaled_trace(workload, LOADS[load], args.seed, args.duration, fleet)
-                print(
-                    f"{workload}/{load}: {len(trace)} requests over {args.duration:.0f} s",
-                    flush=True,
-                )
-                for rep in range(args.reps):
-                    order = targets[rep % len(targets) :] + targets[: rep % len(targets)]
-                    for target in order:
-                        cell = Cell(workload, load, target, rep)
-                        for attempt in (1, 2):
-                            try:
-                                asyncio.run(
+        for planned in plan:
+            workload, load, trace = planned.workload, planned.load, planned.trace
+            print(f"{workload}/{load}:", flush=True)
+            for rep in range(planned.reps):
+                order = targets[rep % len(targets) :] + targets[: rep % len(targets)]
+                for target in order:
+                    cell = Cell(workload, load, target, rep, duration_s=planned.duration_s)
+                    cell_began = time.monotonic()
+                    for attempt in (1, 2):
+                        try:
+                            asyncio.run(
                                     run_cell(
                                         cell, trace, consul_addr=consul_addr, ports=ports,
                                         fleet=fleet, vllm_router=vllm_router,
                                         system_tokens=system_tokens, seed=args.seed,
                                     )
                                 )  # fmt: skip
-                                break
-                            except RuntimeError as exc:
-                                # Something did not start (a port taken meanwhile): once more.
-                                print(f"  {target}: {exc}; attempt {attempt}", flush=True)
-                                if attempt == 2:
-                                    raise
-                        cells.append(cell)
-                        print(
-                            f"  {target} rep {rep}: TTFT p50 {cell.ttft_ms['p50']:.0f} ms, "
-                            f"p99 {cell.ttft_ms['p99']:.0f} ms, errors {cell.errors}",
-                            flush=True,
-                        )
+                            break
+                        except RuntimeError as exc:
+                            # Something did not start (a port taken meanwhile): once more.
+                            print(f"  {target}: {exc}; attempt {attempt}", flush=True)
+                            if attempt == 2:
+                                raise
+                    cell.wall_s = time.monotonic() - cell_began
+                    cells.append(cell)
+                    print(
+                        f"  {target} rep {rep}: TTFT p50 {cell.ttft_ms['p50']:.0f} ms, "
+                        f"p99 {cell.ttft_ms['p99']:.0f} ms, errors {cell.errors} "
+                        f"({cell.wall_s:.0f} s)",
+                        flush=True,
+                    )
     print_tables(cells, fleet, args)
+    print_acceptance(cells, args.default_target)
+    wall = time.monotonic() - began
+    print(f"\ntotal wall time: {wall / 60:.1f} min (estimated {estimate / 60:.1f} min)")
     if args.out:
         Path(args.out).write_text(json.dumps([asdict(c) for c in cells], indent=1))
     return 0
@@ -812,8 +1227,35 @@ def main() -> int:
     parser.add_argument("--targets", default="", help="comma-separated (default: all)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--loads", default=",".join(LOADS))
-    parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per cell")
+    parser.add_argument(
+        "--duration", type=float, default=10.0, help="seconds of arrivals per cell, at least"
+    )
+    parser.add_argument(
+        "--min-requests",
+        type=int,
+        default=150,
+        help="a cell with fewer requests runs longer (p99 is then not the single worst)",
+    )
     parser.add_argument("--reps", type=int, default=1, help="repetitions of every cell")
+    parser.add_argument(
+        "--repeat",
+        default="",
+        help="workload/load cells to repeat --repeat-reps times, e.g. unique/light,mixed/over",
+    )
+    parser.add_argument("--repeat-reps", type=int, default=2)
+    parser.add_argument(
+        "--default-target",
+        default="caravan-predicted_ttft",
+        help="whose acceptance ratios are printed",
+    )
+    parser.add_argument(
+        "--plan-only", action="store_true", help="print the cells and the time estimate, stop"
+    )
+    parser.add_argument(
+        "--offline",
+        action="store_true",
+        help="replay on a virtual clock (batch core + the router's picker): exact, no processes",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default="", help="write every cell as JSON here")
     parser.add_argument(
@@ -825,6 +1267,7 @@ def main() -> int:
         return 0
     if args.quick:
         args.duration = 6.0
+        args.min_requests = 0
         if not args.targets:
             args.targets = "rr,lor,caravan-prefix_affinity,caravan-predicted_ttft"
     return orchestrate(args)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, assert_never
 
 from router.affinity import DEFAULT_LOAD_FACTOR, load_bound, within_load_bound
 from router.breaker import BreakerPhase, BreakerPolicy, allows_request
-from router.cost_model import CostConfig, estimate, peer_rate
+from router.cost_model import CostConfig, Estimate, estimate, peer_rate
 from router.endpoints import CheckStatus, Endpoint
 from router.live_state import EndpointLiveState
 
@@ -391,8 +391,8 @@ def _prefix_affinity(
 
 def ttft_estimates(
     candidates: Sequence[Candidate], request: RequestFeatures, now: float, config: BalancerConfig
-) -> list[float]:
-    """Each candidate's predicted time to first token for the request, in seconds."""
+) -> list[Estimate]:
+    """Each candidate's predicted time to first token for the request (`Estimate.seconds`)."""
     peer = peer_rate(state for _, state in candidates)
     return [
         estimate(
@@ -403,7 +403,7 @@ def ttft_estimates(
             config.cost,
             max_age_s=config.load_max_age_s,
             peer=peer,
-        ).seconds
+        )
         for endpoint, state in candidates
     ]
 
@@ -418,17 +418,27 @@ def _predicted_ttft(
 ) -> Endpoint:
     """The smallest predicted time to first token; near-ties go to the prefix's ring order.
 
-    A request with no prompt key breaks ties by in-flight relative to capacity,
-    then by endpoint id. Deterministic: no random draw.
+    Among near-ties, the endpoints that hold the most of the prompt go first
+    (a conversation stays where its history is, rather than being copied
+    into a second KV cache for nothing), then those with no prefill queued
+    ahead of the request: the band is there so that routers agree on where a
+    cold prefix lives, not to put a request behind another's prefill while an
+    engine with nothing to prefill is as good by the estimate. A request with
+    no prompt key breaks ties by in-flight relative to capacity, then by
+    endpoint id. Deterministic: no random draw.
     """
     estimates = ttft_estimates(candidates, request, now, config)
-    best = min(estimates)
+    best = min(item.seconds for item in estimates)
     band = best + max(config.cost.tie_abs_s, config.cost.tie_rel * best)
-    tied = {
-        endpoint.id: (endpoint, state, seconds)
-        for (endpoint, state), seconds in zip(candidates, estimates, strict=True)
-        if seconds <= band
-    }
+    near = [
+        (endpoint, state, item)
+        for (endpoint, state), item in zip(candidates, estimates, strict=True)
+        if item.seconds <= band
+    ]
+    most = max(item.cached_tokens for _, _, item in near)
+    near = [candidate for candidate in near if candidate[2].cached_tokens >= most]
+    free = [candidate for candidate in near if candidate[2].queued_tokens <= 0]
+    tied = {endpoint.id: (endpoint, state, item.seconds) for endpoint, state, item in free or near}
     if len(tied) == 1:
         return next(iter(tied.values()))[0]
     key = request.prompt.ring_key if request.prompt is not None else None

@@ -118,6 +118,8 @@ class Estimate:
     seconds: float
     cached_tokens: float  # of the request's prompt, believed cached there
     uncached_tokens: float
+    # Prefill tokens believed queued ahead of it there (this router's and others').
+    queued_tokens: float = 0.0
 
 
 def parse_cache_figures(text: str) -> CacheFigures:
@@ -273,7 +275,9 @@ def estimate(
     seconds = config.base_s + (queued + uncached) / rate * (
         1.0 + config.interference_per_seq * max(0.0, running)
     )
-    return Estimate(seconds=seconds, cached_tokens=cached, uncached_tokens=uncached)
+    return Estimate(
+        seconds=seconds, cached_tokens=cached, uncached_tokens=uncached, queued_tokens=queued
+    )
 
 
 def learned_rate(

@@ -35,6 +35,7 @@ from router.cost_model import (
     index_capacity_blocks,
     learned_rate,
     own_queue,
+    peer_rate,
     prefill_rate,
 )
 from router.endpoints import CheckStatus
@@ -243,12 +244,16 @@ def begin_prefill(
     config: CostConfig,
     *,
     max_age_s: float,
+    peer: float | None = None,
 ) -> Prefill | None:
     """Count the prompt just sent to this endpoint (after `start_request`).
 
     Queues its uncached tokens, records its blocks in the endpoint's index
     (within the engine's KV capacity) and notes what the index predicted, for
     the engine's prefix-cache counters to confirm. None for an unknown endpoint.
+    `peer` is the rate its fellow replicas learned (`peer_rate_of`): the drain
+    clock must run at the rate the picker assumed, or a replica that learned
+    nothing yet looks idle long before its prefill is done.
     """
     state = live.get(endpoint.id)
     if state is None:
@@ -259,10 +264,12 @@ def begin_prefill(
     # factor driven to 0 can still recover when the engine's hits come back.
     raw = min(tokens, state.prefix.matched(shape.blocks) * config.shape.block_tokens)
     uncached = max(0.0, tokens - believed)
-    foreign_tokens, foreign_running = foreign_queue(endpoint, state, now, config, max_age_s)
+    foreign_tokens, foreign_running = foreign_queue(
+        endpoint, state, now, config, max_age_s, peer=peer
+    )
     # in_flight already counts this request (start_request ran); it is not decoding.
     running = max(0, state.in_flight - 1 - state.prefilling) + foreign_running
-    rate = prefill_rate(endpoint, state, config)
+    rate = prefill_rate(endpoint, state, config, peer)
     ahead = own_queue(state, now, rate)
     start = max(now, state.prefill_busy_until or now)
     state.prefill_busy_until = start + uncached / rate
@@ -286,6 +293,18 @@ def begin_prefill(
     )
     state.prefix.record(shape.blocks, index_capacity_blocks(state, config))
     return prefill
+
+
+def peer_rate_of(snapshot: EndpointSnapshot, live: LiveStates, model: str) -> float | None:
+    """The mean prefill rate the model's replicas learned (`cost_model.peer_rate`)."""
+    model_endpoints = snapshot.for_model(model)
+    if model_endpoints is None:
+        return None
+    return peer_rate(
+        state
+        for state in (live.get(endpoint.id) for endpoint in model_endpoints.endpoints)
+        if state is not None
+    )
 
 
 def end_prefill(

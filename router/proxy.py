@@ -88,7 +88,7 @@ from router.errors import (
     error_body,
     retry_after_s,
 )
-from router.live_state import Outcome, Prefill, begin_prefill, end_prefill
+from router.live_state import Outcome, Prefill, begin_prefill, end_prefill, peer_rate_of
 from router.metrics import OTHER_MODEL, FailoverOutcome, RequestOutcome, RouterMetrics
 from router.prefix_index import prompt_shape
 from router.replacement import replacement_outcome, waits_for_replacement
@@ -756,15 +756,16 @@ class Proxy:
             raise
         exchange.attempts += 1
         exchange.endpoint_id = admitted.endpoint.id
-        prompt = exchange.features.prompt if exchange.features is not None else None
-        if prompt is not None:
+        features = exchange.features
+        if features is not None and features.prompt is not None:
             exchange.prefill = begin_prefill(
                 self._state.live,
                 admitted.endpoint,
-                prompt,
+                features.prompt,
                 self._clock(),
                 self._cost,
                 max_age_s=self._load_max_age_s,
+                peer=peer_rate_of(self._state.view.snapshot, self._state.live, features.model),
             )
         return admitted
 

@@ -37,6 +37,7 @@ from router.live_state import (
     begin_prefill,
     end_prefill,
     own_counts,
+    peer_rate_of,
     record_cache_figures,
     record_load,
     start_request,
@@ -525,3 +526,68 @@ def test_a_replica_that_learned_nothing_borrows_its_peers_rate() -> None:
         for n in range(4)
     ]
     assert sorted(chosen) == ["e0", "e1", "e2", "e3"]
+
+
+def test_the_drain_clock_of_a_replica_that_learned_nothing_runs_at_its_peers_rate() -> None:
+    """Sent at the borrowed rate, its queue must drain at that rate, not the default's."""
+    snapshot = four()
+    live = live_for(snapshot)
+    for endpoint_id in ("e0", "e1", "e2"):
+        live[endpoint_id].prefill_rate_tps = 5000.0
+    peer = peer_rate_of(snapshot, live, MODEL)
+    assert peer == pytest.approx(5000.0)
+    endpoint = snapshot.by_id["e3"]
+    start_request(live, "e3", CONFIG.breaker, NOW)
+    begin_prefill(live, endpoint, PromptShape((), 2000, 1), NOW, COST, max_age_s=5.0, peer=peer)
+    # Just before the default rate (20k tokens/s) would have drained it: most is left.
+    later = NOW + 0.09
+    probe = PromptShape((), 100, 2)
+    ahead = estimate(endpoint, live["e3"], probe, later, COST, max_age_s=5.0, peer=peer)
+    assert ahead.queued_tokens == pytest.approx(2000 - 0.09 * 5000)
+
+
+def test_near_ties_prefer_an_engine_with_nothing_to_prefill() -> None:
+    """Within the tie band, the ring must not put a request behind another's prefill."""
+    snapshot = four()
+    ring = snapshot.models[MODEL].ring
+    key = next(k for k in range(0, 2**64, 2**50) if next(ring.walk(k)) == "e1")
+    live = live_for(snapshot)
+    for state in live.values():
+        state.prefill_rate_tps = 5000.0
+    start_request(live, "e1", CONFIG.breaker, NOW)
+    begin_prefill(live, snapshot.by_id["e1"], PromptShape((), 50, 7), NOW, COST, max_age_s=5.0)
+    request = RequestFeatures(MODEL, prompt=PromptShape((), 2000, key))
+    estimates = {
+        endpoint_id: estimate(
+            snapshot.by_id[endpoint_id], state, request.prompt, NOW, COST, max_age_s=5.0
+        )
+        for endpoint_id, state in live.items()
+    }
+    best = min(item.seconds for item in estimates.values())
+    assert estimates["e1"].seconds <= best * (1 + COST.tie_rel)  # a near-tie, first on the ring
+    assert estimates["e1"].queued_tokens > 0
+    assert picked_id(run_pick(snapshot, live, request)) != "e1"
+
+
+def test_near_ties_keep_a_conversation_where_its_history_is() -> None:
+    """As fast by the estimate, the endpoint holding the prompt wins over an idle one."""
+    snapshot = four()
+    ring = snapshot.models[MODEL].ring
+    key = next(k for k in range(0, 2**64, 2**50) if next(ring.walk(k)) == "e1")
+    live = live_for(snapshot)
+    for state in live.values():
+        state.prefill_rate_tps = 5000.0
+    blocks = tuple(range(1, 11))
+    cached = len(blocks) * SHAPE.block_tokens
+    # e2 holds the history, and has as much queued ahead as the history saves.
+    live["e2"].prefix.record(blocks, 1000)
+    start_request(live, "e2", CONFIG.breaker, NOW)
+    begin_prefill(
+        live, snapshot.by_id["e2"], PromptShape((), int(cached), 9), NOW, COST, max_age_s=5.0
+    )
+    request = RequestFeatures(MODEL, prompt=PromptShape(blocks, 2000, key))
+    home = estimate(snapshot.by_id["e2"], live["e2"], request.prompt, NOW, COST, max_age_s=5.0)
+    idle = estimate(snapshot.by_id["e1"], live["e1"], request.prompt, NOW, COST, max_age_s=5.0)
+    assert home.cached_tokens == cached
+    assert home.seconds == pytest.approx(idle.seconds)
+    assert picked_id(run_pick(snapshot, live, request)) == "e2"
