@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
+from pathlib import Path
 
 import pytest
 
-from bench import routing_quality
-from bench.routing_quality import (
-    Cell,
-    Fleet,
-    TraceRequest,
-    _prompt_tokens,
-    cell_trace,
-    parse_repeats,
-    print_acceptance,
-    shareable_history,
-)
+# bench/ holds scripts, not a package: load the bench by its path.
+_BENCH = Path(__file__).resolve().parents[3] / "bench" / "routing_quality.py"
+_spec = importlib.util.spec_from_file_location("routing_quality", _BENCH)
+assert _spec is not None
+assert _spec.loader is not None
+routing_quality = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("routing_quality", routing_quality)
+_spec.loader.exec_module(routing_quality)
+
+Cell = routing_quality.Cell
+Fleet = routing_quality.Fleet
+TraceRequest = routing_quality.TraceRequest
+_prompt_tokens = routing_quality._prompt_tokens
+cell_trace = routing_quality.cell_trace
+parse_repeats = routing_quality.parse_repeats
+print_acceptance = routing_quality.print_acceptance
+shareable_history = routing_quality.shareable_history
 
 BLOCK = 16
 
