@@ -1093,7 +1093,12 @@ def orchestrate(args: argparse.Namespace) -> int:
     # SIGTERM unwinds like Ctrl-C, so every started process is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     fleet = Fleet(engines=args.engines)
-    vllm_router = os.environ.get("CARAVAN_BENCH_VLLM_ROUTER") or shutil.which("vllm-router")
+    # On PATH, or beside this interpreter (`.venv/bin/python bench/...` without activating).
+    vllm_router = (
+        os.environ.get("CARAVAN_BENCH_VLLM_ROUTER")
+        or shutil.which("vllm-router")
+        or shutil.which("vllm-router", path=str(Path(sys.executable).parent))
+    )
     targets = args.targets.split(",") if args.targets else None
     if targets is None:
         targets = ["rr", "lor", *(f"caravan-{p}" for p in CARAVAN_POLICIES)]
