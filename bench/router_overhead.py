@@ -521,7 +521,12 @@ def orchestrate(args: argparse.Namespace) -> int:
             # to place it: only the unsafe setting lets the router use it.
             "CARAVAN_ROUTER_ALLOW_UNVERIFIED_ENDPOINTS": "true",
         }
-        vllm_router = os.environ.get("CARAVAN_BENCH_VLLM_ROUTER") or shutil.which("vllm-router")
+        # On PATH, or beside this interpreter (`.venv/bin/python bench/...` without activating).
+        vllm_router = (
+            os.environ.get("CARAVAN_BENCH_VLLM_ROUTER")
+            or shutil.which("vllm-router")
+            or shutil.which("vllm-router", path=str(Path(sys.executable).parent))
+        )
         if vllm_router is None:
             print("vllm-router not found (pip install vllm-router==0.1.17): row skipped")
         if args.per_core_only:
