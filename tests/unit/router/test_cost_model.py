@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -546,14 +547,20 @@ def test_the_drain_clock_of_a_replica_that_learned_nothing_runs_at_its_peers_rat
     assert ahead.queued_tokens == pytest.approx(2000 - 0.09 * 5000)
 
 
-def test_near_ties_prefer_an_engine_with_nothing_to_prefill() -> None:
-    """Within the tie band, the ring must not put a request behind another's prefill."""
+def fleet_at_5k_with_a_key_ringed_to_e1() -> tuple[Any, Any, int]:
+    """Four endpoints that learned 5k tokens/s, and a ring key whose first endpoint is e1."""
     snapshot = four()
     ring = snapshot.models[MODEL].ring
     key = next(k for k in range(0, 2**64, 2**50) if next(ring.walk(k)) == "e1")
     live = live_for(snapshot)
     for state in live.values():
         state.prefill_rate_tps = 5000.0
+    return snapshot, live, key
+
+
+def test_near_ties_prefer_an_engine_with_nothing_to_prefill() -> None:
+    """Within the tie band, the ring must not put a request behind another's prefill."""
+    snapshot, live, key = fleet_at_5k_with_a_key_ringed_to_e1()
     start_request(live, "e1", CONFIG.breaker, NOW)
     begin_prefill(live, snapshot.by_id["e1"], PromptShape((), 50, 7), NOW, COST, max_age_s=5.0)
     request = RequestFeatures(MODEL, prompt=PromptShape((), 2000, key))
@@ -571,12 +578,7 @@ def test_near_ties_prefer_an_engine_with_nothing_to_prefill() -> None:
 
 def test_near_ties_keep_a_conversation_where_its_history_is() -> None:
     """As fast by the estimate, the endpoint holding the prompt wins over an idle one."""
-    snapshot = four()
-    ring = snapshot.models[MODEL].ring
-    key = next(k for k in range(0, 2**64, 2**50) if next(ring.walk(k)) == "e1")
-    live = live_for(snapshot)
-    for state in live.values():
-        state.prefill_rate_tps = 5000.0
+    snapshot, live, key = fleet_at_5k_with_a_key_ringed_to_e1()
     blocks = tuple(range(1, 11))
     cached = len(blocks) * SHAPE.block_tokens
     # e2 holds the history, and has as much queued ahead as the history saves.
