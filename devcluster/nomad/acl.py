@@ -471,6 +471,10 @@ class Acl:
     def allow_operator_write(self) -> bool:
         return self._scalar_allows("operator", WRITE)
 
+    def allow_plugin_read(self) -> bool:
+        """AllowPluginRead: `plugin` read exactly (in Nomad, `write` does not imply it)."""
+        return self._scalar_allows("plugin", READ)
+
 
 def _merge_sets(
     target: dict[str, set[str]], key: str, caps: Iterable[str], *, deny_clears: bool
@@ -654,12 +658,15 @@ def allowed(acl: Acl, need: Requirement, namespace: str) -> bool:
 
 def job_volumes_allowed(acl: Acl, namespace: str, job: Mapping[str, Any]) -> bool:
     """Job.Register's volume checks: host volumes need a mount capability, CSI needs
-    csi-mount-volume in the namespace."""
+    `plugin` read and csi-mount-volume in the namespace (allowCSIMount)."""
     for group in job.get("TaskGroups") or []:
         for volume in (group.get("Volumes") or {}).values():
             kind = volume.get("Type")
             if kind == "csi":
-                if not acl.allow_namespace_op(namespace, "csi-mount-volume"):
+                if not (
+                    acl.allow_plugin_read()
+                    and acl.allow_namespace_op(namespace, "csi-mount-volume")
+                ):
                     return False
             elif kind == "host":
                 source = str(volume.get("Source") or "")

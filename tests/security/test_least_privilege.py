@@ -53,6 +53,7 @@ from caravan_cli.local_stack import (
     running_router,
 )
 from devcluster.consul.server import ConsulConfig, ConsulServer
+from devcluster.nomad.server import NomadServer
 from router.settings import RouterSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -467,6 +468,61 @@ async def test_cold_start_works_on_the_routers_and_schedulers_policies(
             await eventually(lambda: passing(0), 60, "the replica gone after delete")
             assert refusals(stack, caplog) == []
             assert nomad_refusals(stack, caplog) == []
+
+
+def golden_job(name: str) -> dict[str, Any]:
+    """A replica or prefetch job exactly as caravan renders it (tests/golden)."""
+    document: dict[str, Any] = json.loads((ROOT / "tests" / "golden" / name).read_text())
+    return document if "Job" in document else {"Job": document}
+
+
+async def nomad_token_for(address: str, management: str, name: str, rules: str) -> str:
+    """A Nomad client token carrying only a policy `name` with `rules`; its SecretID."""
+    async with aiohttp.ClientSession(headers={"X-Nomad-Token": management}) as session:
+        policy = {"Name": name, "Rules": rules}
+        async with session.post(f"{address}/v1/acl/policy/{name}", json=policy) as response:
+            assert 200 == response.status, await response.text()
+        token = {"Name": name, "Type": "client", "Policies": [name]}
+        async with session.post(f"{address}/v1/acl/token", json=token) as response:
+            assert 200 == response.status, await response.text()
+            return str((await response.json())["SecretID"])
+
+
+async def test_the_schedulers_nomad_policy_registers_weights_cache_volumes() -> None:
+    """Replicas and prefetch jobs that mount a weights cache (host or CSI volume) register.
+
+    Nomad's Job.Register checks volume permissions on top of submit-job: a host
+    volume needs host_volume mount-readonly/readwrite, a CSI volume plugin read
+    and csi-mount-volume. The rendered jobs of the cached example profile are
+    registered with the scheduler's token, and with a token lacking those
+    grants (refused: the check is real).
+    """
+    management = str(uuid.uuid4())
+    replica = golden_job("llama-vllm-h100-cached.job.json")
+    prefetch = golden_job("llama-vllm-h100-cached.prefetch.job.json")
+    csi = golden_job("llama-vllm-h100-cached.job.json")
+    csi["Job"]["ID"] = csi["Job"]["Name"] = "caravan-csi-0"
+    for group in csi["Job"]["TaskGroups"]:
+        for volume in group["Volumes"].values():
+            volume.update({"Type": "csi", "AccessMode": "multi-node-reader-only"})
+            volume.update({"AttachmentMode": "file-system"})
+    bare = 'namespace "default" {\n  capabilities = ["submit-job"]\n}\n'
+    async with NomadServer(nodes=0, token=management) as nomad_server:
+        address = nomad_server.address
+        scheduler = await nomad_token_for(
+            address, management, "scheduler", rendered_nomad_policy("scheduler")
+        )
+        without = await nomad_token_for(address, management, "bare", bare)
+        async with aiohttp.ClientSession() as http:
+            for job in (replica, prefetch, csi):
+                for token, expected in ((without, 403), (scheduler, 200)):
+                    async with http.put(
+                        f"{address}/v1/jobs", json=job, headers={"X-Nomad-Token": token}
+                    ) as response:
+                        assert expected == response.status, (
+                            job["Job"]["ID"],
+                            await response.text(),
+                        )
 
 
 async def token_for(consul_addr: str, management: str, name: str, rules: str) -> str:

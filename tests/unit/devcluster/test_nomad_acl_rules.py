@@ -161,3 +161,14 @@ def test_host_volumes_need_a_mount_grant() -> None:
     assert not job_volumes_allowed(reader, "default", job)
     assert job_volumes_allowed(acl_of('host_volume "*" {\n  policy = "write"\n}\n'), "d", job)
     assert not job_volumes_allowed(acl_of('node {\n  policy = "read"\n}\n'), "default", job)
+
+
+def test_csi_volumes_need_plugin_read_and_csi_mount_volume() -> None:
+    """allowCSIMount: `plugin` read (write does not imply it) and csi-mount-volume."""
+    job = {"TaskGroups": [{"Volumes": {"w": {"Type": "csi", "Source": "weights"}}}]}
+    mount = 'namespace "default" {\n  capabilities = ["csi-mount-volume"]\n}\n'
+    assert job_volumes_allowed(acl_of(mount, 'plugin {\n  policy = "read"\n}\n'), "default", job)
+    assert not job_volumes_allowed(acl_of(mount), "default", job)
+    assert not job_volumes_allowed(
+        acl_of(mount, 'plugin {\n  policy = "write"\n}\n'), "default", job
+    )
