@@ -368,6 +368,9 @@ async def nomad_side_of_the_story(stack: LocalStack, caplog: pytest.LogCaptureFi
             assert (403, "Permission denied") == (response.status, await response.text())
         async with raw.get(f"{base}/v1/nodes") as response:
             assert (403, "Permission denied") == (response.status, await response.text())
+        # Only the engine keys: not another job's Variables, not even a replica's own copy.
+        async with raw.get(f"{base}/v1/var/nomad/jobs/caravan-{MODEL}-0") as response:
+            assert (403, "Permission denied") == (response.status, await response.text())
     own = f"{base}/v1/var/nomad/jobs/caravan-scheduler"
     async with aiohttp.ClientSession(headers={"X-Nomad-Token": scheduler_token}) as raw:
         async with raw.get(own) as response:
@@ -379,6 +382,7 @@ async def nomad_side_of_the_story(stack: LocalStack, caplog: pytest.LogCaptureFi
     assert [
         ("router", "PUT /v1/jobs", 403),
         ("router", "GET /v1/nodes", 403),
+        ("router", f"GET /v1/var/nomad/jobs/caravan-{MODEL}-0", 403),
         ("scheduler", "GET /v1/var/nomad/jobs/caravan-scheduler", 403),
         ("scheduler", "PUT /v1/var/nomad/jobs/caravan-scheduler", 403),
     ] == refused
