@@ -580,6 +580,15 @@ _JOB_WRITES: Mapping[str, tuple[str, ...]] = {
 }
 
 
+_DEPLOYMENT_WRITES: Mapping[str, tuple[str, ...]] = {
+    "fail": ("fail-deployment",),
+    "pause": ("pause-deployment",),
+    "promote": ("promote-deployment",),
+    "allocation-health": ("set-alloc-health-deployment",),
+    "unblock": ("unblock-deployment",),
+}
+
+
 def _job_route(method: str, rest: list[str]) -> Requirement:
     """`/v1/job/<id>[/<action>]`: what Nomad's Job.* RPC checks."""
     action = rest[-1] if len(rest) > 1 and rest[-1] in _JOB_WRITES else ""
@@ -621,7 +630,8 @@ def requirement(method: str, path: str) -> Requirement:
         return NamespaceOp(("read-job",))
     if head == "deployment":
         if write:
-            return NamespaceOp(("submit-job",))
+            fine_grained = _DEPLOYMENT_WRITES.get(parts[1] if len(parts) > 1 else "", ())
+            return NamespaceOp(("submit-job", *fine_grained))
         return NamespaceOp(("read-job",))
     if head in {"nodes", "node"}:
         if len(parts) > 1 and parts[1] in {"pools", "pool"}:

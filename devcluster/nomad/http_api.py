@@ -268,7 +268,11 @@ async def register_job(request: web.Request) -> web.Response:
     path_id = request.match_info.get("job_id")
     job = decoded.get("Job") or {}
     namespace = str(job.get("Namespace") or request.query.get("namespace") or "default")
-    if not job_volumes_allowed(resolved_of(request).acl, namespace, job):
+    acl = resolved_of(request).acl
+    # Nomad checks the job's own namespace (the middleware checked the query's).
+    if not allowed(acl, requirement(request.method, request.path), namespace):
+        raise ApiError(403, PERMISSION_DENIED)
+    if not job_volumes_allowed(acl, namespace, job):
         raise ApiError(403, PERMISSION_DENIED)
     result = _server(request).endpoints.register_job(
         decoded, path_id, request.query.get("namespace")

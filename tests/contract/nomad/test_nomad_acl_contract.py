@@ -114,6 +114,10 @@ async def test_node_read_and_submit_job(acl_target: AclTarget, unique: str) -> N
     assert nodes
     status, answer = await call(acl_target, "PUT", "/v1/jobs", token, sleeper_job(f"s-{unique}"))
     assert 200 == status, answer
+    # The job's own namespace is checked, not only the request's.
+    elsewhere = sleeper_job(f"e-{unique}")
+    elsewhere["Job"]["Namespace"] = f"other-{unique}"
+    assert 403 == (await call(acl_target, "PUT", "/v1/jobs", token, elsewhere))[0]
     assert 200 == (await call(acl_target, "DELETE", f"/v1/job/s-{unique}?purge=true", token))[0]
     # submit-job alone does not list jobs, and node read does not drain nodes.
     assert (403, "Permission denied") == await call(acl_target, "GET", "/v1/jobs", token)

@@ -129,6 +129,8 @@ def test_rules_nomad_or_devcluster_refuse_are_errors_naming_the_problem(
         ("POST", "/v1/job/x/plan", NamespaceOp(("submit-job", "plan-job"))),
         ("GET", "/v1/allocations", NamespaceOp(("read-job",))),
         ("POST", "/v1/allocation/a/stop", NamespaceOp(("alloc-lifecycle",))),
+        ("POST", "/v1/deployment/fail/d", NamespaceOp(("submit-job", "fail-deployment"))),
+        ("GET", "/v1/deployment/d", NamespaceOp(("read-job",))),
         ("GET", "/v1/nodes", Scalar("node", write=False)),
         ("POST", "/v1/node/n/drain", Scalar("node", write=True)),
         ("GET", "/v1/agent/self", Scalar("agent", write=False)),
