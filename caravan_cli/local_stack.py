@@ -100,6 +100,9 @@ class StackOptions:
     # Seconds between Nomad's restarts of a crashed engine (cluster config
     # `restart_delay_s`); None keeps Nomad's 15 s.
     restart_delay_s: int | None = None
+    # Nomad ACLs on, the scheduler and router each with a token of its own policy
+    # (None: devcluster's Nomad without ACLs).
+    nomad_acl: NomadAcl | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +119,21 @@ class ConsulAcl:
     scheduler_rules: str
     router_rules: str
     operator_rules: str
+
+
+@dataclass(frozen=True, slots=True)
+class NomadAcl:
+    """Run devcluster's Nomad with ACLs and the scheduler and router each on its own token.
+
+    Each `*_rules` is a Nomad ACL policy (HCL); the stack creates the policy
+    `caravan-<component>` and a client token carrying exactly it. The operator
+    (CLI subprocesses, `env`'s NOMAD_TOKEN, the example Variables) keeps the
+    management token.
+    """
+
+    management_token: str = field(repr=False)
+    scheduler_rules: str
+    router_rules: str
 
 
 def new_secret() -> str:
@@ -255,6 +273,9 @@ class LocalStack:
     # With StackOptions.consul_acl: component ("scheduler", "router", "operator") ->
     # its Consul token as Consul returned it (AccessorID, SecretID, Policies).
     consul_tokens: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, repr=False)
+    # With StackOptions.nomad_acl: component ("scheduler", "router") -> its Nomad token
+    # as Nomad returned it (AccessorID, SecretID, Policies).
+    nomad_tokens: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, repr=False)
 
     @property
     def nomad_addr(self) -> str:
@@ -320,6 +341,7 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                 heartbeat_grace_s=options.heartbeat_grace_s,
                 min_heartbeat_ttl_s=options.min_heartbeat_ttl_s,
                 data_dir=work_dir / "nomad",
+                token=None if options.nomad_acl is None else options.nomad_acl.management_token,
             ),
         )
         token = new_secret() if options.secure else None
@@ -333,11 +355,26 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                 scheduler_env["CONSUL_HTTP_TOKEN"] = consul_tokens["scheduler"]["SecretID"]
                 router_env["CONSUL_HTTP_TOKEN"] = consul_tokens["router"]["SecretID"]
                 env["CONSUL_HTTP_TOKEN"] = consul_tokens["operator"]["SecretID"]
+            nomad_tokens: dict[str, Mapping[str, Any]] = {}
+            if options.nomad_acl is not None:
+                env["NOMAD_TOKEN"] = options.nomad_acl.management_token
+                nomad_tokens = await _create_nomad_tokens(cluster, options.nomad_acl)
+                scheduler_env["NOMAD_TOKEN"] = str(nomad_tokens["scheduler"]["SecretID"])
+                router_env["NOMAD_TOKEN"] = str(nomad_tokens["router"]["SecretID"])
             async with (
                 ConsulClient(ConsulSettings.from_env(scheduler_env)) as consul,
                 ConsulClient(ConsulSettings.from_env(router_env)) as router_consul,
                 NomadClient(NomadSettings.from_env(env)) as nomad,
+                contextlib.AsyncExitStack() as clients,
             ):
+                scheduler_nomad, router_nomad = nomad, nomad
+                if nomad_tokens:
+                    scheduler_nomad = await clients.enter_async_context(
+                        NomadClient(NomadSettings.from_env(scheduler_env))
+                    )
+                    router_nomad = await clients.enter_async_context(
+                        NomadClient(NomadSettings.from_env(router_env))
+                    )
                 for path, items in options.variables.items():
                     await nomad.put_variable(path, items)
                 scheduler = build_scheduler(
@@ -357,7 +394,7 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                     ),
                     config=config,
                     consul=consul,
-                    nomad=nomad,
+                    nomad=scheduler_nomad,
                 )
                 async with contextlib.AsyncExitStack() as parts:
                     await parts.enter_async_context(
@@ -370,7 +407,7 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                             settings = with_api_key(settings, new_secret())
                         router = await parts.enter_async_context(
                             running_router(
-                                settings, router_consul, options.request_log, nomad=nomad
+                                settings, router_consul, options.request_log, nomad=router_nomad
                             )
                         )
                     yield LocalStack(
@@ -383,6 +420,7 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                         router=router,
                         scheduler_api_token=token,
                         consul_tokens=consul_tokens,
+                        nomad_tokens=nomad_tokens,
                     )
 
 
@@ -409,6 +447,28 @@ async def _create_consul_tokens(
             async with session.put(f"{base}/token", json=body) as response:
                 if response.status != 200:
                     msg = f"Consul refused the token of {name}: {await response.text()}"
+                    raise RuntimeError(msg)
+                tokens[component] = await response.json()
+    return tokens
+
+
+async def _create_nomad_tokens(cluster: DevCluster, acl: NomadAcl) -> dict[str, Mapping[str, Any]]:
+    """A policy and a client token per component, through Nomad's ACL API (management token)."""
+    headers = {"X-Nomad-Token": acl.management_token}
+    base = f"{cluster.nomad.address}/v1/acl"
+    tokens: dict[str, Mapping[str, Any]] = {}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        for component, rules in (("scheduler", acl.scheduler_rules), ("router", acl.router_rules)):
+            name = f"caravan-{component}"
+            policy = {"Name": name, "Description": name, "Rules": rules}
+            async with session.post(f"{base}/policy/{name}", json=policy) as response:
+                if response.status != 200:
+                    msg = f"Nomad refused policy {name}: {await response.text()}"
+                    raise RuntimeError(msg)
+            body = {"Name": name, "Type": "client", "Policies": [name]}
+            async with session.post(f"{base}/token", json=body) as response:
+                if response.status != 200:
+                    msg = f"Nomad refused the token of {name}: {await response.text()}"
                     raise RuntimeError(msg)
                 tokens[component] = await response.json()
     return tokens

@@ -19,7 +19,16 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from devcluster.nomad import http_ops
+from devcluster.nomad import acl_http, http_ops
+from devcluster.nomad.acl import (
+    PERMISSION_DENIED,
+    TOKEN_NOT_FOUND,
+    Resolved,
+    TokenNotFoundError,
+    allowed,
+    job_volumes_allowed,
+    requirement,
+)
 from devcluster.nomad.decode import (
     JOB_PLAN_REQUEST,
     JOB_REGISTER_REQUEST,
@@ -48,6 +57,7 @@ MAX_BLOCKING_S = 300.0
 JITTER_FRACTION = 16
 OUTAGE_TEXT = "rpc error: No cluster leader"
 SERVER_KEY = web.AppKey("nomad_server", object)
+RESOLVED_KEY = web.RequestKey("devcluster_nomad_acl", Resolved)
 OPEN_PATHS = ("/v1/status/", "/v1/regions", "/v1/agent/health")
 
 
@@ -148,26 +158,64 @@ decode_request = _decode
 # -- middleware ------------------------------------------------------------
 
 
-@web.middleware
-async def _middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+def _secret(request: web.Request) -> str:
+    given = request.headers.get("X-Nomad-Token", "")
+    bearer = request.headers.get("Authorization", "")
+    if not given and bearer.startswith("Bearer "):
+        given = bearer.removeprefix("Bearer ")
+    return given
+
+
+def resolved_of(request: web.Request) -> Resolved:
+    """The caller the middleware resolved (the management ACL when ACLs are off)."""
+    found = request.get(RESOLVED_KEY)
+    return found if found is not None else _server(request).acl.resolve("")
+
+
+def _log_answer(request: web.Request, status: int) -> None:
+    if log.isEnabledFor(logging.DEBUG):
+        resolved = request.get(RESOLVED_KEY)
+        accessor_id = None if resolved is None else resolved.token.accessor_id
+        log.debug(
+            "nomad_request",
+            extra={
+                "method": request.method,
+                "path": request.path,
+                "status": status,
+                # Which token was answered (an AccessorID is not a secret).
+                "accessor_id": accessor_id,
+            },
+        )
+
+
+async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
     server = _server(request)
     path = request.path
-    devcluster = path.startswith("/v1/devcluster/")
-    if server.settings.token and not path.startswith(OPEN_PATHS):
-        given = request.headers.get("X-Nomad-Token", "")
-        bearer = request.headers.get("Authorization", "")
-        if not given and bearer.startswith("Bearer "):
-            given = bearer.removeprefix("Bearer ")
-        if not given:
-            return _error(403, "Permission denied")
-        if given != server.settings.token:
-            return _error(403, "ACL token not found")
-    if server.outage and not devcluster:
+    if server.acl.enabled and not path.startswith(OPEN_PATHS):
+        try:
+            resolved = server.acl.resolve(_secret(request))
+        except TokenNotFoundError:
+            # Agent routes resolve the token themselves (ResolveToken); RPC-backed
+            # routes authenticate first and answer an unknown token as a denial.
+            text = TOKEN_NOT_FOUND if path.startswith("/v1/agent/") else PERMISSION_DENIED
+            return _error(403, text)
+        request[RESOLVED_KEY] = resolved
+        need = requirement(request.method, path)
+        if not allowed(resolved.acl, need, _namespace(request)):
+            return _error(403, PERMISSION_DENIED)
+    if server.outage and not path.startswith("/v1/devcluster/"):
         return _error(500, OUTAGE_TEXT)
     try:
         return await handler(request)
     except ApiError as exc:
         return _error(exc.status, exc.text)
+
+
+@web.middleware
+async def _middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    response = await _answer(request, handler)
+    _log_answer(request, response.status)
+    return response
 
 
 # -- jobs ----------------------------------------------------------------
@@ -218,6 +266,14 @@ async def list_jobs(request: web.Request) -> web.Response:
 async def register_job(request: web.Request) -> web.Response:
     decoded = await _decode(request, JOB_REGISTER_REQUEST)
     path_id = request.match_info.get("job_id")
+    job = decoded.get("Job") or {}
+    namespace = str(job.get("Namespace") or request.query.get("namespace") or "default")
+    acl = resolved_of(request).acl
+    # Nomad checks the job's own namespace (the middleware checked the query's).
+    if not allowed(acl, requirement(request.method, request.path), namespace):
+        raise ApiError(403, PERMISSION_DENIED)
+    if not job_volumes_allowed(acl, namespace, job):
+        raise ApiError(403, PERMISSION_DENIED)
     result = _server(request).endpoints.register_job(
         decoded, path_id, request.query.get("namespace")
     )
@@ -636,7 +692,7 @@ async def agent_self(request: web.Request) -> web.Response:
                     "VersionPrerelease": "",
                     "Revision": "devcluster",
                 },
-                "ACL": {"Enabled": bool(server.settings.token)},
+                "ACL": {"Enabled": server.acl.enabled},
                 "Addresses": {"HTTP": host, "RPC": host, "Serf": host},
                 "Ports": {"HTTP": port, "RPC": server.rpc_port, "Serf": server.serf_port},
                 "Server": {"Enabled": True, "BootstrapExpect": 1},
@@ -740,6 +796,11 @@ async def devcluster_outage(request: web.Request) -> web.Response:
     return _json_response({"Enabled": enabled})
 
 
+def _may_list_variable(request: web.Request, namespace: str, path: str) -> bool:
+    """Variables.List keeps the variables the caller may `list`."""
+    return resolved_of(request).acl.allow_variable_op(namespace, path, "list")
+
+
 def build_app(server: NomadServer) -> web.Application:
     app = web.Application(middlewares=[_middleware])
     app[SERVER_KEY] = server
@@ -808,5 +869,6 @@ def build_app(server: NomadServer) -> web.Application:
     route.add_get(f"/v1/job/{child}/deployment", job_latest_deployment)
     route.add_get(f"/v1/job/{child}/summary", job_summary)
     route.add_get(f"/v1/job/{child}/versions", job_versions)
-    route.add_routes(variable_routes(server.variables))
+    route.add_routes(variable_routes(server.variables, may_list=_may_list_variable))
+    route.add_routes(acl_http.ROUTES)
     return app

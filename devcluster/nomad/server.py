@@ -27,6 +27,7 @@ from typing import Any, Self
 import aiohttp
 from aiohttp import web
 
+from devcluster.nomad.acl import AclStore
 from devcluster.nomad.client import ClientNode
 from devcluster.nomad.consul_sync import ConsulAgentClient
 from devcluster.nomad.drivers import DriverSettings, load_image_mappings
@@ -96,6 +97,8 @@ class NomadServer:
         self.data_dir = self.settings.data_dir or Path(tempfile.mkdtemp(prefix="devcluster-nomad-"))
         self.state = ClusterState(time.time_ns)
         self.variables = VariableStore(self.state)
+        # ACL policies and tokens: enabled by a management token (`--nomad-token`).
+        self.acl = AclStore(self.settings.token)
         self.scheduler = Scheduler(self.state, rng=self._rng, new_id=self.new_id)
         self.endpoints = Endpoints(
             self.state,

@@ -19,10 +19,10 @@ Facts from Nomad's source (`command/agent/variable_endpoint.go`,
   `nomad/jobs/<job>/<group>` and `nomad/jobs/<job>/<group>/<task>` of its own
   namespace with no policy; other paths need an ACL policy.
 
-devcluster has one management token and no ACL policies (see its README), so
-with ACLs on, an HTTP caller either holds the management token (everything
-is allowed) or is refused by the middleware; workloads get the implicit
-paths only. Locks (`?lock-acquire` and friends) are refused with 400.
+With ACLs on, the HTTP middleware checks a variable's read, write and destroy
+capabilities against the caller's policies (`devcluster.nomad.acl`) and a
+list keeps the paths the caller may list; workloads get the implicit paths
+only. Locks (`?lock-acquire` and friends) are refused with 400.
 """
 
 from __future__ import annotations
@@ -262,15 +262,25 @@ async def _block(request: web.Request, store: VariableStore) -> int:
     return max(store.index(), 1)
 
 
-def variable_routes(store: VariableStore) -> list[web.RouteDef]:
-    """The routes, for `app.router.add_routes`."""
+ListFilter = Callable[[web.Request, str, str], bool]
+
+
+def variable_routes(
+    store: VariableStore, *, may_list: ListFilter = lambda _r, _ns, _path: True
+) -> list[web.RouteDef]:
+    """The routes, for `app.router.add_routes`; a list keeps what `may_list` allows
+    (the caller's ACL: Nomad filters lists, it does not refuse them)."""
 
     async def list_variables(request: web.Request) -> web.Response:
         if request.method != "GET":
             raise ApiError(405, "Invalid method")
         index = await _block(request, store)
         prefix = request.query.get("prefix", "")
-        body = [var.metadata() for var in store.list(_namespace(request), prefix)]
+        body = [
+            var.metadata()
+            for var in store.list(_namespace(request), prefix)
+            if may_list(request, var.namespace, var.path)
+        ]
         return _json(body, index=index)
 
     async def variable(request: web.Request) -> web.Response:

@@ -15,8 +15,15 @@ router's policy has no service:write at all; a last test shows what a
 router that registers itself (outside Nomad) needs on top: write on its own
 `caravan-router` service, as docs/security.md says. devcluster's Nomad registers
 the replicas' services with the management token, as a Nomad agent does with
-its own token; Nomad ACL policies are not exercised (devcluster's Nomad has
-one management token; see devcluster/README.md).
+its own token.
+
+Nomad's side is the same story: devcluster's Nomad runs with ACLs on and the
+scheduler and the router each hold a Nomad token carrying exactly their
+rendered policy (terraform/policies/caravan-*.nomad.hcl.tftpl); devcluster
+logs every Nomad answer with the AccessorID of the token it resolved, and
+Nomad refuses neither token anything while the model goes through its life.
+Then the router's token is shown unable to register a job or read a node, and
+the scheduler's unable to read or write the control plane's own Variables.
 """
 
 from __future__ import annotations
@@ -40,11 +47,13 @@ from caravan.errors import HashiPermissionDenied
 from caravan_cli.local_stack import (
     ConsulAcl,
     LocalStack,
+    NomadAcl,
     StackOptions,
     local_stack,
     running_router,
 )
 from devcluster.consul.server import ConsulConfig, ConsulServer
+from devcluster.nomad.server import NomadServer
 from router.settings import RouterSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +65,14 @@ def rendered_policy(component: str) -> str:
     """A Consul policy template rendered with the Terraform module's defaults."""
     text = (POLICIES / f"caravan-{component}.consul.hcl.tftpl").read_text(encoding="utf-8")
     text = text.replace("${kv_prefix}", KVLayout().prefix).replace("${namespace}", "default")
+    assert "${" not in text, component
+    return text
+
+
+def rendered_nomad_policy(component: str) -> str:
+    """A Nomad policy template rendered with the Terraform module's defaults."""
+    text = (POLICIES / f"caravan-{component}.nomad.hcl.tftpl").read_text(encoding="utf-8")
+    text = text.replace("${namespace}", "default")
     assert "${" not in text, component
     return text
 
@@ -139,8 +156,34 @@ def answers(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, int]]:
     return out
 
 
+def nomad_answers(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, int]]:
+    """(accessor, method path, status) of every Nomad answer devcluster logged."""
+    return [
+        (
+            str(record.__dict__.get("accessor_id")),
+            f"{record.__dict__['method']} {record.__dict__['path']}",
+            int(record.__dict__["status"]),
+        )
+        for record in caplog.records
+        if record.name == "devcluster.nomad.http_api" and record.getMessage() == "nomad_request"
+    ]
+
+
+def nomad_refusals(
+    stack: LocalStack, caplog: pytest.LogCaptureFixture
+) -> list[tuple[str, str, int]]:
+    """Every 401/403 Nomad gave the scheduler's or the router's token."""
+    accessors = {c: str(t["AccessorID"]) for c, t in stack.nomad_tokens.items()}
+    return [
+        (component, request, status)
+        for accessor, request, status in nomad_answers(caplog)
+        for component, known in accessors.items()
+        if accessor == known and status in (401, 403)
+    ]
+
+
 def least_privilege_options(tmp_path: Path, **overrides: Any) -> StackOptions:
-    """The local stack with Consul ACLs on and each component on its rendered policy."""
+    """The local stack with Consul and Nomad ACLs on, each component on its rendered policies."""
     acl = ConsulAcl(
         management_token=str(uuid.uuid4()),
         scheduler_rules=rendered_policy("scheduler"),
@@ -157,6 +200,11 @@ def least_privilege_options(tmp_path: Path, **overrides: Any) -> StackOptions:
             port=0, register_service=False, scrape_interval_s=0.5, log_level="warning"
         ),
         "consul_acl": acl,
+        "nomad_acl": NomadAcl(
+            management_token=str(uuid.uuid4()),
+            scheduler_rules=rendered_nomad_policy("scheduler"),
+            router_rules=rendered_nomad_policy("router"),
+        ),
     }
     values.update(overrides)
     return StackOptions(**values)
@@ -203,8 +251,9 @@ def refusals(stack: LocalStack, caplog: pytest.LogCaptureFixture) -> list[tuple[
 async def test_components_work_on_exactly_their_least_privilege_policies(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Submit (CLI), stream through the router, scale, delete: Consul refuses nothing."""
+    """Submit (CLI), stream through the router, scale, delete: Consul and Nomad refuse nothing."""
     caplog.set_level(logging.DEBUG, logger="devcluster.consul.http_api")
+    caplog.set_level(logging.DEBUG, logger="devcluster.nomad.http_api")
     options = least_privilege_options(tmp_path)
     async with local_stack(options) as stack:
         assert stack.router is not None
@@ -287,6 +336,56 @@ async def test_components_work_on_exactly_their_least_privilege_policies(
                 ("PUT /v1/agent/service/register", 403),
             ] == refused_now
         assert completions
+        await nomad_side_of_the_story(stack, caplog)
+
+
+async def nomad_side_of_the_story(stack: LocalStack, caplog: pytest.LogCaptureFixture) -> None:
+    """The scheduler and router used Nomad with their own tokens, unrefused; then the limits."""
+    nomad_accessors = {c: str(t["AccessorID"]) for c, t in stack.nomad_tokens.items()}
+    seen = nomad_answers(caplog)
+    scheduler_calls = {r for a, r, _ in seen if a == nomad_accessors["scheduler"]}
+    # The scheduler registered, listed and deregistered jobs, read nodes, wrote engine keys.
+    assert "PUT /v1/jobs" in scheduler_calls
+    assert "GET /v1/nodes" in scheduler_calls
+    assert f"DELETE /v1/job/caravan-{MODEL}-0" in scheduler_calls
+    key = f"/v1/var/nomad/jobs/caravan-engine-keys/models/{MODEL}/key"
+    assert f"PUT {key}" in scheduler_calls
+    # The router read the engines' API keys from Variables with its own token.
+    router_reads = [
+        (r, status)
+        for a, r, status in seen
+        if a == nomad_accessors["router"] and r.startswith("GET /v1/var/")
+    ]
+    assert (f"GET {key}", 200) in router_reads
+    assert nomad_refusals(stack, caplog) == []
+
+    base = stack.nomad_addr
+    router_token = str(stack.nomad_tokens["router"]["SecretID"])
+    scheduler_token = str(stack.nomad_tokens["scheduler"]["SecretID"])
+    job = {"Job": {"ID": "rogue", "Datacenters": ["dc1"], "TaskGroups": []}}
+    async with aiohttp.ClientSession(headers={"X-Nomad-Token": router_token}) as raw:
+        async with raw.put(f"{base}/v1/jobs", json=job) as response:
+            assert (403, "Permission denied") == (response.status, await response.text())
+        async with raw.get(f"{base}/v1/nodes") as response:
+            assert (403, "Permission denied") == (response.status, await response.text())
+        # Only the engine keys: not another job's Variables, not even a replica's own copy.
+        async with raw.get(f"{base}/v1/var/nomad/jobs/caravan-{MODEL}-0") as response:
+            assert (403, "Permission denied") == (response.status, await response.text())
+    own = f"{base}/v1/var/nomad/jobs/caravan-scheduler"
+    async with aiohttp.ClientSession(headers={"X-Nomad-Token": scheduler_token}) as raw:
+        async with raw.get(own) as response:
+            assert (403, "Permission denied") == (response.status, await response.text())
+        async with raw.put(own, json={"Items": {"token": "stolen"}}) as response:
+            assert 403 == response.status
+    # The log the check above relies on does record these refusals, with each token's accessor.
+    refused = nomad_refusals(stack, caplog)
+    assert [
+        ("router", "PUT /v1/jobs", 403),
+        ("router", "GET /v1/nodes", 403),
+        ("router", f"GET /v1/var/nomad/jobs/caravan-{MODEL}-0", 403),
+        ("scheduler", "GET /v1/var/nomad/jobs/caravan-scheduler", 403),
+        ("scheduler", "PUT /v1/var/nomad/jobs/caravan-scheduler", 403),
+    ] == refused
 
 
 @pytest.mark.slow
@@ -372,6 +471,62 @@ async def test_cold_start_works_on_the_routers_and_schedulers_policies(
                 assert 200 == response.status, await response.text()
             await eventually(lambda: passing(0), 60, "the replica gone after delete")
             assert refusals(stack, caplog) == []
+            assert nomad_refusals(stack, caplog) == []
+
+
+def golden_job(name: str) -> dict[str, Any]:
+    """A replica or prefetch job exactly as caravan renders it (tests/golden)."""
+    document: dict[str, Any] = json.loads((ROOT / "tests" / "golden" / name).read_text())
+    return document if "Job" in document else {"Job": document}
+
+
+async def nomad_token_for(address: str, management: str, name: str, rules: str) -> str:
+    """A Nomad client token carrying only a policy `name` with `rules`; its SecretID."""
+    async with aiohttp.ClientSession(headers={"X-Nomad-Token": management}) as session:
+        policy = {"Name": name, "Rules": rules}
+        async with session.post(f"{address}/v1/acl/policy/{name}", json=policy) as response:
+            assert 200 == response.status, await response.text()
+        token = {"Name": name, "Type": "client", "Policies": [name]}
+        async with session.post(f"{address}/v1/acl/token", json=token) as response:
+            assert 200 == response.status, await response.text()
+            return str((await response.json())["SecretID"])
+
+
+async def test_the_schedulers_nomad_policy_registers_weights_cache_volumes() -> None:
+    """Replicas and prefetch jobs that mount a weights cache (host or CSI volume) register.
+
+    Nomad's Job.Register checks volume permissions on top of submit-job: a host
+    volume needs host_volume mount-readonly/readwrite, a CSI volume plugin read
+    and csi-mount-volume. The rendered jobs of the cached example profile are
+    registered with the scheduler's token, and with a token lacking those
+    grants (refused: the check is real).
+    """
+    management = str(uuid.uuid4())
+    replica = golden_job("llama-vllm-h100-cached.job.json")
+    prefetch = golden_job("llama-vllm-h100-cached.prefetch.job.json")
+    csi = golden_job("llama-vllm-h100-cached.job.json")
+    csi["Job"]["ID"] = csi["Job"]["Name"] = "caravan-csi-0"
+    for group in csi["Job"]["TaskGroups"]:
+        for volume in group["Volumes"].values():
+            volume.update({"Type": "csi", "AccessMode": "multi-node-reader-only"})
+            volume.update({"AttachmentMode": "file-system"})
+    bare = 'namespace "default" {\n  capabilities = ["submit-job"]\n}\n'
+    async with NomadServer(nodes=0, token=management) as nomad_server:
+        address = nomad_server.address
+        scheduler = await nomad_token_for(
+            address, management, "scheduler", rendered_nomad_policy("scheduler")
+        )
+        without = await nomad_token_for(address, management, "bare", bare)
+        async with aiohttp.ClientSession() as http:
+            for job in (replica, prefetch, csi):
+                for token, expected in ((without, 403), (scheduler, 200)):
+                    async with http.put(
+                        f"{address}/v1/jobs", json=job, headers={"X-Nomad-Token": token}
+                    ) as response:
+                        assert expected == response.status, (
+                            job["Job"]["ID"],
+                            await response.text(),
+                        )
 
 
 async def token_for(consul_addr: str, management: str, name: str, rules: str) -> str:
