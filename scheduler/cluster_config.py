@@ -127,7 +127,7 @@ class ClusterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _restarts_fit_their_interval(self) -> Self:
-        # Nomad refuses a restart policy whose attempts x delay exceed its interval.
+        # Nomad refuses a restart policy whose attempts x delay exceed its interval (facts N21).
         if self.restart_attempts * self.restart_delay_s > RESTART_INTERVAL_S:
             raise ValueError(
                 f"restart_attempts ({self.restart_attempts}) x restart_delay_s "

@@ -1,4 +1,4 @@
-"""Nomad's ACL system: policies, tokens and the checks of the routes devcluster serves.
+"""Nomad's ACL system: policies, tokens and the checks of the routes devcluster serves (facts N20).
 
 Facts from Nomad's source (`acl/policy.go`, `acl/acl.go`, `nomad/auth/auth.go`,
 `nomad/acl_endpoint.go`, `nomad/*_endpoint.go`, `command/agent/http.go`):

@@ -1,4 +1,4 @@
-"""Client heartbeat TTLs as Nomad's servers compute them (`nomad/heartbeat.go`).
+"""Client heartbeat TTLs as Nomad's servers compute them (`nomad/heartbeat.go`, facts N22).
 
 On each heartbeat (and registration) the leader picks the TTL it hands back
 to the client: `helper.RateScaledInterval(max_heartbeats_per_second,
