@@ -99,6 +99,11 @@ class Fleet:
         """One engine's prefill throughput in full chunks (step overhead included)."""
         return self.chunk_tokens / (self.step_s + self.chunk_tokens * self.prefill_s_per_token)
 
+    @property
+    def declared_prefill_tokens_per_s(self) -> int:
+        """The profile's `prefill_tokens_per_s`, as an operator would measure it."""
+        return round(self.prefill_tokens_per_s)
+
     def engine_args(self, port: int, seed: int) -> list[str]:
         return [
             "--model", MODEL, "--host", "127.0.0.1", "--port", str(port),
@@ -123,7 +128,8 @@ class Fleet:
             f"(step {1e3 * self.step_s:.0f} ms, "
             f"so about {self.prefill_tokens_per_s:.0f} tokens/s), "
             f"{self.kv_blocks * self.block_size} tokens of KV, {self.max_num_seqs} sequences, "
-            f"up to {self.output_tokens} output tokens"
+            f"up to {self.output_tokens} output tokens; the profile declares "
+            f"prefill_tokens_per_s {self.declared_prefill_tokens_per_s}"
         )
 
 
@@ -502,6 +508,7 @@ def free_ports(count: int) -> list[int]:
 
 async def register_engines(consul_addr: str, ports: list[int], fleet: Fleet) -> None:
     from caravan.consul_api import ConsulClient, ConsulSettings, HttpCheck, ServiceRegistration  # noqa: PLC0415
+    from caravan.contract import encode_prefill_rate  # noqa: PLC0415
 
     host, _, consul_port = consul_addr.rpartition(":")
     async with ConsulClient(ConsulSettings(host=host, port=int(consul_port))) as consul:
@@ -520,6 +527,8 @@ async def register_engines(consul_addr: str, ports: list[int], fleet: Fleet) -> 
                         "replica": str(replica),
                         "capacity": str(fleet.max_num_seqs),
                         "metrics_path": "/metrics",
+                        # What an operator measures and puts in the profile.
+                        **encode_prefill_rate(fleet.declared_prefill_tokens_per_s),
                     },
                     checks=(HttpCheck(url=f"http://127.0.0.1:{port}/health", interval_s=0.5),),
                 )
@@ -896,6 +905,7 @@ def offline_cell(
     import heapq  # noqa: PLC0415
 
     from caravan.consul_api import HealthEntry  # noqa: PLC0415
+    from caravan.contract import encode_prefill_rate  # noqa: PLC0415
     from caravan.engine_metrics import EngineLoad  # noqa: PLC0415
     from devcluster.engine.batch import (  # noqa: PLC0415
         BatchCore,
@@ -952,6 +962,7 @@ def offline_cell(
                     "caravan_model": MODEL, "served_models": MODEL, "engine": "vllm",
                     "replica": str(replica), "capacity": str(fleet.max_num_seqs),
                     "metrics_path": "/metrics",
+                    **encode_prefill_rate(fleet.declared_prefill_tokens_per_s),
                 },
             },
             "Checks": [],

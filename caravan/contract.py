@@ -121,6 +121,9 @@ class ServiceMetaKey:
     # on engine names.
     COMPLETION_DEFAULT_MAX_TOKENS = "completion_default_max_tokens"
     PREFILL_ECHO = "prefill_echo"
+    # The profile's prefill throughput (tokens/s, `prefill_tokens_per_s`): the
+    # router's cost model starts from it until it has measured the replica.
+    PREFILL_TOKENS_PER_S = "prefill_tokens_per_s"
 
 
 def model_service_name(model_name: str) -> str:
@@ -734,3 +737,29 @@ def decode_stream_traits(meta: Mapping[str, object]) -> StreamTraits:
             raise StreamTraitsError(f"Meta.{echo_key} must be true or false: {raw!r}")
         echo = raw == "true"
     return StreamTraits(completion_default_max_tokens=limit, echoes_prefill=echo)
+
+
+class PrefillRateError(ValueError):
+    """Service Meta whose prefill rate cannot be read; the message names the key."""
+
+
+def encode_prefill_rate(tokens_per_s: int | None) -> dict[str, str]:
+    """The service Meta entry of a declared prefill rate (none when not declared)."""
+    if tokens_per_s is None:
+        return {}
+    return {ServiceMetaKey.PREFILL_TOKENS_PER_S: str(tokens_per_s)}
+
+
+def decode_prefill_rate(meta: Mapping[str, object]) -> int | None:
+    """The prefill rate a replica's Meta declares, tokens/s; None when it declares none.
+
+    Raises PrefillRateError naming the key when the value is not a positive integer.
+    """
+    raw = meta.get(ServiceMetaKey.PREFILL_TOKENS_PER_S)
+    if raw is None:
+        return None
+    if isinstance(raw, str) and raw.isascii() and raw.isdigit() and int(raw) > 0:
+        return int(raw)
+    raise PrefillRateError(
+        f"Meta.{ServiceMetaKey.PREFILL_TOKENS_PER_S} must be a positive integer: {raw!r}"
+    )

@@ -168,16 +168,22 @@ def prefill_rate(
     config: CostConfig,
     peer_rate: float | None = None,
 ) -> float:
-    """Tokens per second: learned if anything was, else its peers', else the engine's default.
+    """Tokens per second: learned if anything was, else its peers', else declared, else default.
 
     `peer_rate` is what the endpoint's fellow replicas learned (same model):
     a replica that has served nothing yet must not look several times faster
     than the others because the default is optimistic, or a burst piles onto it.
+    Before any replica has learned, the rate its profile declares
+    (`prefill_tokens_per_s`, from Meta) stands in for the engine's default.
     """
     learned = state.prefill_rate_tps
     if learned is not None:
         return learned
-    return peer_rate if peer_rate is not None else config.default_rate(endpoint.engine)
+    if peer_rate is not None:
+        return peer_rate
+    if endpoint.prefill_tokens_per_s is not None:
+        return float(endpoint.prefill_tokens_per_s)
+    return config.default_rate(endpoint.engine)
 
 
 def peer_rate(states: Iterable[EndpointLiveState]) -> float | None:

@@ -33,10 +33,12 @@ from caravan.consul_api import CheckStatus as CheckStatus  # noqa: PLC0414
 from caravan.consul_api import HealthEntry
 from caravan.contract import (
     OPENAI_STREAM_TRAITS,
+    PrefillRateError,
     ServiceMetaKey,
     StreamTraits,
     StreamTraitsError,
     decode_metric_names,
+    decode_prefill_rate,
     decode_stream_traits,
 )
 from caravan.engine_metrics import MetricNames
@@ -65,6 +67,8 @@ class Endpoint:
     replica: int
     # How a stream broken elsewhere continues here (from Meta; never from `engine`).
     traits: StreamTraits = OPENAI_STREAM_TRAITS
+    # Prefill tokens/s its profile declares (Meta); None = not declared.
+    prefill_tokens_per_s: int | None = None
 
     @property
     def base_url(self) -> str:
@@ -148,7 +152,15 @@ def endpoint_from_entry(entry: HealthEntry) -> Endpoint:
         spec_hash=_meta_str(meta, ServiceMetaKey.SPEC_HASH),
         replica=_replica(meta),
         traits=_traits(meta),
+        prefill_tokens_per_s=_prefill_rate(meta),
     )
+
+
+def _prefill_rate(meta: Mapping[str, Any]) -> int | None:
+    try:
+        return decode_prefill_rate(meta)
+    except PrefillRateError as exc:
+        raise MalformedEntryError(str(exc)) from None
 
 
 def _traits(meta: Mapping[str, Any]) -> StreamTraits:

@@ -223,6 +223,10 @@ class ModelProfile(BaseModel):
     max_concurrency: int | None = Field(default=None, ge=1)
     # Context window: vLLM --max-model-len, llama.cpp --ctx-size.
     context_length: int | None = Field(default=None, ge=16)
+    # Prompt tokens per second one replica prefills (measured on its hardware):
+    # routers start their cost model from it until they have measured the
+    # replica themselves. None: the engine's built-in default.
+    prefill_tokens_per_s: int | None = Field(default=None, ge=1, le=100_000_000)
     # How long a replica may take to load its model before Nomad gives up on it.
     startup_timeout_s: int | None = Field(default=None, ge=10)
     # How long routers get to drain a replica before its engine is stopped.

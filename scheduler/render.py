@@ -31,6 +31,7 @@ from caravan.contract import (
     JobMetaKey,
     ServiceMetaKey,
     encode_metric_names,
+    encode_prefill_rate,
     encode_stream_traits,
     model_service_name,
     replica_job_id,
@@ -154,6 +155,7 @@ def _service_meta(
         # Filled in by Nomad when it registers the service.
         ServiceMetaKey.ALLOC_ID: "${NOMAD_ALLOC_ID}",
         **encode_stream_traits(adapter.stream_traits),
+        **encode_prefill_rate(profile.prefill_tokens_per_s),
     }
 
 

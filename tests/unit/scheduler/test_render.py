@@ -337,3 +337,12 @@ def test_restart_policy_defaults_to_nomads_and_follows_the_cluster_config():
 def test_restart_policy_nomad_would_refuse_is_refused_by_name(fields: dict[str, int], named: str):
     with pytest.raises(ValueError, match=named):
         ClusterConfig.model_validate(fields)
+
+
+def test_a_declared_prefill_rate_is_published_in_every_replicas_service_meta():
+    key = ServiceMetaKey.PREFILL_TOKENS_PER_S
+    service = group_of(render(make_vllm(prefill_tokens_per_s=8000), 0))["Services"][0]
+    assert service["Meta"][key] == "8000"
+    assert key not in group_of(render(make_vllm(), 0))["Services"][0]["Meta"]
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        make_vllm(prefill_tokens_per_s=0)
