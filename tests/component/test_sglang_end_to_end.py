@@ -163,7 +163,26 @@ async def passing_entry(stack: LocalStack, profile: ModelProfile) -> Any:
         _, entries = await consul.health_service(model_service_name(profile.name), passing=True)
         return entries[0] if entries else None
 
-    return await eventually(probe, 90, f"a passing replica of {profile.name}")
+    try:
+        return await eventually(probe, 90, f"a passing replica of {profile.name}")
+    except pytest.fail.Exception as exc:
+        # Say why, so that a failure in CI explains itself: the failure record
+        # the scheduler wrote, and what Nomad's latest evaluation said.
+        _, record = await consul.kv_get(KVLayout().failure_key(profile.name))
+        job = replica_job_id(profile.name, 0)
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"{stack.nomad_addr}/v1/job/{job}/evaluations") as response,
+        ):
+            evaluations = await response.json()
+        latest = max(evaluations, key=lambda e: e.get("CreateIndex", 0), default={})
+        detail = {
+            "failure": record.value.decode() if record is not None else None,
+            "latest evaluation": {
+                key: latest.get(key) for key in ("Status", "TriggeredBy", "FailedTGAllocs")
+            },
+        }
+        pytest.fail(f"{exc}; {json.dumps(detail)[:3000]}")
 
 
 async def engine_key(stack: LocalStack, profile: ModelProfile) -> str:
