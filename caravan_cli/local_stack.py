@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import secrets
 import stat
@@ -438,18 +439,29 @@ async def _create_consul_tokens(
             ("operator", acl.operator_rules),
         ):
             name = f"caravan-{component}"
-            policy = {"Name": name, "Rules": rules}
-            async with session.put(f"{base}/policy", json=policy) as response:
-                if response.status != 200:
-                    msg = f"Consul refused policy {name}: {await response.text()}"
-                    raise RuntimeError(msg)
-            body = {"Description": name, "Policies": [{"Name": name}]}
-            async with session.put(f"{base}/token", json=body) as response:
-                if response.status != 200:
-                    msg = f"Consul refused the token of {name}: {await response.text()}"
-                    raise RuntimeError(msg)
-                tokens[component] = await response.json()
+            await _acl_write(
+                session, "PUT", f"{base}/policy", {"Name": name, "Rules": rules},
+                f"Consul refused policy {name}",
+            )  # fmt: skip
+            tokens[component] = await _acl_write(
+                session, "PUT", f"{base}/token",
+                {"Description": name, "Policies": [{"Name": name}]},
+                f"Consul refused the token of {name}",
+            )  # fmt: skip
     return tokens
+
+
+async def _acl_write(
+    session: aiohttp.ClientSession, method: str, url: str, body: Mapping[str, Any], refused: str
+) -> Mapping[str, Any]:
+    """One ACL API write (Consul's or Nomad's); its JSON answer, {} when it has none."""
+    async with session.request(method, url, json=body) as response:
+        text = await response.text()
+        if response.status != 200:
+            msg = f"{refused}: {text}"
+            raise RuntimeError(msg)
+    answer: Mapping[str, Any] = json.loads(text) if text.strip() else {}
+    return answer
 
 
 async def _create_nomad_tokens(cluster: DevCluster, acl: NomadAcl) -> dict[str, Mapping[str, Any]]:
@@ -460,17 +472,16 @@ async def _create_nomad_tokens(cluster: DevCluster, acl: NomadAcl) -> dict[str, 
     async with aiohttp.ClientSession(headers=headers) as session:
         for component, rules in (("scheduler", acl.scheduler_rules), ("router", acl.router_rules)):
             name = f"caravan-{component}"
-            policy = {"Name": name, "Description": name, "Rules": rules}
-            async with session.post(f"{base}/policy/{name}", json=policy) as response:
-                if response.status != 200:
-                    msg = f"Nomad refused policy {name}: {await response.text()}"
-                    raise RuntimeError(msg)
-            body = {"Name": name, "Type": "client", "Policies": [name]}
-            async with session.post(f"{base}/token", json=body) as response:
-                if response.status != 200:
-                    msg = f"Nomad refused the token of {name}: {await response.text()}"
-                    raise RuntimeError(msg)
-                tokens[component] = await response.json()
+            await _acl_write(
+                session, "POST", f"{base}/policy/{name}",
+                {"Name": name, "Description": name, "Rules": rules},
+                f"Nomad refused policy {name}",
+            )  # fmt: skip
+            tokens[component] = await _acl_write(
+                session, "POST", f"{base}/token",
+                {"Name": name, "Type": "client", "Policies": [name]},
+                f"Nomad refused the token of {name}",
+            )  # fmt: skip
     return tokens
 
 
