@@ -30,10 +30,18 @@ SIGNALS = ",".join(
 NODE_HTTP_PORT = 4646
 
 
-def loopback_address(number: int) -> str:
-    """The address of node `number` (1-based): 127.0.0.2, 127.0.0.3, ..."""
+def loopback_address(number: int, block: int = 0) -> str:
+    """The address of node `number` (1-based) in loopback block `block` (0-255).
+
+    Block 0: 127.0.0.2, 127.0.0.3, ...; block b: 127.b.0.2, ... Every devcluster
+    draws its own block, so two of them on one host (a second demo, parallel
+    test processes) never hand out the same address and port: their nodes'
+    engines would collide on the host, which separate machines never do.
+    """
+    if not 0 <= block <= 255:
+        raise ValueError(f"loopback block must be in 0..255, got {block}")
     host = number + 1
-    return f"127.0.{host // 254}.{host % 254 + (1 if host // 254 else 0)}"
+    return f"127.{block}.{host // 254}.{host % 254 + (1 if host // 254 else 0)}"
 
 
 def gpu_devices(spec: NodeSpec, node_id: str) -> tuple[DeviceGroup, ...]:

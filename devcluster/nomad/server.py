@@ -7,7 +7,8 @@
 
 It runs the HTTP API, the scheduler worker, the leader's background work and
 one simulated client per node, each node on its own loopback address
-(127.0.0.2, 127.0.0.3, ...). Leaving the context stops every process it started.
+(127.B.0.2, 127.B.0.3, ..., with B drawn per instance). Leaving the context stops
+every process it started.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ class NomadServer:
         self._placeholders: list[asyncio.Server] = []
         self.clients: dict[str, ClientNode] = {}
         self._rng = random.Random(self.settings.seed)
+        # This instance's loopback block for its nodes' addresses (fingerprint.loopback_address).
+        self.address_block = self._rng.randint(1, 254)
         self._tasks: list[asyncio.Task[Any]] = []
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -240,7 +243,7 @@ class NomadServer:
             spec,
             node_id=node_id,
             name=name,
-            address=loopback_address(number),
+            address=loopback_address(number, self.address_block),
             registered_at_ns=self.state.clock_ns(),
         )
         client = ClientNode(
