@@ -30,6 +30,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from polling import eventually
 
 from caravan.contract import ENGINE_KEY_ITEM, KVLayout, engine_key_path, model_service_name
 from caravan_cli.local_stack import LocalStack, StackOptions, local_profile, local_stack
@@ -39,15 +40,6 @@ from scheduler.profiles import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = 4
-
-
-async def wait_for(check, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await check():
-            return
-        await asyncio.sleep(0.2)
-    pytest.fail(f"{what} not reached within {timeout_s}s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +108,7 @@ async def run_scenario(stack: LocalStack, lines: list[tuple[float, dict[str, Any
     async def passing_entries() -> tuple[Any, ...]:
         return (await consul.health_service(service, passing=True))[1]
 
-    await wait_for(lambda: _count(passing_entries(), 3), 60, "3 passing replicas")
+    await eventually(lambda: _count(passing_entries(), 3), 60, "3 passing replicas")
     url = f"{stack.router.base_url}/v1/chat/completions"
     async with aiohttp.ClientSession() as session:
 
@@ -126,7 +118,7 @@ async def run_scenario(stack: LocalStack, lines: list[tuple[float, dict[str, Any
             ) as response:
                 return profile.served_name in {m["id"] for m in (await response.json())["data"]}
 
-        await wait_for(routable, 10, "the router to see the model")
+        await eventually(routable, 10, "the router to see the model")
         outcomes: dict[int, list[StreamOutcome]] = {n: [] for n in range(CLIENTS)}
         streaming: set[int] = set()
         stop = asyncio.Event()
@@ -155,7 +147,7 @@ async def run_scenario(stack: LocalStack, lines: list[tuple[float, dict[str, Any
             return len(streaming) == CLIENTS
 
         clients = [asyncio.create_task(client(n)) for n in range(CLIENTS)]
-        await wait_for(every_client_streaming, 10, "every client to have a stream open")
+        await eventually(every_client_streaming, 10, "every client to have a stream open")
         # The engines answer only with their model's key (docs/security.md).
         key = await nomad.get_variable(engine_key_path(profile.name))
         assert key is not None
@@ -180,7 +172,7 @@ async def run_scenario(stack: LocalStack, lines: list[tuple[float, dict[str, Any
             return len(entries) == 3 and victim.node not in {e.node for e in entries}
 
         async def since_kill(check: Any, timeout_s: float, what: str) -> float:
-            await wait_for(check, timeout_s, what)
+            await eventually(check, timeout_s, what)
             return time.monotonic() - killed_at
 
         reported_s, down_s, rebuilt_s = await asyncio.gather(
@@ -197,7 +189,7 @@ async def run_scenario(stack: LocalStack, lines: list[tuple[float, dict[str, Any
             )
 
         # Each client goes on being served after the report, by the survivors.
-        await wait_for(
+        await eventually(
             every_client_served_after_the_report, 30, "a completed stream for every client"
         )
         stop.set()

@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from polling import eventually
 
 from caravan.contract import KVLayout, model_service_name
 from caravan_cli.local_stack import LocalStack, StackOptions, local_profile, local_stack
@@ -39,15 +40,6 @@ ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = 4
 MAX_TOKENS = 120
 KEEPALIVE = b": waiting for a replica"
-
-
-async def wait_for(check: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await check():
-            return
-        await asyncio.sleep(0.2)
-    pytest.fail(f"{what} not reached within {timeout_s}s")
 
 
 @dataclass
@@ -143,7 +135,7 @@ async def run_scenario(stack: LocalStack, lines: list[dict[str, Any]]) -> None:
     async def one_passing() -> bool:
         return len(await passing()) == 1
 
-    await wait_for(one_passing, 60, "the replica to pass")
+    await eventually(one_passing, 60, "the replica to pass")
     (victim,) = await passing()
     url = f"{router.base_url}/v1/chat/completions"
     bodies = [
@@ -161,7 +153,7 @@ async def run_scenario(stack: LocalStack, lines: list[dict[str, Any]]) -> None:
             async with session.get(f"{router.base_url}/v1/models", headers=router.headers) as r:
                 return profile.served_name in {m["id"] for m in (await r.json())["data"]}
 
-        await wait_for(routable, 10, "the router to see the model")
+        await eventually(routable, 10, "the router to see the model")
         streams = [Stream() for _ in range(CLIENTS)]
 
         async def client(body: dict[str, Any], stream: Stream) -> None:
@@ -175,7 +167,7 @@ async def run_scenario(stack: LocalStack, lines: list[dict[str, Any]]) -> None:
         async def all_streaming() -> bool:
             return all(len(s.tokens) >= 5 for s in streams)
 
-        await wait_for(all_streaming, 30, "every client to receive tokens")
+        await eventually(all_streaming, 30, "every client to receive tokens")
         assert all(len(s.tokens) < MAX_TOKENS for s in streams), "a stream ended before the kill"
         node_ids = {n.name: n.id for n in (await nomad.list_nodes()).value}
         await stack.cluster.nomad.kill_node(node_ids[victim.node])
@@ -185,7 +177,7 @@ async def run_scenario(stack: LocalStack, lines: list[dict[str, Any]]) -> None:
             entries = await passing()
             return len(entries) == 1 and entries[0].node != victim.node
 
-        await wait_for(rebuilt, 90, "the replica to be rebuilt on another node")
+        await eventually(rebuilt, 90, "the replica to be rebuilt on another node")
         rebuilt_s = time.monotonic() - killed_at
         await asyncio.wait_for(asyncio.gather(*clients), 120)
         finished_s = time.monotonic() - killed_at

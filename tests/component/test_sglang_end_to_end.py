@@ -7,15 +7,13 @@ publishes (served name, capacity, metric names, stream traits).
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from polling import eventually
 
 from caravan.contract import (
     ENGINE_KEY_ITEM,
@@ -36,16 +34,6 @@ from scheduler.profiles import ModelProfile, load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples/profiles/qwen3-sglang-h100.yaml"
-
-
-async def eventually(check: Callable[[], Awaitable[Any]], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = await check()
-        if value:
-            return value
-        await asyncio.sleep(0.2)
-    pytest.fail(f"{what} not reached within {timeout_s}s")
 
 
 def sglang_profile() -> ModelProfile:

@@ -14,14 +14,14 @@ import json
 import logging
 import subprocess
 import sys
-import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from polling import eventually
 from pydantic import ValidationError
 
 from caravan.contract import (
@@ -56,16 +56,6 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples/profiles/tiny-llamacpp-cpu.yaml"
 QWEN = ROOT / "examples/profiles/qwen-vllm-h100.yaml"
 HF_SECRET = "hf_s3cret_value_never_in_a_job"
-
-
-async def eventually(check: Callable[[], Awaitable[Any]], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = await check()
-        if value:
-            return value
-        await asyncio.sleep(0.2)
-    pytest.fail(f"{what} not reached within {timeout_s}s")
 
 
 def updated(profile: ModelProfile, **changes: Any) -> ModelProfile:

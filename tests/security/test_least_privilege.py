@@ -33,13 +33,13 @@ import json
 import logging
 import sys
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 import yaml
+from polling import eventually
 
 from caravan.consul_api import ConsulClient, ConsulSettings
 from caravan.contract import KVLayout
@@ -75,16 +75,6 @@ def rendered_nomad_policy(component: str) -> str:
     text = text.replace("${namespace}", "default")
     assert "${" not in text, component
     return text
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while loop.time() < deadline:
-        if await check():
-            return
-        await asyncio.sleep(0.25)
-    pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
 
 
 async def caravan(env: dict[str, str], *args: str) -> tuple[int, str, str]:

@@ -10,12 +10,10 @@ is deleted and its replicas are gone, the document goes too.
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from polling import eventually
 
 from caravan.contract import (
     JOB_PREFIX,
@@ -31,14 +29,6 @@ from scheduler.profiles import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = KVLayout()
-
-
-async def eventually(condition: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} not reached within {timeout_s}s")
-        await asyncio.sleep(0.2)
 
 
 @pytest.mark.slow

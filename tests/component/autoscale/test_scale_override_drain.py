@@ -17,12 +17,13 @@ import re
 import shlex
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from polling import eventually
 
 from caravan.contract import KVLayout, model_service_name
 from caravan_cli.local_stack import LocalStack, StackOptions, local_stack
@@ -116,15 +117,6 @@ async def nomad(stack: LocalStack, argv: list[str], node_id: str) -> None:
         assert response.status == 200, await response.text()
 
 
-async def wait_for(check: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await check():
-            return
-        await asyncio.sleep(0.5)
-    pytest.fail(f"{what} not reached within {timeout_s}s")
-
-
 async def desired(stack: LocalStack) -> int:
     return (await ModelStore(stack.scheduler.consul, KVLayout()).read()).desired_count(NAME)
 
@@ -158,7 +150,7 @@ async def test_the_drain_procedure_works_as_written_for_an_idle_autoscaled_model
         )
         return len(entries) == 1
 
-    await wait_for(one_passing, 60, "the first replica")
+    await eventually(one_passing, 60, "the first replica")
     node_id = (await running_nodes(stack))[0]
     held_since: float | None = None
 
@@ -172,7 +164,7 @@ async def test_the_drain_procedure_works_as_written_for_an_idle_autoscaled_model
                     nodes = await running_nodes(stack)
                     return len(nodes) == 2 and node_id not in nodes
 
-                await wait_for(moved, 90, "the replica moved off the drained node")
+                await eventually(moved, 90, "the replica moved off the drained node")
                 assert 2 == await desired(stack)
             continue
         assert argv[0] == "caravan"
@@ -182,7 +174,7 @@ async def test_the_drain_procedure_works_as_written_for_an_idle_autoscaled_model
             async def ready(command: list[str] = argv) -> bool:
                 return "2/2 ready" in (await caravan(stack, command)).splitlines()[0]
 
-            await wait_for(ready, 60, "caravan status: 2/2 ready")
+            await eventually(ready, 60, "caravan status: 2/2 ready")
             continue
         if "--auto" in argv:
             await assert_held_while_the_load_says_down(stack)
@@ -201,7 +193,7 @@ async def test_the_drain_procedure_works_as_written_for_an_idle_autoscaled_model
     async def back_to_one() -> bool:
         return await desired(stack) == 1
 
-    await wait_for(back_to_one, 30, "the autoscaler scaled the idle model back to 1")
+    await eventually(back_to_one, 30, "the autoscaler scaled the idle model back to 1")
     state = await autoscaler_state(stack)
     assert "overridden" not in state
     assert 0 == overridden_gauge(stack)
@@ -221,7 +213,7 @@ async def assert_held_while_the_load_says_down(stack: LocalStack) -> None:
         reason = str(decision.get("reason", ""))
         return reason.startswith("overridden") and "the load alone says down to 1" in reason
 
-    await wait_for(overridden_down, 60, "an overridden decision that would scale down")
+    await eventually(overridden_down, 60, "an overridden decision that would scale down")
     state = await autoscaler_state(stack)
     assert 2 == await desired(stack)
     assert 2 == state["overridden"]["count"]
