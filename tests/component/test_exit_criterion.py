@@ -7,12 +7,19 @@ are continued on a survivor; Nomad marks the node down and the allocation
 lost, the replica is rebuilt on a surviving node, and from the moment Consul
 reports the dead endpoint, the router sends it nothing new.
 
-Failure detection runs at its real pace (devcluster's defaults: Consul's
-serf marks the node's agent failed after memberlist's probe and suspicion
-timeouts, seconds; Nomad marks the node down after its heartbeat TTL plus
-grace, 10-30 s), and the test prints the timeline it measured (`pytest -s`):
-kill -> Consul reports the endpoint critical -> Nomad marks the node down ->
-the rebuilt replica passes, and the streams each client completed.
+Failure detection runs through the real mechanisms at a real pace: Consul's
+serf marks the node's agent failed after memberlist's default probe and
+suspicion timeouts (seconds); Nomad marks the node down when the TTL it handed
+the node plus `heartbeat_grace` (10 s, the default) has passed since the
+node's last heartbeat. The one setting that differs from a default Nomad
+server is `min_heartbeat_ttl`: 5 s, not 10 s (an operator's server option,
+docs/nomad-consul-facts.md N22), so the node is down 10-20 s after the kill
+rather than 10-30 s and the test stays under 30 s (issue 15). The defaults themselves
+are covered by tests/contract/nomad/test_nomad_heartbeat_contract.py, and
+`CARAVAN_EXIT_MIN_HEARTBEAT_TTL_S=10` runs this test on them. The test prints
+the timeline it measured (`pytest -s`): kill -> Consul reports the endpoint
+critical -> Nomad marks the node down -> the rebuilt replica passes, and the
+streams each client completed.
 
 Outcomes are recorded per client and asserted per client: every client's
 every stream completed, and every client completed a stream after Consul
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +48,12 @@ from scheduler.profiles import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = 4
+# Nomad's heartbeat_grace (the default) and this test's min_heartbeat_ttl (see above).
+GRACE_S = 10.0
+MIN_TTL_S = float(os.environ.get("CARAVAN_EXIT_MIN_HEARTBEAT_TTL_S", "5"))
+# Each stream lasts about 2 s (100 tokens, 20 ms apart): always one to cut, and
+# little to wait for once the clients stop.
+STREAM_TOKENS = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +103,8 @@ async def test_four_streaming_clients_survive_a_node_kill(tmp_path: Path):
         autoscale=False,
         work_dir=tmp_path,
         resync_s=2.0,
+        heartbeat_grace_s=GRACE_S,
+        min_heartbeat_ttl_s=MIN_TTL_S,
         router=RouterSettings(port=0, scrape_interval_s=0.5, log_level="warning"),
         request_log=lambda line: lines.append((time.monotonic(), line)),
     )
@@ -129,7 +145,7 @@ async def run_scenario(stack: LocalStack, lines: list[tuple[float, dict[str, Any
                 body = {
                     "model": profile.served_name,
                     "stream": True,
-                    "max_tokens": 300,
+                    "max_tokens": STREAM_TOKENS,
                     "messages": [{"role": "user", "content": f"client {number} turn {turn}"}],
                 }
                 async with session.post(url, json=body, headers=stack.router.headers) as response:
@@ -177,7 +193,7 @@ async def run_scenario(stack: LocalStack, lines: list[tuple[float, dict[str, Any
 
         reported_s, down_s, rebuilt_s = await asyncio.gather(
             since_kill(dead_reported, 30, "Consul to report the dead endpoint"),
-            since_kill(node_down, 40, "Nomad to mark the node down"),
+            since_kill(node_down, 2 * MIN_TTL_S + GRACE_S + 10, "Nomad to mark the node down"),
             since_kill(rebuilt, 90, "the replica to be rebuilt on a survivor"),
         )
         reported_at = killed_at + reported_s
@@ -223,9 +239,10 @@ async def run_scenario(stack: LocalStack, lines: list[tuple[float, dict[str, Any
         and finished - float(line.get("duration_s") or 0) > settled
     ]
     assert late == [], f"the dead endpoint got {len(late)} new requests after Consul reported it"
-    # Real detection delays: serf's in seconds, Nomad's TTL (10-20 s) + grace (10 s).
+    # Real detection delays: serf's in seconds; Nomad's TTL (min_heartbeat_ttl plus
+    # a stagger of up to as much again) + grace, counted from the last heartbeat.
     assert reported_s < 30
-    assert 9.5 <= down_s <= 31
+    assert GRACE_S - 0.5 <= down_s <= 2 * MIN_TTL_S + GRACE_S + 1
     assert down_s <= rebuilt_s
 
 
