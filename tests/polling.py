@@ -7,6 +7,7 @@ tests/conftest.py): `from polling import eventually`.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -17,14 +18,30 @@ T = TypeVar("T")
 
 
 async def eventually(
-    check: Callable[[], Awaitable[T]], timeout_s: float, what: str, *, interval_s: float = 0.2
+    check: Callable[[], Awaitable[T] | T],
+    timeout_s: float,
+    what: str,
+    *,
+    interval_s: float = 0.2,
 ) -> T:
-    """`check()`'s first truthy answer; fails the test naming `what` when none came in time."""
+    """`check()`'s first truthy answer (awaited when it is awaitable).
+
+    Fails the test naming `what` and the last answer when none came in time.
+    The one deadline loop of the suite: test support modules with their own
+    names and defaults delegate here.
+    """
     deadline = time.monotonic() + timeout_s
     while True:
-        value = await check()
+        value = check()
+        if inspect.isawaitable(value):
+            value = await value
         if value:
-            return value
+            return value  # type: ignore[return-value]
         if time.monotonic() >= deadline:
-            pytest.fail(f"{what} not reached within {timeout_s}s")
+            pytest.fail(f"{what} not reached within {timeout_s}s (last: {_short(value)})")
         await asyncio.sleep(interval_s)
+
+
+def _short(value: object, limit: int = 300) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import aiohttp
+import polling
 
 from devcluster.engine.server import RunningEngine
 from scheduler.cluster_config import ClusterConfig, LlamaCppSettings
@@ -128,15 +129,7 @@ async def eventually(
     check: Callable[[], Awaitable[T]], *, timeout_s: float, what: str, every_s: float = 0.02
 ) -> T:
     """Poll `check` until it returns something truthy and return that; fail naming `what`."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        last = await check()
-        if last:
-            return last
-        if loop.time() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s} s (last: {last!r})")
-        await asyncio.sleep(every_s)
+    return await polling.eventually(check, timeout_s, what, interval_s=every_s)
 
 
 async def wait_healthy(

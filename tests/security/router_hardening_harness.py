@@ -9,7 +9,6 @@ keep an endpoint busy while it builds a queue behind it.
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+import polling
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
@@ -46,16 +46,7 @@ async def wait_until(
     condition: Callable[[], bool | Awaitable[bool]], *, timeout_s: float, what: str
 ) -> None:
     """Poll until `condition` holds; fail naming `what` if it never does."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = condition()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.02)
+    await polling.eventually(condition, timeout_s, what, interval_s=0.02)
 
 
 def chat(name: str, **extra: Any) -> dict[str, Any]:

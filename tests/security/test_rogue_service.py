@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import polling
 import pytest
 from aiohttp import web
 
@@ -108,16 +108,7 @@ def rogue_meta(served: str) -> dict[str, str]:
 async def eventually(
     condition: Callable[[], Awaitable[bool] | bool], timeout_s: float, what: str
 ) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = condition()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} not reached within {timeout_s}s")
-        await asyncio.sleep(0.1)
+    await polling.eventually(condition, timeout_s, what, interval_s=0.1)
 
 
 def sample(registry: Any, name: str, **labels: str) -> float:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import polling
 import pytest
 
 from caravan.contract import KVLayout, model_service_name
@@ -86,11 +87,8 @@ async def passing(stack: LocalStack, name: str) -> int:
 async def wait_for(check, timeout_s: float, what: str) -> float:
     """Poll until `check()` is true; returns the seconds it took."""
     started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        if await check():
-            return time.monotonic() - started
-        await asyncio.sleep(0.5)
-    pytest.fail(f"{what} not reached within {timeout_s}s")
+    await polling.eventually(check, timeout_s, what, interval_s=0.5)
+    return time.monotonic() - started
 
 
 @contextlib.asynccontextmanager

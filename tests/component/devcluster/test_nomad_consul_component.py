@@ -11,7 +11,6 @@ devcluster's simulated ones (0.2 s load).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
+import polling
 import pytest
 
 from devcluster.consul.server import ConsulConfig, ConsulServer
@@ -86,14 +86,9 @@ async def cluster() -> AsyncIterator[Cluster]:
 
 
 async def eventually(probe: Callable[[], Awaitable[T | None]], *, timeout_s: float = 20.0) -> T:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = await probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.1)
+    found = await polling.eventually(probe, timeout_s, "the condition", interval_s=0.1)
+    assert found is not None
+    return found
 
 
 def fast_checks(group: dict[str, Any]) -> None:

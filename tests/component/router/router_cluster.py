@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Self
 
 import aiohttp
+import polling
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
@@ -335,16 +336,7 @@ async def wait_until(
     condition: Callable[[], bool | Awaitable[bool]], *, timeout_s: float, what: str
 ) -> None:
     """Poll until `condition` holds; fail the test naming `what` if it never does."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = condition()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.05)
+    await polling.eventually(condition, timeout_s, what, interval_s=0.05)
 
 
 def routable_count(router: RouterUnderTest, model: str) -> int:

@@ -8,12 +8,11 @@ instead of 10 s + 10 s: a dead node is down within 3 s). The exit criterion
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import polling
 import pytest
 
 from caravan.contract import KVLayout
@@ -77,11 +76,4 @@ async def eventually(
     check: Callable[[], Any], *, timeout_s: float = 60.0, interval_s: float = 0.5
 ) -> Any:
     """Poll an async check until it returns a truthy value; fail with its last value."""
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = await check()
-        if last:
-            return last
-        await asyncio.sleep(interval_s)
-    pytest.fail(f"condition not met within {timeout_s}s; last value: {last!r}")
+    return await polling.eventually(check, timeout_s, "the condition", interval_s=interval_s)

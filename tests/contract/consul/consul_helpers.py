@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import polling
 import pytest
 from aiohttp import web
 
@@ -105,12 +105,6 @@ async def eventually(
     condition: Callable[[], Awaitable[T | None]], *, timeout_s: float = 5.0, every_s: float = 0.05
 ) -> T:
     """Poll `condition` until it returns something truthy; fail after `timeout_s`."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    last: T | None = None
-    while loop.time() < deadline:
-        last = await condition()
-        if last:
-            return last
-        await asyncio.sleep(every_s)
-    pytest.fail(f"condition not met within {timeout_s}s (last value: {last!r})")
+    found = await polling.eventually(condition, timeout_s, "the condition", interval_s=every_s)
+    assert found is not None
+    return found

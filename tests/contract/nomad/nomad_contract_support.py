@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import os
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +13,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 import nomad
+import polling
 import pytest
 
 from devcluster.nomad.server import NomadServer
@@ -112,14 +111,9 @@ async def eventually(
     probe: Callable[[], Awaitable[T | None]], *, timeout_s: float = 15.0, interval_s: float = 0.05
 ) -> T:
     """Poll `probe` until it returns something truthy; fail after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = await probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(interval_s)
+    found = await polling.eventually(probe, timeout_s, "the condition", interval_s=interval_s)
+    assert found is not None
+    return found
 
 
 async def get_json(session: aiohttp.ClientSession, url: str) -> Any:
