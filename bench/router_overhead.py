@@ -42,14 +42,10 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +53,11 @@ import aiohttp
 from aiohttp import web
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.processes import started  # noqa: E402 - needs the repository on sys.path
+
 MODEL = "bench"
 STREAM_CHUNKS = 16
 CHAT_BODY = json.dumps(
@@ -308,47 +309,6 @@ def _ms(text: str) -> float:
 # -- orchestration --------------------------------------------------------------------------
 
 
-@dataclass
-class Proc:
-    process: subprocess.Popen[str]
-    log: Path
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
-@contextmanager
-def _started(
-    command: list[str], pattern: str, env: dict[str, str] | None = None
-) -> Iterator[tuple[Proc, re.Match[str]]]:
-    handle, name = tempfile.mkstemp(prefix="caravan-bench-", suffix=".log")
-    log = Path(name)
-    with os.fdopen(handle, "w") as out:
-        process = subprocess.Popen(
-            command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True, env=env
-        )
-    proc = Proc(process, log)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            match = re.search(pattern, log.read_text(errors="replace"))
-            if match:
-                break
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{command[:3]} did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.05)
-        yield proc, match
-    finally:
-        proc.stop()
-        log.unlink(missing_ok=True)
-
-
 async def _register_upstream(consul_addr: str, port: int) -> None:
     sys.path.insert(0, str(REPO))
     from caravan.consul_api import ConsulClient, ConsulSettings, HttpCheck, ServiceRegistration  # noqa: PLC0415
@@ -489,10 +449,10 @@ def orchestrate(args: argparse.Namespace) -> int:
     python = sys.executable
     with contextlib.ExitStack() as stack:
         upstream_proc, up = stack.enter_context(
-            _started([python, __file__, "upstream"], r"upstream listening on (\d+)")
+            started([python, __file__, "upstream"], r"upstream listening on (\d+)")
         )
         _, consul = stack.enter_context(
-            _started(
+            started(
                 [
                     python,
                     "-m",
@@ -542,12 +502,12 @@ def orchestrate(args: argparse.Namespace) -> int:
             print_per_core(per_core, args)
             return 0
         _, router = stack.enter_context(
-            _started([python, "-m", "router"], r"listening on http://[\d.]+:(\d+)", env=env)
+            started([python, "-m", "router"], r"listening on http://[\d.]+:(\d+)", env=env)
         )
         targets["caravan"] = f"http://127.0.0.1:{router.group(1)}/v1/chat/completions"
         if vllm_router is not None:
             port = _free_port()
-            stack.enter_context(_started(_vllm_command(vllm_router, port, upstream_port), _READY))
+            stack.enter_context(started(_vllm_command(vllm_router, port, upstream_port), _READY))
             targets["vllm-router"] = f"http://127.0.0.1:{port}/v1/chat/completions"
         for url in targets.values():
             _wait_http(url)
@@ -624,7 +584,7 @@ def _per_core(
         caravan_env = {**env, "CARAVAN_ROUTER_WORKERS": str(cores)}
         command = _pinned([sys.executable, "-m", "router"], cores)
         proc, router = stack.enter_context(
-            _started(command, r"listening on http://[\d.]+:(\d+)", env=caravan_env)
+            started(command, r"listening on http://[\d.]+:(\d+)", env=caravan_env)
         )
         targets[cores, "caravan"] = f"http://127.0.0.1:{router.group(1)}/v1/chat/completions"
         pids[cores, "caravan"] = proc.process.pid
@@ -632,7 +592,7 @@ def _per_core(
             port = _free_port()
             vllm_env = {**os.environ, "TOKIO_WORKER_THREADS": str(cores)}
             proc, _ = stack.enter_context(
-                _started(
+                started(
                     _pinned(_vllm_command(vllm_router, port, upstream_port), cores),
                     _READY,
                     env=vllm_env,

@@ -48,12 +48,8 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +59,8 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from bench.processes import started  # noqa: E402 - needs the repository on sys.path
 
 MODEL = "bench"
 SERVICE = f"caravan-{MODEL}"
@@ -442,50 +440,6 @@ def _scalar_metrics(text: str) -> dict[str, float]:
 # -- orchestration --------------------------------------------------------------------------
 
 
-@dataclass
-class Proc:
-    process: subprocess.Popen[str]
-    log: Path
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
-@contextmanager
-def started(
-    command: list[str], pattern: str, env: dict[str, str] | None = None
-) -> Iterator[re.Match[str]]:
-    handle, name = tempfile.mkstemp(prefix="caravan-rq-", suffix=".log")
-    log = Path(name)
-    with os.fdopen(handle, "w") as out:
-        process = subprocess.Popen(
-            command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True, env=env
-        )
-    proc = Proc(process, log)
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            match = re.search(pattern, log.read_text(errors="replace"))
-            if match:
-                break
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{command[:4]} did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.05)
-        yield match
-    finally:
-        proc.stop()
-        if os.environ.get("CARAVAN_BENCH_KEEP_LOGS"):
-            print(f"  log of {Path(command[0]).name} {' '.join(command[1:3])}: {log}", flush=True)
-        else:
-            log.unlink(missing_ok=True)
-
-
 def free_ports(count: int) -> list[int]:
     """Ports that are free now, below the ephemeral range (32768 on Linux).
 
@@ -705,7 +659,7 @@ async def run_cell(
                     "CARAVAN_BENCH_ROUTER_LOG_LEVEL", "warning"
                 ),
             }
-            match = stack.enter_context(
+            _, match = stack.enter_context(
                 started([python, "-m", "router"], r"listening on http://[\d.]+:(\d+)", env=env)
             )
             base = f"http://127.0.0.1:{match.group(1)}"
@@ -1189,7 +1143,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     with started(
         [sys.executable, "-m", "devcluster", "--consul-port", "0", "--dns-port", "0"],
         r"CONSUL_HTTP_ADDR=([\d.:]+)",
-    ) as consul:
+    ) as (_, consul):
         consul_addr = consul.group(1)
         ports = free_ports(fleet.engines)
         asyncio.run(register_engines(consul_addr, ports, fleet))

@@ -1,0 +1,73 @@
+"""The benches' helper processes: start one, wait for its ready line, stop it (both benches).
+
+Each process writes to its own temporary log, read for the ready pattern
+and shown (its last 3,000 characters) when it exits or does not get ready
+in time. The log is deleted afterwards unless `CARAVAN_BENCH_KEEP_LOGS` is
+set, in which case its path is printed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 90.0
+
+
+@dataclass
+class Proc:
+    process: subprocess.Popen[str]
+    log: Path
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 10 s."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@contextmanager
+def started(
+    command: list[str], pattern: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[Proc, re.Match[str]]]:
+    """Run `command` from the repository root until the block ends; yields it and its ready match.
+
+    Raises RuntimeError when the process exits, or prints nothing matching
+    `pattern`, within START_TIMEOUT_S.
+    """
+    handle, name = tempfile.mkstemp(prefix="caravan-bench-", suffix=".log")
+    log = Path(name)
+    with os.fdopen(handle, "w") as out:
+        process = subprocess.Popen(
+            command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True, env=env
+        )
+    proc = Proc(process, log)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            match = re.search(pattern, log.read_text(errors="replace"))
+            if match:
+                break
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{command[:4]} did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.05)
+        yield proc, match
+    finally:
+        proc.stop()
+        if os.environ.get("CARAVAN_BENCH_KEEP_LOGS"):
+            print(f"  log of {Path(command[0]).name} {' '.join(command[1:3])}: {log}", flush=True)
+        else:
+            log.unlink(missing_ok=True)
