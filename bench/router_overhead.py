@@ -310,7 +310,6 @@ def _ms(text: str) -> float:
 
 
 async def _register_upstream(consul_addr: str, port: int) -> None:
-    sys.path.insert(0, str(REPO))
     from caravan.consul_api import ConsulClient, ConsulSettings, HttpCheck, ServiceRegistration  # noqa: PLC0415
 
     host, _, consul_port = consul_addr.rpartition(":")
