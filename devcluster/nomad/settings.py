@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_pascal
@@ -124,6 +125,11 @@ class NomadServerSettings(BaseModel):
     image_map: Path | None = None
     data_dir: Path | None = None
     seed: int | None = None
+    # Which engine vLLM images run: devcluster's simulator or the real vLLM
+    # (CPU build, `make vllm`; devcluster/vllm_real.py says what it maps).
+    vllm_engine: Literal["simulated", "real"] = "simulated"
+    # KV blocks (128 tokens each) of a real vLLM replica whose job sets none.
+    vllm_kv_blocks: int = Field(default=64, ge=16)
 
 
 def default_nodes(
@@ -255,6 +261,12 @@ def add_nomad_arguments(parser: argparse.ArgumentParser) -> None:
         "--nomad-data-dir", type=Path, default=None, help="alloc dirs (default: temp)"
     )
     group.add_argument(
+        "--vllm",
+        choices=("simulated", "real"),
+        default="simulated",
+        help="what vLLM images run: the simulated engine, or the real vLLM (`make vllm`)",
+    )
+    group.add_argument(
         "--host-volume",
         action="append",
         default=[],
@@ -284,6 +296,7 @@ def settings_from_args(args: argparse.Namespace, *, host: str = "127.0.0.1") -> 
         max_heartbeats_per_second=args.max_heartbeats_per_second,
         image_map=args.image_map,
         data_dir=args.nomad_data_dir,
+        vllm_engine=args.vllm,
         nodes=default_nodes(
             cpu_nodes=args.nodes,
             gpu_nodes=args.gpu_nodes,
