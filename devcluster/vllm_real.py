@@ -21,9 +21,10 @@ the top of the task's stderr log (devcluster/README.md lists them):
 Environment, as the vLLM image and a CPU node would give it: offline Hugging
 Face (`HF_HUB_OFFLINE`), no usage stats, `VLLM_CPU_KVCACHE_SPACE`, the
 replica's own core (`VLLM_CPU_OMP_THREADS_BIND`, so two replicas do not share
-core 0), and `TMPDIR` in the task's `tmp/` so vLLM's `/tmp/vllm_dist_*` files
-die with the allocation. Paths under the container's `/alloc`, `/local` and
-`/secrets` point into the task's folders, as Docker's mounts make them.
+core 0), and a `TMPDIR` of the task's own that devcluster removes when the
+process exits, so vLLM's `vllm_dist_*` files and ipc sockets go with it.
+Paths under the container's `/alloc`, `/local` and `/secrets` point into the
+task's folders, as Docker's mounts make them.
 """
 
 from __future__ import annotations
@@ -135,10 +136,10 @@ def _map_one(
             return [flag, "1"], Substitution(flag, value, "1", reason)
     if flag in _DROPPED_FLAGS:
         return [], Substitution(flag, value, None, _DROPPED_FLAGS[flag])
-    if flag == "--max-model-len" and value is not None and value.isdigit():
-        if int(value) > MAX_MODEL_LEN:
-            reason = f"the tiny model has {MAX_MODEL_LEN} positions"
-            return [flag, str(MAX_MODEL_LEN)], Substitution(flag, value, str(MAX_MODEL_LEN), reason)
+    too_long = value is not None and value.isdigit() and int(value) > MAX_MODEL_LEN
+    if flag == "--max-model-len" and too_long:
+        reason = f"the tiny model has {MAX_MODEL_LEN} positions"
+        return [flag, str(MAX_MODEL_LEN)], Substitution(flag, value, str(MAX_MODEL_LEN), reason)
     return [flag] if value is None else [flag, value], None
 
 
@@ -187,6 +188,7 @@ def launch(
     task_dir: Path,
     alloc_dir: Path,
     core: int | None,
+    tmp_dir: Path,
 ) -> RealVllmLaunch:
     """The real vLLM's command line and environment for a replica's rendered arguments."""
     mapped, changes = _map(args, options)
@@ -195,7 +197,7 @@ def launch(
         process_env.setdefault(key, value)
     if core is not None:
         process_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(core))
-    process_env["TMPDIR"] = str(task_dir / "tmp")
+    process_env["TMPDIR"] = str(tmp_dir)
     argv = (
         str(options.build.python),
         "-W",

@@ -104,6 +104,46 @@ def event_data(event: bytes) -> bytes | None:
     return parts[0] if len(parts) == 1 else b"\n".join(parts)
 
 
+# vLLM ends every running stream with this finish reason when it shuts down
+# (SIGTERM): the answer is cut, not complete (measured on vLLM 0.32).
+ABORT_FINISH = "abort"
+_ABORT_MARK = b'"abort"'
+
+
+def cut_at_abort(block: bytes) -> tuple[bytes, bool]:
+    """(the events of `block` before the engine's abort, whether it aborted).
+
+    The event whose choice finishes with `abort`, and everything after it (the
+    usage chunk, `[DONE]`), are the engine giving up, not the answer's end, so
+    they never reach the client: the stream is continued elsewhere instead.
+    """
+    if _ABORT_MARK not in block:
+        return block, False
+    kept: list[bytes] = []
+    for event in block.split(b"\n\n"):
+        if not event:
+            continue
+        data = event_data(event)
+        if data is not None and _ABORT_MARK in data and _finishes_with_abort(data):
+            return b"".join(kept), True
+        kept.append(event + b"\n\n")
+    return block, False
+
+
+def _finishes_with_abort(data: bytes) -> bool:
+    try:
+        chunk = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    if not isinstance(choices, list):
+        return False
+    return any(
+        isinstance(choice, Mapping) and choice.get("finish_reason") == ABORT_FINISH
+        for choice in choices
+    )
+
+
 def encode_event(payload: Mapping[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 

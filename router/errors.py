@@ -23,6 +23,7 @@
         ├── UpstreamConnectError  502  no connection, or reset before any response  (retryable)
         ├── UpstreamStatusError   502/503/504 as the engine said (retryable for 5xx gateway codes)
         ├── UpstreamProtocolError 502  the response broke HTTP/SSE framing
+        ├── UpstreamAborted       502  the engine aborted the answer (vLLM stopping) (retryable)
         ├── UpstreamTimeout       504  no response within the read timeout
         │   └── UpstreamFirstByteTimeout  504  no headers at all: a hung replica  (retryable)
         └── StreamInterrupted     502  the engine died mid-stream and no faithful
@@ -287,6 +288,13 @@ class UpstreamStatusError(UpstreamError):
 
 class UpstreamProtocolError(UpstreamError):
     code = "upstream_protocol_error"
+
+
+class UpstreamAborted(UpstreamError):
+    # vLLM ends its streams with finish_reason "abort" when it stops: it has stopped
+    # working on the request, so another endpoint may take it, or continue it.
+    retryable = True
+    code = "upstream_aborted"
 
 
 class UpstreamTimeout(UpstreamError):

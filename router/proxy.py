@@ -64,6 +64,7 @@ from router.continuation import (
     StreamKind,
     Unfaithful,
     build_continuation,
+    cut_at_abort,
     error_event,
     split_complete_events,
 )
@@ -79,6 +80,7 @@ from router.errors import (
     RouterError,
     StreamInterrupted,
     Unauthorized,
+    UpstreamAborted,
     UpstreamConnectError,
     UpstreamError,
     UpstreamFirstByteTimeout,
@@ -625,13 +627,12 @@ class Proxy:
                     # A slow client is not a silent engine: no deadline while writing.
                     deadline.reschedule(None)
                     got_event = True
-                    if rewriter is None:
-                        await self._write(exchange, block, forwarded=True)
-                        account.feed(block)
-                    else:
-                        out = rewriter.rewrite(block)
-                        if out:
-                            await self._write(exchange, out, forwarded=True)
+                    block, aborted = cut_at_abort(block)
+                    if aborted:
+                        if block:
+                            await self._forward(exchange, block, account, rewriter)
+                        return UpstreamAborted(endpoint_id, "the engine aborted the stream")
+                    await self._forward(exchange, block, account, rewriter)
                     if account.done:
                         return None
                     deadline.reschedule(loop.time() + idle_s)
@@ -650,6 +651,22 @@ class Proxy:
         if not got_event:
             return UpstreamConnectError(endpoint_id, "the stream ended before its first event")
         return UpstreamProtocolError(endpoint_id, "the stream ended without [DONE]")
+
+    async def _forward(
+        self,
+        exchange: Exchange,
+        block: bytes,
+        account: StreamAccount,
+        rewriter: ContinuationRewriter | None,
+    ) -> None:
+        """Send a block of complete events to the client and account for it."""
+        if rewriter is None:
+            await self._write(exchange, block, forwarded=True)
+            account.feed(block)
+            return
+        out = rewriter.rewrite(block)
+        if out:
+            await self._write(exchange, out, forwarded=True)
 
     def _failed_or_broken(self, exchange: Exchange, error: UpstreamError) -> _Failed | _Broken:
         if exchange.forwarded:

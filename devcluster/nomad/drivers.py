@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,6 +134,8 @@ class LaunchSpec:
     env: Mapping[str, str]
     # Lines written at the top of the task's stderr log before it starts.
     preamble: tuple[str, ...] = ()
+    # A folder of the task's that is removed once its process has exited.
+    scratch: Path | None = None
 
 
 def _string_list(value: Any, field_name: str) -> list[str]:
@@ -252,6 +255,9 @@ def resolve_launch(
         labels = _string_list(config.get("ports"), "ports")
         args = translate_container_args(args, ports, labels, host_ip)
         if mapping.engine == "vllm" and not mapping.command and settings.real_vllm is not None:
+            # vLLM puts its ZMQ ipc sockets in TMPDIR, and a socket path has at most
+            # 107 bytes, so the task's own tmp/ (deep in the data dir) is too long.
+            scratch = Path(tempfile.mkdtemp(prefix="cvl-"))
             real = vllm_real.launch(
                 args,
                 process_env,
@@ -259,11 +265,12 @@ def resolve_launch(
                 task_dir=task_dir,
                 alloc_dir=task_dir.parent,
                 core=settings.next_core(),
+                tmp_dir=scratch,
             )
             preamble = tuple(
                 f"devcluster: real vLLM: {change.describe()}" for change in real.substitutions
             )
-            return LaunchSpec(real.argv, real.env, preamble)
+            return LaunchSpec(real.argv, real.env, preamble, scratch)
         command = mapping.command or _engine_command(mapping.engine or "", settings)
         return LaunchSpec((*command, *args), process_env)
     raise DriverError(f"driver {driver!r} is not supported by devcluster", recoverable=False)
@@ -282,12 +289,18 @@ class ExitResult:
 class TaskProcess:
     """A started task: its own process group, waited on asynchronously."""
 
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
+    def __init__(self, process: asyncio.subprocess.Process, scratch: Path | None = None) -> None:
         self.process = process
         self.pid = process.pid
+        self._scratch = scratch
 
     async def wait(self) -> ExitResult:
         code = await self.process.wait()
+        if self._scratch is not None:
+            # The rest of the group goes with its leader; wait until none is left
+            # holding files in the scratch folder, then remove it.
+            self.kill_group()
+            shutil.rmtree(self._scratch, ignore_errors=True)
         if code < 0:
             return ExitResult(exit_code=-1, signal=-code)
         return ExitResult(exit_code=code, signal=0)
@@ -320,7 +333,7 @@ async def start_process(spec: LaunchSpec, *, cwd: Path, stdout: Path, stderr: Pa
             raise DriverError(
                 f"failed to launch command with executor: rpc error: code = Unknown desc = {exc}"
             ) from None
-    return TaskProcess(process)
+    return TaskProcess(process, spec.scratch)
 
 
 def parse_signal(name: str) -> int:

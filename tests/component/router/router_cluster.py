@@ -402,7 +402,9 @@ class FakeEngine:
     modes: "ok" answers (streams `events` content chunks), "status" answers
     `status` with an error body, "die" breaks the connection after `events`
     chunks, "held" streams one chunk then waits for `release` before the rest,
-    "hang" never answers, "stall" streams `events` chunks then goes silent.
+    "hang" never answers, "stall" streams `events` chunks then goes silent,
+    "abort" streams `events` chunks then ends as vLLM does on SIGTERM (a chunk
+    with `finish_reason: "abort"`, a usage chunk, `[DONE]`).
     """
 
     def __init__(self, model: str, *, mode: str = "ok", events: int = 5, status: int = 503) -> None:
@@ -499,6 +501,19 @@ class FakeEngine:
                     await self.release.wait()
                 if self.mode == "stall" and index == self.events - 1:
                     await asyncio.Event().wait()
+                if self.mode == "abort" and index == self.events - 1:
+                    usage = {
+                        "id": "chatcmpl-fake",
+                        "choices": [],
+                        "usage": {"completion_tokens": 3},
+                    }
+                    await response.write(
+                        self._chunk({}, "abort")
+                        + b"data: " + json.dumps(usage).encode() + b"\n\n"
+                        + b"data: [DONE]\n\n"
+                    )  # fmt: skip
+                    await response.write_eof()
+                    return response
                 if self.mode == "die" and index == self.events - 1:
                     # Behaviour, not a wait: the last event leaves before the connection dies.
                     await asyncio.sleep(0.01)

@@ -286,3 +286,38 @@ async def test_client_that_goes_away_is_logged_as_499_and_frees_its_lease(
             )
 
     assert ([0], 1.0) == (in_flight, closed)
+
+
+async def test_an_engine_abort_mid_stream_is_continued_elsewhere(
+    consul: ConsulClient, http: aiohttp.ClientSession
+) -> None:
+    """vLLM ends its streams with `finish_reason: "abort"` when it stops: the router
+    hides that ending and continues the answer on another replica, in the same stream."""
+    async with FakeEngine(MODEL, mode="abort", events=3) as stopping:
+        async with FakeEngine(MODEL, events=2) as good:
+            await register_replica(consul, MODEL, 0, stopping.port, check="none")
+            await register_replica(consul, MODEL, 1, good.port, check="none")
+            async with running_router(consul, policy="round_robin") as router:
+                await wait_until(
+                    lambda: routable_count(router, MODEL) == 2, timeout_s=5, what="eps"
+                )
+                statuses, texts = [], []
+                # Round robin: one of two requests starts on the stopping engine.
+                for index in range(2):
+                    body = chat_body(MODEL, f"q{index}", stream=True)
+                    async with http.post(
+                        router.url + "/v1/chat/completions", json=body
+                    ) as response:
+                        text, events, done = await read_stream(response)
+                    statuses.append(response.status)
+                    finishes = [
+                        choice.get("finish_reason")
+                        for event in events
+                        for choice in event.get("choices", [])
+                    ]
+                    texts.append((text, done, "abort" in finishes, "error" in events[-1]))
+
+    assert [200, 200] == statuses
+    assert 1 == stopping.requests
+    assert 2 == good.requests  # the other request, and the continuation
+    assert (" w0 w1 w2 w0 w1", True, False, False) in texts

@@ -1,0 +1,90 @@
+"""devcluster's mapping of a rendered vLLM command line onto the real vLLM (CPU build)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from devcluster.vllm_build import MAX_MODEL_LEN, VllmBuild
+from devcluster.vllm_real import RealVllmOptions, launch, substitutions_for
+
+BUILD = VllmBuild(python=Path("/cache/venv/bin/python"), model=Path("/cache/models/tiny"))
+OPTIONS = RealVllmOptions(build=BUILD, kv_blocks=48)
+RENDERED = (
+    "--model", "Qwen/Qwen2.5-7B-Instruct", "--served-model-name", "qwen",
+    "--tensor-parallel-size", "2", "--port", "23456", "--max-num-seqs", "64",
+    "--max-model-len", "8192", "--gpu-memory-utilization", "0.90",
+    "--enable-prefix-caching", "--host", "127.9.0.2",
+)  # fmt: skip
+
+
+def started(args: tuple[str, ...] = RENDERED, env: dict[str, str] | None = None) -> list[str]:
+    result = launch(
+        args,
+        env or {},
+        OPTIONS,
+        task_dir=Path("/data/alloc/a1/engine"),
+        alloc_dir=Path("/data/alloc/a1"),
+        core=1,
+        tmp_dir=Path("/tmp/cvl-x"),
+    )
+    return list(result.argv)
+
+
+def test_the_rendered_arguments_reach_the_real_api_server_with_explicit_substitutions() -> None:
+    """Every rendered flag passes through, except the ones each substitution names."""
+    argv = started()
+
+    assert [str(BUILD.python), "-W", "ignore::DeprecationWarning"] == argv[:3]
+    assert ["-m", "vllm.entrypoints.openai.api_server"] == argv[3:5]
+    assert argv[5:] == [
+        "--model", str(BUILD.model), "--served-model-name", "qwen",
+        "--tensor-parallel-size", "1", "--port", "23456", "--max-num-seqs", "64",
+        "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching",
+        "--host", "127.9.0.2", "--enforce-eager", "--num-gpu-blocks-override", "48",
+    ]  # fmt: skip
+    flags = [change.flag for change in substitutions_for(RENDERED, OPTIONS)]
+    assert flags == [
+        "--model",
+        "--tensor-parallel-size",
+        "--max-model-len",
+        "--gpu-memory-utilization",
+        "--enforce-eager",
+        "--num-gpu-blocks-override",
+    ]
+
+
+def test_what_already_fits_the_machine_is_not_substituted() -> None:
+    """A local model, one worker, a short context and the job's own KV size stay as rendered."""
+    args = (
+        "--model", str(BUILD.model), "--tensor-parallel-size=1", "--max-model-len", "1024",
+        "--num-gpu-blocks-override", "24", "--enforce-eager",
+    )  # fmt: skip
+
+    assert () == substitutions_for(args, OPTIONS)
+    # `--flag=value` is passed on as `--flag value`, which vLLM's parser reads alike.
+    assert started(args)[5:] == [
+        "--model", str(BUILD.model), "--tensor-parallel-size", "1", "--max-model-len", "1024",
+        "--num-gpu-blocks-override", "24", "--enforce-eager",
+    ]  # fmt: skip
+
+
+def test_the_environment_is_a_cpu_nodes_with_container_paths_in_the_allocation() -> None:
+    """Offline Hugging Face, one core per replica, TMPDIR of its own, /alloc paths mapped."""
+    result = launch(
+        RENDERED,
+        {"HF_HOME": "/alloc/data/hf", "VLLM_API_KEY": "k", "VLLM_CPU_KVCACHE_SPACE": "2"},
+        OPTIONS,
+        task_dir=Path("/data/a1/engine"),
+        alloc_dir=Path("/data/a1"),
+        core=0,
+        tmp_dir=Path("/tmp/cvl-y"),
+    )
+
+    env = dict(result.env)
+    assert "/data/a1/alloc/data/hf" == env["HF_HOME"]
+    assert ("1", "0", "/tmp/cvl-y") == (
+        env["HF_HUB_OFFLINE"],
+        env["VLLM_CPU_OMP_THREADS_BIND"],
+        env["TMPDIR"],
+    )
+    assert ("k", "2") == (env["VLLM_API_KEY"], env["VLLM_CPU_KVCACHE_SPACE"])
