@@ -43,10 +43,15 @@ type: $(STAMP) ## mypy --strict
 # well; `make unit TEST_WORKERS=0` runs the suite in one process.
 TEST_WORKERS ?= 4
 
-unit: $(STAMP) ## the test suite alone
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist worksteal
+unit: $(STAMP) ## the test suite alone (without the real-vLLM tier)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist worksteal --ignore=tests/real_vllm
 
-test: lint type unit ## everything CI runs: lint, types, tests
+# The real-vLLM tier runs in one process of its own: its servers (~2 GiB and
+# 30-60 s each to start) are started once per module and shared.
+vllm-tests: $(STAMP) vllm ## the real-vLLM tier alone (builds the vLLM venv and model first)
+	$(BIN)/pytest -p no:xdist tests/real_vllm
+
+test: lint type unit vllm-tests ## everything CI runs: lint, types, tests, the real-vLLM tier
 
 fmt: $(STAMP) ## format and autofix
 	$(BIN)/ruff format .
@@ -62,4 +67,4 @@ wheel-demo: llama-server ## build the wheel, install it with its demo extra in a
 golden: $(STAMP) ## regenerate the rendered-job golden files after a deliberate change
 	$(BIN)/pytest tests/unit/scheduler/test_golden.py tests/deploy/test_deploy_replica_examples.py --update-golden
 
-.PHONY: help venv demo render llama-server vllm lint type unit test fmt golden wheel-demo
+.PHONY: help venv demo render llama-server vllm vllm-tests lint type unit test fmt golden wheel-demo

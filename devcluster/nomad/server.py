@@ -19,6 +19,7 @@ import itertools
 import os
 import random
 import shutil
+import signal
 import tempfile
 import time
 import uuid
@@ -315,6 +316,16 @@ class NomadServer:
 
     def crash_alloc(self, alloc_id: str, task: str | None = None) -> list[int]:
         """SIGKILL the processes of one allocation (or one of its tasks); their PIDs."""
+        return self.signal_alloc(alloc_id, signal.SIGKILL, task=task)
+
+    def signal_alloc(
+        self, alloc_id: str, signum: int, *, task: str | None = None, group: bool = True
+    ) -> list[int]:
+        """Send `signum` to the running tasks of one allocation; their PIDs.
+
+        `group=False` signals only each task's main process, as `nomad alloc
+        signal` and the docker driver's stop do (the container's PID 1).
+        """
         for client in self.clients.values():
             runner = client.runners.get(alloc_id)
             if runner is None:
@@ -323,9 +334,14 @@ class NomadServer:
             for name, task_runner in runner.tasks.items():
                 if task is not None and name != task:
                     continue
-                if task_runner.process is not None and task_runner.state.state == "running":
-                    pids.append(task_runner.process.pid)
-                    task_runner.process.kill_group()
+                process = task_runner.process
+                if process is not None and task_runner.state.state == "running":
+                    pids.append(process.pid)
+                    if group:
+                        process.signal_group(signum)
+                    else:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(process.pid, signum)
             return pids
         raise ApiError(404, "alloc not found")
 

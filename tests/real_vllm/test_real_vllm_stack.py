@@ -1,0 +1,507 @@
+"""caravan's vLLM path end to end on the real vLLM: profile -> rendered job -> real
+`vllm.entrypoints.openai.api_server` on a devcluster GPU node -> Consul check ->
+router -> the official `openai` client.
+
+One stack for the module (devcluster with `vllm_engine="real"`, a scheduler
+with its autoscaler, a router), one model of two real replicas; the tests run
+in order and share it. Real timings here are CPU timings on a loaded machine:
+the assertions are about behaviour (who answered, what shape, which counter
+moved), never about speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import pytest_asyncio
+from polling import eventually
+
+from caravan.contract import (
+    ENGINE_KEY_ITEM,
+    KVLayout,
+    ServiceMetaKey,
+    engine_key_path,
+    model_service_name,
+)
+from caravan.engine_metrics import metric_names_as_published
+from caravan_cli.local_stack import LocalStack, StackOptions, local_stack, running_router
+from devcluster.vllm_build import VllmBuild
+from router.settings import RouterSettings
+from scheduler.autoscale.scrape import ReplicaTarget, scrape_replicas
+from scheduler.model_store import ModelStore
+from scheduler.profiles import ModelProfile
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+NAME = "tiny-vllm"
+# Two real replicas start in 30-60 s each on a quiet 2-core machine; CI is not quiet.
+READY_S = 300
+# Engine limits: 4 running + 4 queued per replica, so vLLM's own admission 503
+# is reachable with a handful of requests.
+MAX_SEQS = 4
+MAX_QUEUED = 4
+VLLM_PROFILE: dict[str, Any] = {
+    "name": NAME,
+    # A hub id, as a user's profile names one; devcluster runs the tiny model in its place.
+    "model": "caravan-tests/tiny-chat",
+    "served_model_name": NAME,
+    "engine": "vllm",
+    "gpu": {"class": "h100", "count": 1},
+    "replicas": {"min": 2, "max": 3, "initial": 2},
+    "resources": {"cpu_mhz": 1000, "memory_mb": 4096},
+    "max_concurrency": MAX_SEQS,
+    "context_length": 2048,
+    "engine_args": ["--enable-prefix-caching", "--max-num-queued-reqs", str(MAX_QUEUED)],
+    "startup_timeout_s": READY_S,
+    "autoscaling": {
+        "target_inflight": 2,
+        "scale_up_window_s": 2,
+        "scale_down_window_s": 3600,
+        "evaluation_interval_s": 1,
+    },
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    alloc_id: str
+    base_url: str
+    meta: dict[str, str]
+
+
+@dataclass(slots=True)
+class Fleet:
+    stack: LocalStack
+    profile: ModelProfile
+    log: list[dict[str, Any]]
+
+    @property
+    def router_url(self) -> str:
+        assert self.stack.router is not None
+        return self.stack.router.base_url
+
+    @property
+    def client(self) -> openai.AsyncOpenAI:
+        assert self.stack.router is not None
+        return openai.AsyncOpenAI(
+            base_url=f"{self.router_url}/v1", api_key=self.stack.router.api_key, max_retries=0
+        )
+
+    async def replicas(self) -> list[Replica]:
+        consul = self.stack.scheduler.consul
+        _, entries = await consul.health_service(model_service_name(NAME), passing=True)
+        return [
+            Replica(
+                alloc_id=entry.meta[ServiceMetaKey.ALLOC_ID],
+                base_url=f"http://{entry.service_address or entry.node_address}:{entry.port}",
+                meta=dict(entry.meta),
+            )
+            for entry in entries
+        ]
+
+    async def engine_key(self) -> str:
+        variable = await self.stack.scheduler.nomad.get_variable(engine_key_path(NAME))
+        assert variable is not None
+        return str(variable.items[ENGINE_KEY_ITEM])
+
+    async def passing(self, count: int) -> list[Replica]:
+        async def probe() -> list[Replica] | None:
+            found = await self.replicas()
+            return found if len(found) >= count else None
+
+        return await eventually(probe, READY_S, f"{count} passing real vLLM replicas")
+
+    async def routable(self, count: int) -> None:
+        assert self.stack.router is not None
+        headers = self.stack.router.headers
+
+        async def probe() -> bool:
+            async with (
+                aiohttp.ClientSession(headers=headers) as http,
+                http.get(f"{self.router_url}/v1/models") as response,
+            ):
+                body = await response.json()
+            return any(m["id"] == NAME for m in body.get("data", []))
+
+        await self.passing(count)
+        await eventually(probe, 30, f"{NAME} listed by the router")
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def fleet(
+    vllm_build: VllmBuild, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Fleet]:
+    assert vllm_build.python.is_file()
+    log: list[dict[str, Any]] = []
+    options = StackOptions(
+        cpu_nodes=1,
+        gpu_nodes=2,
+        gpus_per_node=2,
+        vllm_engine="real",
+        prefer_real_llama_server=False,
+        autoscale_tick_s=1.0,
+        work_dir=tmp_path_factory.mktemp("real-vllm-stack"),
+        router=RouterSettings(port=0, scrape_interval_s=0.5, log_level="warning"),
+        request_log=log.append,
+    )
+    profile = ModelProfile.model_validate(VLLM_PROFILE)
+    async with local_stack(options) as stack:
+        await ModelStore(stack.scheduler.consul, KVLayout()).submit([profile])
+        found = Fleet(stack=stack, profile=profile, log=log)
+        await found.routable(2)
+        yield found
+
+
+def completion_text(chunks: list[Any]) -> str:
+    return "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].delta
+    )
+
+
+async def test_the_rendered_job_passes_its_check_and_serves_through_the_openai_client(
+    fleet: Fleet,
+) -> None:
+    """Streamed and not, with usage: the real engine answers what caravan rendered."""
+    client = fleet.client
+    messages = [{"role": "user", "content": "Say hello to the caravan."}]
+    whole = await client.chat.completions.create(model=NAME, messages=messages, max_tokens=8)
+    stream = await client.chat.completions.create(
+        model=NAME,
+        messages=messages,
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [chunk async for chunk in stream]
+    await client.close()
+
+    assert (NAME, "length", 8) == (
+        whole.model,
+        whole.choices[0].finish_reason,
+        whole.usage.completion_tokens if whole.usage else None,
+    )
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert "length" == finishes[-1]
+    assert chunks[-1].usage is not None
+    assert 8 == chunks[-1].usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens > 0
+    replicas = await fleet.replicas()
+    assert {"vllm"} == {r.meta[ServiceMetaKey.ENGINE] for r in replicas}
+
+
+async def test_the_real_engine_requires_the_engine_key_and_the_router_holds_it(
+    fleet: Fleet,
+) -> None:
+    """Straight to a replica: 401 without the key, 200 with it; through the router: 200."""
+    replica = (await fleet.replicas())[0]
+    key = await fleet.engine_key()
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{replica.base_url}/v1/models") as response:
+            without = response.status
+        async with http.get(
+            f"{replica.base_url}/v1/models", headers={"Authorization": f"Bearer {key}"}
+        ) as response:
+            with_key = response.status
+            served = [m["id"] for m in (await response.json())["data"]]
+        async with http.get(f"{replica.base_url}/health") as response:
+            health = response.status
+
+    assert (401, 200, 200) == (without, with_key, health)
+    assert [NAME] == served
+
+
+async def test_context_overflow_and_bad_parameters_are_openai_shaped_400s(fleet: Fleet) -> None:
+    """The engine's refusals of bad input reach the client as 400s with an OpenAI error body."""
+    assert fleet.stack.router is not None
+    headers = fleet.stack.router.headers
+    url = f"{fleet.router_url}/v1/chat/completions"
+    messages = [{"role": "user", "content": "hi"}]
+    bodies = {
+        "max_tokens over the context": {"model": NAME, "messages": messages, "max_tokens": 5000},
+        "temperature not a number": {"model": NAME, "messages": messages, "temperature": "hot"},
+        "n below one": {"model": NAME, "messages": messages, "n": 0},
+    }
+    answers = {}
+    async with aiohttp.ClientSession(headers=headers) as http:
+        for what, body in bodies.items():
+            async with http.post(url, json=body) as response:
+                answers[what] = (response.status, await response.json())
+
+    for what, (status, body) in answers.items():
+        assert 400 == status, what
+        assert isinstance(body["error"]["message"], str), what
+        assert body["error"]["message"], what
+    client = fleet.client
+    with pytest.raises(openai.BadRequestError):
+        await client.chat.completions.create(model=NAME, messages=messages, max_tokens=5000)
+    await client.close()
+
+
+async def test_scrapes_read_the_real_engines_metrics(fleet: Fleet) -> None:
+    """The autoscaler's scrape, with the names the job publishes, reads every figure."""
+    replicas = await fleet.replicas()
+    targets = [
+        ReplicaTarget(
+            replica_id=r.alloc_id,
+            base_url=r.base_url,
+            metrics_path=r.meta[ServiceMetaKey.METRICS_PATH],
+            metric_names=metric_names_as_published(
+                r.meta.get(ServiceMetaKey.METRIC_RUNNING),
+                r.meta.get(ServiceMetaKey.METRIC_WAITING),
+                r.meta.get(ServiceMetaKey.METRIC_KV_CACHE),
+            ),
+        )
+        for r in replicas
+    ]
+    async with aiohttp.ClientSession() as http:
+        scrapes = await scrape_replicas(http, targets)
+
+    for scrape in scrapes:
+        load = scrape.load
+        assert load.scraped_at is not None, scrape
+        assert load.running is not None, scrape
+        assert load.waiting is not None, scrape
+        assert load.kv_cache_usage is not None, scrape
+        assert 0 <= load.kv_cache_usage <= 1
+
+
+async def engine_counter(http: aiohttp.ClientSession, replica: Replica, name: str) -> float:
+    async with http.get(f"{replica.base_url}/metrics") as response:
+        text = await response.text()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in " {"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def fleet_prefix_hits(replicas: list[Replica]) -> tuple[float, float]:
+    """(hits, queries) summed over the replicas: vLLM's own counters, in tokens."""
+    async with aiohttp.ClientSession() as http:
+        hits = [await engine_counter(http, r, "vllm:prefix_cache_hits_total") for r in replicas]
+        queries = [
+            await engine_counter(http, r, "vllm:prefix_cache_queries_total") for r in replicas
+        ]
+    return sum(hits), sum(queries)
+
+
+def shared_prefix(topic: int, words: int = 700) -> str:
+    """A long system prompt, different per topic and seed-stable (several 128-token blocks)."""
+    vocabulary = ("caravan", "nomad", "consul", "replica", "router", "engine", "prefix", "cache")
+    return " ".join(
+        f"{vocabulary[(topic * 7 + i * 3) % 8]}{(topic * 131 + i) % 97}" for i in range(words)
+    )
+
+
+async def play_shared_prefixes(base_url: str, api_key: str | None, seed: int) -> None:
+    """Ten long system prompts, four rounds each, one request at a time."""
+    client = openai.AsyncOpenAI(
+        base_url=f"{base_url}/v1", api_key=api_key or "unused", max_retries=0
+    )
+    try:
+        for round_ in range(4):
+            for topic in range(10):
+                await client.chat.completions.create(
+                    model=NAME,
+                    messages=[
+                        {"role": "system", "content": shared_prefix(seed * 100 + topic)},
+                        {"role": "user", "content": f"question {round_}"},
+                    ],
+                    max_tokens=2,
+                )
+    finally:
+        await client.close()
+
+
+@contextlib.asynccontextmanager
+async def second_router(fleet: Fleet, **settings: Any) -> AsyncIterator[str]:
+    """Another router on the same fleet, with other settings (its base URL)."""
+    stack = fleet.stack
+    assert stack.router is not None
+    router_settings = RouterSettings(
+        port=0, log_level="warning", register_service=False, **settings
+    ).model_copy(update={"api_keys": ()})
+    async with running_router(
+        router_settings, stack.scheduler.consul, nomad=stack.scheduler.nomad
+    ) as handle:
+        yield handle.base_url
+
+
+async def test_prefix_aware_routing_raises_the_fleets_real_prefix_cache_hit_rate(
+    fleet: Fleet,
+) -> None:
+    """The same workload shape through round robin and through caravan's default policy:
+    the default's share of prompt tokens found in the engines' caches is higher, by the
+    engines' own counters. Ten prompts of ~9 blocks each do not fit one replica's 64
+    blocks, so a replica that sees all of them evicts what it will need next."""
+    replicas = await fleet.replicas()
+    assert 2 == len(replicas)
+    async with second_router(fleet, policy="round_robin") as rr_url:
+        await eventually_routable(rr_url)
+        before = await fleet_prefix_hits(replicas)
+        await play_shared_prefixes(rr_url, None, seed=1)
+        after_rr = await fleet_prefix_hits(replicas)
+    assert fleet.stack.router is not None
+    await play_shared_prefixes(fleet.router_url, fleet.stack.router.api_key, seed=2)
+    after_default = await fleet_prefix_hits(replicas)
+
+    rr_rate = (after_rr[0] - before[0]) / (after_rr[1] - before[1])
+    default_rate = (after_default[0] - after_rr[0]) / (after_default[1] - after_rr[1])
+    sys.stdout.write(f"fleet prefix-cache hit rate: rr {rr_rate:.3f}, default {default_rate:.3f}\n")
+    assert default_rate > 1.2 * rr_rate, (rr_rate, default_rate)
+
+
+async def eventually_routable(base_url: str) -> None:
+    async def probe() -> bool:
+        async with aiohttp.ClientSession() as http, http.get(f"{base_url}/v1/models") as response:
+            body = await response.json()
+        return any(m["id"] == NAME for m in body.get("data", []))
+
+    await eventually(probe, 30, f"{NAME} routable at {base_url}")
+
+
+@contextlib.asynccontextmanager
+async def saturated(replicas: list[Replica], key: str, count: int) -> AsyncIterator[None]:
+    """`count` long requests straight to each replica, bypassing every router, until the
+    block ends (they are cancelled then: the engine aborts them)."""
+
+    async def one(http: aiohttp.ClientSession, replica: Replica) -> None:
+        body = {"model": NAME, "prompt": "saturate", "max_tokens": 1500, "ignore_eos": True}
+        async with http.post(f"{replica.base_url}/v1/completions", json=body) as response:
+            await response.read()
+
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as http:
+        tasks = [
+            asyncio.create_task(one(http, replica)) for replica in replicas for _ in range(count)
+        ]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_vllms_own_admission_503_is_retried_on_another_replica_and_counted(
+    fleet: Fleet,
+) -> None:
+    """One replica full (running and queue at vLLM's limits) answers 503 itself; a router
+    that does not know it yet retries the request on the other replica, and counts it."""
+    replicas = await fleet.replicas()
+    full, _ = replicas
+    key = await fleet.engine_key()
+    async with second_router(fleet, policy="round_robin", scrape_interval_s=3600) as rr_url:
+        await eventually_routable(rr_url)
+        async with saturated([full], key, MAX_SEQS + MAX_QUEUED):
+
+            async def refusing() -> bool:
+                async with aiohttp.ClientSession() as http:
+                    running = await engine_counter(http, full, "vllm:num_requests_running")
+                    waiting = await engine_counter(http, full, "vllm:num_requests_waiting")
+                return running + waiting >= MAX_SEQS + MAX_QUEUED
+
+            await eventually(refusing, 60, "the replica full to its queue limit")
+            statuses = []
+            async with aiohttp.ClientSession() as http:
+                for index in range(4):
+                    body = {"model": NAME, "prompt": f"p{index}", "max_tokens": 2}
+                    async with http.post(f"{rr_url}/v1/completions", json=body) as response:
+                        await response.read()
+                        statuses.append(response.status)
+                async with http.get(f"{rr_url}/metrics") as response:
+                    metrics = await response.text()
+
+    retries = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("caravan_router_retries_total{")
+    )
+    assert [200, 200, 200, 200] == statuses
+    assert retries >= 1
+
+
+async def stream_and_interrupt(fleet: Fleet, signum: int, *, group: bool) -> tuple[str, list[Any]]:
+    """A long stream; once it flows, `signum` to the replica serving it. (text, chunks)."""
+    client = fleet.client
+    stream = await client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": f"a long answer {signum}"}],
+        max_tokens=400,
+        stream=True,
+    )
+    chunks: list[Any] = []
+    interrupted = False
+    async for chunk in stream:
+        chunks.append(chunk)
+        if not interrupted and len(chunks) == 20:
+            serving = await serving_replica(fleet)
+            fleet.stack.cluster.nomad.signal_alloc(serving.alloc_id, signum, group=group)
+            interrupted = True
+    await client.close()
+    assert interrupted
+    return completion_text(chunks), chunks
+
+
+async def serving_replica(fleet: Fleet) -> Replica:
+    """The replica with a request running (the stream's)."""
+
+    async def probe() -> Replica | None:
+        async with aiohttp.ClientSession() as http:
+            for replica in await fleet.replicas():
+                if await engine_counter(http, replica, "vllm:num_requests_running") >= 1:
+                    return replica
+        return None
+
+    return await eventually(probe, 10, "the replica serving the stream")
+
+
+@pytest.mark.parametrize(
+    ("signum", "group"),
+    [(signal.SIGKILL, True), (signal.SIGTERM, False)],
+    ids=["sigkill", "sigterm"],
+)
+async def test_a_real_replica_killed_mid_stream_is_continued_on_another(
+    fleet: Fleet, signum: int, *, group: bool
+) -> None:
+    """SIGKILL (the whole process group) or SIGTERM (vLLM ends its streams with
+    `abort`): the client's stream goes on from another real replica, no error."""
+    await fleet.routable(2)
+    failovers_before = len([line for line in fleet.log if line.get("failovers")])
+    text, chunks = await stream_and_interrupt(fleet, signum, group=group)
+
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert "length" == finishes[-1], finishes[-3:]
+    assert "abort" not in finishes
+    assert len(text) > 0
+    lines = [line for line in fleet.log if line.get("failovers")]
+    assert len(lines) > failovers_before, json.dumps(fleet.log[-3:])
+    # Nomad restarts the killed engine; the next test starts from two replicas again.
+    await fleet.routable(2)
+
+
+async def test_the_autoscaler_scales_on_the_real_engines_load(fleet: Fleet) -> None:
+    """Load above `target_inflight` per replica, read from vLLM's own gauges, raises the
+    desired count (last: the third replica it starts is left to the module's teardown)."""
+    store = ModelStore(fleet.stack.scheduler.consul, KVLayout())
+    replicas = await fleet.passing(2)
+    key = await fleet.engine_key()
+    async with saturated(replicas, key, MAX_SEQS):
+
+        async def scaled() -> int | None:
+            count = (await store.read()).desired_count(NAME)
+            return count if count > 2 else None
+
+        desired = await eventually(scaled, 60, "a desired count above 2")
+    assert 3 == desired
