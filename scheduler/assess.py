@@ -253,16 +253,14 @@ def _model(
             render_error=str(exc),
         )
         return unrenderable, judged
-    assessed = ModelAssessment(
-        model=profile.name, replicas=tuple(judged), prefetch=gate, failure=None
-    )
     failure = model_failure([(r.replica, r.failed) for r in judged])
-    if failure is None and gate.failed and assessed.ready == 0:
+    if failure is None and gate.failed and not any(r.live and r.ready for r in judged):
         # The replicas wait for the prefetch, which will not succeed without a change.
         failure = f"prefetch job {prefetch_job_id(profile.name)} {gate.status}"
-    return ModelAssessment(
+    assessed = ModelAssessment(
         model=profile.name, replicas=tuple(judged), prefetch=gate, failure=failure
-    ), judged
+    )
+    return assessed, judged
 
 
 def assess(

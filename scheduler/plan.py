@@ -173,7 +173,7 @@ class Plan:
     # Profiles that cannot be rendered (terminal until the profile changes).
     errors: Mapping[str, str]
     # What the plan was decided from; status, metrics and failure records read the same.
-    assessment: Assessment = field(default_factory=lambda: Assessment(replicas={}, models={}))
+    assessment: Assessment
 
 
 def _needs_replacement(
