@@ -15,8 +15,11 @@ with its GPU class, its driver, its volume...) rather than by resources in
 use (`DimensionExhausted`), which Nomad places as soon as they free up.
 It takes a change to recover: a new node, or a new profile.
 
-A model has failed when every one of its replica jobs (at least one) has.
-The reconcile loop publishes that as a `ModelFailure` at KV `failed/<name>`
+A model has failed when every one of its replica jobs (at least one) has,
+or when its weights prefetch failed for this weights version and no replica
+is ready: replicas wait for the prefetch, and only a change brings it back.
+`scheduler/assess.py` applies these rules to each pass's observation; the
+reconcile loop publishes the result as a `ModelFailure` at KV `failed/<name>`
 (routers answer the model's requests with a 503 naming the reason; the
 autoscaler stops scaling it up) and deletes it when it no longer holds:
 
@@ -25,8 +28,6 @@ autoscaler stops scaling it up) and deletes it when it no longer holds:
 - `caravan scale`: it deletes the record in its transaction, and new
   replicas make "every replica" false;
 - a replica passing its check.
-
-Prefetch failures are not detected here yet (there is no prefetch).
 """
 
 from __future__ import annotations
@@ -38,9 +39,8 @@ from typing import Any, Protocol
 
 from caravan.contract import MAX_FAILURE_REASON_CHARS, ModelFailure
 from caravan.errors import HashiError
-from caravan.nomad_api import Allocation, JobStub
 from scheduler.placement_explain import ReplicaAsk, explain_failed_placement
-from scheduler.world import replica_from_job_stub
+from scheduler.world import ObservedReplica
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +49,15 @@ NOT_RESTARTING = "Not Restarting"
 _CAUSE_EVENTS = frozenset({"Terminated", "Driver Failure", "Setup Failure", "Killed"})
 
 
-def replica_failure(
-    job_stub: JobStub,
-    allocs: Sequence[Allocation],
-    passing_allocs: frozenset[str],
-) -> str | None:
-    """Why this replica failed for good, in `caravan status`'s words; None when it has not."""
-    if any(a.client_status == "running" and a.id in passing_allocs for a in allocs):
+def replica_failure(replica: ObservedReplica, health: Mapping[str, str]) -> str | None:
+    """Why this replica failed for good, in `caravan status`'s words; None when it has not.
+
+    `health` is Consul's check status by allocation id.
+    """
+    allocs = replica.allocs
+    if any(a.client_status == "running" and health.get(a.id) == "passing" for a in allocs):
         return None
-    current = [a for a in allocs if a.job_version == job_stub.version]
+    current = [a for a in allocs if a.job_version == replica.version]
     failed = [a for a in current if a.client_status == "failed"]
     if not failed:
         return None
@@ -90,38 +90,13 @@ def impossible_placement(failed_tg_allocs: Mapping[str, Any] | None, ask: Replic
     return f"cannot be placed: {sentence}"
 
 
-def model_failures(
-    job_stubs: Sequence[JobStub],
-    allocs_by_job: Mapping[str, Sequence[Allocation]],
-    passing_by_alloc: Mapping[str, bool],
-    models: frozenset[str],
-    unplaceable: Mapping[str, str] | None = None,
-) -> dict[str, str]:
-    """The models of `models` whose every live replica job failed for good, with the reason.
-
-    `unplaceable` holds, by job id, the `impossible_placement` reason of
-    replica jobs that have no allocation.
-    """
-    passing = frozenset(alloc for alloc, ok in passing_by_alloc.items() if ok)
-    by_model: dict[str, list[tuple[int, str | None]]] = {}
-    for stub in job_stubs:
-        replica = replica_from_job_stub(stub)
-        if replica is None or replica.stopped or replica.model not in models:
-            continue
-        allocs = allocs_by_job.get(replica.job_id, ())
-        reason = (
-            replica_failure(stub, allocs, passing)
-            if allocs
-            else (unplaceable or {}).get(replica.job_id)
-        )
-        by_model.setdefault(replica.model, []).append((replica.replica, reason))
-    result: dict[str, str] = {}
-    for model, replicas in by_model.items():
-        if replicas and all(reason is not None for _, reason in replicas):
-            index, reason = min(replicas, key=lambda item: item[0])
-            more = f" (and the other {len(replicas) - 1})" if len(replicas) > 1 else ""
-            result[model] = f"replica {index}{more}: {reason}"
-    return result
+def model_failure(replicas: Sequence[tuple[int, str | None]]) -> str | None:
+    """The model's reason when every replica (index, failed-for-good reason) failed; else None."""
+    if not replicas or any(reason is None for _, reason in replicas):
+        return None
+    index, reason = min(replicas, key=lambda item: item[0])
+    more = f" (and the other {len(replicas) - 1})" if len(replicas) > 1 else ""
+    return f"replica {index}{more}: {reason}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,6 +64,7 @@ from caravan.contract import (
 from scheduler.cluster_config import CLUSTER_CONFIG_CODEC, ClusterConfig
 from scheduler.profile_policy import policy_problems
 from scheduler.profiles import ModelProfile, ProfileError, parse_profile_text, profile_to_json
+from scheduler.world import DesiredModel
 
 log = logging.getLogger(__name__)
 
@@ -308,6 +309,13 @@ class DesiredState:
         stored = self.stored_counts.get(name)
         count = profile.replicas.start if stored is None else stored
         return min(max(count, profile.replicas.min), profile.replicas.max)
+
+    def desired_models(self) -> dict[str, DesiredModel]:
+        """Every valid profile with its desired count, as the planner and assess take them."""
+        return {
+            name: DesiredModel(profile=profile, count=self.desired_count(name))
+            for name, profile in self.profiles.items()
+        }
 
 
 def _suffix(entry: KVEntry, prefix: str) -> str:

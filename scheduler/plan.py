@@ -1,8 +1,9 @@
 """plan(desired, observed) -> actions: the scheduler's pure decision core.
 
-Given what the profiles ask for and what Nomad runs, decide what to register,
-replace, drain and deregister. No I/O, no clock: `now` is passed in (wall-clock
-seconds, to compare with Nomad's timestamps). Applying a plan and planning
+Given what the profiles ask for, what Nomad runs and what that means
+(`scheduler/assess.py`: ready, outdated, placed, the prefetch gate), decide
+what to register, replace, drain and deregister. No I/O, no clock: `now` is
+passed in (wall-clock seconds, to compare with Nomad's timestamps). Applying a plan and planning
 again from the resulting world yields no actions: steady state makes no writes.
 
 The rules, per model with desired count D and `live` = its replica jobs that
@@ -40,14 +41,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from caravan.contract import DrainRecord, replica_job_id
-from scheduler.render import PlacementHints, RenderError, render, secret_templates, spec_hash
-from scheduler.weights import (
-    NO_PREFETCH,
-    PrefetchGate,
-    prefetch_gate,
-    prefetch_job_id,
-    render_prefetch,
-)
+from scheduler.assess import Assessment, ModelAssessment, ReplicaAssessment, assess
+from scheduler.nomad_time import NS_PER_S
+from scheduler.render import PlacementHints, RenderError, render
+from scheduler.weights import PrefetchGate, prefetch_job_id
 from scheduler.world import (
     DesiredModel,
     Observation,
@@ -59,7 +56,6 @@ if TYPE_CHECKING:
     from scheduler.cluster_config import ClusterConfig
     from scheduler.weights import ObservedPrefetch
 
-NS_PER_S = 1_000_000_000
 DEFAULT_ORPHAN_DRAIN_S = 10.0
 
 
@@ -176,34 +172,19 @@ class Plan:
     reports: tuple[ModelReport, ...]
     # Profiles that cannot be rendered (terminal until the profile changes).
     errors: Mapping[str, str]
-
-
-def is_ready(replica: ObservedReplica, observed: Observation) -> bool:
-    """Running on a live node and passing its check (or healthy per Nomad if Consul is silent)."""
-    for alloc in replica.live_allocs():
-        node = observed.nodes.get(alloc.node_id)
-        if alloc.client_status != "running" or node is None or not node.ready:
-            continue
-        if replica.passing is True:
-            return True
-        if replica.passing is None and alloc.deployment_healthy is True:
-            return True
-    return False
-
-
-def _placed_node(replica: ObservedReplica, observed: Observation) -> str | None:
-    for alloc in replica.live_allocs():
-        node = observed.nodes.get(alloc.node_id)
-        if alloc.node_id and node is not None and node.ready:
-            return alloc.node_id
-    return None
+    # What the plan was decided from; status, metrics and failure records read the same.
+    assessment: Assessment
 
 
 def _needs_replacement(
-    replica: ObservedReplica, observed: Observation, settings: PlanSettings, now: float
+    replica: ObservedReplica,
+    judged: ReplicaAssessment,
+    observed: Observation,
+    settings: PlanSettings,
+    now: float,
 ) -> str | None:
     """Why this replica must be re-registered by caravan, or None."""
-    if _placed_node(replica, observed) is not None:
+    if judged.node is not None:
         return None
     if replica.job_status == "dead" and not replica.stopped:
         return "job is dead with no running allocation"
@@ -245,6 +226,8 @@ class _ModelPlanner:
 
     desired: DesiredModel
     observed: Observation
+    assessed: ModelAssessment
+    judged: Mapping[str, ReplicaAssessment]
     config: ClusterConfig
     settings: PlanSettings
     now: float
@@ -257,7 +240,7 @@ class _ModelPlanner:
         return self.desired.profile.name
 
     def hints_for(self, siblings: list[ObservedReplica]) -> PlacementHints:
-        nodes = {_placed_node(r, self.observed) for r in siblings}
+        nodes = {self.judged[r.job_id].node for r in siblings}
         return PlacementHints(sibling_nodes=frozenset(n for n in nodes if n is not None))
 
     def render(self, replica: int, siblings: list[ObservedReplica]) -> dict[str, Any]:
@@ -266,9 +249,8 @@ class _ModelPlanner:
     def run(self) -> ModelReport:
         replicas = [r for r in self.observed.of_model(self.profile_name) if not r.stopped]
         live = [r for r in replicas if r.job_id not in self.observed.draining]
-        hashes = {r.job_id: spec_hash(self.desired.profile, r.replica, self.config) for r in live}
-        outdated = {r.job_id for r in live if r.spec_hash != hashes[r.job_id]}
-        ready = {r.job_id for r in live if is_ready(r, self.observed)}
+        outdated = {r.job_id for r in live if self.judged[r.job_id].outdated}
+        ready = {r.job_id for r in live if self.judged[r.job_id].ready}
         used = {r.replica for r in self.observed.of_model(self.profile_name)}
         target = self.desired.count
 
@@ -297,22 +279,16 @@ class _ModelPlanner:
 
     def _prefetch_gate(self) -> PrefetchGate:
         """Register the prefetch job if needed; replicas wait until it has succeeded."""
-        profile = self.desired.profile
-        weights = profile.weights
-        if weights is None or weights.prefetch is None:
-            return NO_PREFETCH
-        body = render_prefetch(profile, self.config, secret_templates(profile))
-        gate = prefetch_gate(
-            body, self.observed.prefetch.get(profile.name), self.now, weights.prefetch.timeout_s
-        )
+        gate = self.assessed.prefetch
         if gate.register is not None:
+            seen = self.observed.prefetch.get(self.profile_name)
             self.actions.append(
                 RegisterPrefetch(
-                    job_id=prefetch_job_id(profile.name),
-                    model=profile.name,
+                    job_id=prefetch_job_id(self.profile_name),
+                    model=self.profile_name,
                     body=gate.register,
                     reason=gate.status or "prefetch",
-                    enforce_index=_prefetch_index(self.observed.prefetch.get(profile.name)),
+                    enforce_index=_prefetch_index(seen),
                 )
             )
         if not gate.ready and not gate.failed:
@@ -321,7 +297,9 @@ class _ModelPlanner:
 
     def _replace_lost(self, live: list[ObservedReplica]) -> None:
         for replica in live:
-            why = _needs_replacement(replica, self.observed, self.settings, self.now)
+            why = _needs_replacement(
+                replica, self.judged[replica.job_id], self.observed, self.settings, self.now
+            )
             if why is None:
                 continue
             siblings = [r for r in live if r.job_id != replica.job_id]
@@ -344,7 +322,7 @@ class _ModelPlanner:
     def _siblings_settled(self, live: list[ObservedReplica]) -> bool:
         """CPU replicas: every sibling has a node, or has waited too long for one."""
         for replica in live:
-            if _placed_node(replica, self.observed) is not None:
+            if self.judged[replica.job_id].node is not None:
                 continue
             age = self.now - replica.submit_time_ns / NS_PER_S
             if age < self.settings.sibling_wait_s:
@@ -429,7 +407,7 @@ class _ModelPlanner:
 
     def _note_unplaced(self, live: list[ObservedReplica]) -> None:
         for replica in live:
-            if _placed_node(replica, self.observed) is None:
+            if self.judged[replica.job_id].node is None:
                 self.unplaced.append(replica.job_id)
                 self.waiting = True
 
@@ -523,18 +501,29 @@ def plan(
     settings: PlanSettings,
     now: float,
     leave_alone: frozenset[str] = frozenset(),
+    assessment: Assessment | None = None,
 ) -> Plan:
     """Decide the actions that move `observed` towards `desired`.
 
-    Models in `leave_alone` (their profile in KV is invalid) are neither
-    planned nor treated as deleted: their replicas keep running as they are.
+    `assessment` is `assess(desired, observed, config, now)`, judged once for
+    the whole pass; it is made here when not given. Models in `leave_alone`
+    (their profile in KV is invalid) are neither planned nor treated as
+    deleted: their replicas keep running as they are.
     """
+    if assessment is None:
+        assessment = assess(desired, observed, config, now)
     actions: list[Action] = _finish_drains(observed, now)
     reports: list[ModelReport] = []
     errors: dict[str, str] = {}
     waiting = False
     for name in sorted(desired):
-        planner = _ModelPlanner(desired[name], observed, config, settings, now)
+        assessed = assessment.models[name]
+        if assessed.render_error is not None:
+            errors[name] = assessed.render_error
+            continue
+        planner = _ModelPlanner(
+            desired[name], observed, assessed, assessment.replicas, config, settings, now
+        )
         try:
             reports.append(planner.run())
         except RenderError as exc:
@@ -565,6 +554,7 @@ def plan(
         requeue_after_s=settings.requeue_s if (waiting or orphan_wait or actions) else None,
         reports=tuple(reports),
         errors=errors,
+        assessment=assessment,
     )
 
 

@@ -42,13 +42,13 @@ from scheduler.cluster_config import RESTART_INTERVAL_S, ClusterConfig
 from scheduler.engines.base import resolve_metrics
 from scheduler.engines.registry import adapter_for
 from scheduler.gpu_classes import GpuClass, UnknownGpuClassError, lookup_gpu_class
+from scheduler.nomad_time import NS_PER_S
 from scheduler.profiles import Driver
 
 if TYPE_CHECKING:
     from scheduler.engines.base import EngineAdapter
     from scheduler.profiles import ModelProfile
 
-NS_PER_S = 1_000_000_000
 SPEC_HASH_LEN = 16
 # Nomad's restart policy for one replica: a crashed engine is restarted in
 # place (cheap: weights are in the page cache) `restart_attempts` times (2),

@@ -1,36 +1,32 @@
 """What `caravan list` and `caravan status` show, read from KV, Nomad and Consul.
 
-The readers gather the facts; `summarise_model` and `replica_status` are pure
-and say them in plain words: which replica runs where, whether it passes its
-check, since when, its last task event, and why a pending replica cannot be
-placed (from the blocked evaluation's `FailedTGAllocs`).
+The reader observes the world as a reconcile pass does (`scheduler/observe.py`)
+and judges it with the same `assess` the planner decides from, so status and
+the planner cannot disagree on what is ready, why a replica is not placed, or
+what failed. `replica_status`, `model_status` and `summarise_model` are pure
+and say the assessment in plain words: which replica runs where, whether it
+passes its check, since when, its last task event, and why a pending replica
+cannot be placed.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from caravan.contract import ModelFailure, ScaleOverride, ServiceMetaKey, model_service_name
-from caravan.nomad_api import Allocation, Evaluation, JobStub, Node
+from caravan.contract import ModelFailure, ScaleOverride
+from caravan.nomad_api import Allocation
+from scheduler.assess import Assessment, ReplicaAssessment, assess
 from scheduler.cluster_config import ClusterConfig
-from scheduler.controller import HealthSource, NomadReads, read_nomad
 from scheduler.model_store import DesiredState, ModelStore, UnknownModelError
-from scheduler.placement_explain import ReplicaAsk, explain_failed_groups
+from scheduler.nomad_time import NS_PER_S
+from scheduler.observe import HealthSource, NomadReads, observe, read_nomad
 from scheduler.profiles import ModelProfile
-from scheduler.render import render, secret_templates, spec_hash
-from scheduler.weights import (
-    NO_PREFETCH,
-    PrefetchGate,
-    observe_prefetch,
-    prefetch_gate,
-    prefetch_job_id,
-    render_prefetch,
-)
-from scheduler.world import NS_PER_S, replica_from_job_stub
+from scheduler.weights import NO_PREFETCH, PrefetchGate, prefetch_job_id
+from scheduler.world import Observation, ObservedReplica
 
 
 class InvalidStoredProfileError(ValueError):
@@ -50,6 +46,8 @@ class ReplicaStatus:
     since_s: float | None = None
     last_event: str | None = None
     pending_reason: str | None = None
+    # Why the replica failed for good (scheduler/model_failure.py); None: it has not.
+    failed: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,104 +85,68 @@ def _gpu_words(profile: ModelProfile) -> str:
     return f"{profile.gpu.count}x {profile.gpu.gpu_class}"
 
 
-def _blocked_reason(
-    profile: ModelProfile | None,
-    config: ClusterConfig,
-    index: int,
-    evaluations: Sequence[Evaluation],
-) -> str | None:
-    """Why Nomad still waits to place the replica: its newest blocked evaluation, in words."""
-    blocked = [e for e in evaluations if e.status == "blocked"]
-    if not blocked or profile is None:
-        return None
-    latest = max(blocked, key=lambda e: e.create_index)
-    ask = ReplicaAsk.from_job(
-        render(profile, max(index, 0), config=config)["Job"],
-        profile.gpu.gpu_class if profile.gpu else "",
-    )
-    return explain_failed_groups(latest.failed_tg_allocs, ask)
+def _shown_alloc(
+    judged: ReplicaAssessment, replica: ObservedReplica, observation: Observation
+) -> Allocation | None:
+    """The allocation a replica's line is about: a ready one when it is ready, else the newest
+    live one, else the newest."""
+    live = replica.live_allocs()
+    if judged.ready:
+        live = tuple(
+            a
+            for a in live
+            if a.client_status == "running"
+            and (node := observation.nodes.get(a.node_id)) is not None
+            and node.ready
+        )
+    return max(live or replica.allocs, key=lambda a: a.create_time_ns, default=None)
 
 
 def replica_status(
-    *,
-    profile: ModelProfile | None,
-    config: ClusterConfig,
-    job_stub: JobStub,
-    allocs: Sequence[Allocation],
-    node_names: Mapping[str, str],
-    node_up: Mapping[str, bool],
-    health_by_alloc: Mapping[str, str],
-    evaluations: Sequence[Evaluation],
-    draining: bool,
+    judged: ReplicaAssessment,
+    replica: ObservedReplica,
+    observation: Observation,
     now: float,
 ) -> ReplicaStatus:
-    """One replica in plain words (pure)."""
-    replica = replica_from_job_stub(job_stub)
-    job_id = job_stub.id
-    index = replica.replica if replica is not None else -1
-    current = (
-        profile is not None
-        and replica is not None
-        and replica.spec_hash == spec_hash(profile, replica.replica, config)
-    )
-    live = [a for a in allocs if a.live]
-    chosen = max(live or allocs, key=lambda a: a.create_time_ns, default=None)
-    if chosen is None:
-        ask = ReplicaAsk()
-        if profile is not None:
-            ask = ReplicaAsk.from_job(
-                render(profile, max(index, 0), config=config)["Job"],
-                profile.gpu.gpu_class if profile.gpu else "",
-            )
-        reason = None
-        for evaluation in sorted(evaluations, key=lambda e: e.create_index):
-            explained = explain_failed_groups(evaluation.failed_tg_allocs, ask)
-            if explained:
-                reason = explained
+    """One replica in plain words (pure): the assessment, and the allocation it is about."""
+    current = judged.outdated is False
+    chosen = _shown_alloc(judged, replica, observation)
+    if chosen is None or (not replica.live_allocs() and judged.unplaceable is not None):
+        # Never placed, or every allocation stopped or lost (its node died) and
+        # Nomad could not place the replacement: its evaluations say why it waits.
+        pending = "pending" if chosen is None else chosen.client_status
         return ReplicaStatus(
-            job_id=job_id,
-            replica=index,
-            state="pending placement" if reason else "pending",
+            job_id=judged.job_id,
+            replica=judged.replica,
+            state="pending placement" if judged.unplaceable else pending,
             current=current,
-            draining=draining,
-            pending_reason=reason,
+            draining=judged.draining,
+            pending_reason=judged.unplaceable,
+            failed=judged.failed,
         )
-    if not live:
-        # Every allocation is stopped or lost (its node died) and Nomad could not
-        # place the replacement: its blocked evaluation says why it waits.
-        waiting = _blocked_reason(profile, config, index, evaluations)
-        if waiting is not None:
-            return ReplicaStatus(
-                job_id=job_id,
-                replica=index,
-                state="pending placement",
-                current=current,
-                draining=draining,
-                pending_reason=waiting,
-            )
-    alloc_id = chosen.id
-    node_id = chosen.node_id
-    health = health_by_alloc.get(alloc_id)
+    health = observation.health.get(chosen.id)
+    node = observation.nodes.get(chosen.node_id)
     client_status = chosen.client_status
     state = client_status
-    if client_status == "running" and not node_up.get(node_id, True):
-        state = "node down"
-    elif client_status == "running" and health == "passing":
+    if judged.ready:
         state = "ready"
+    elif client_status == "running" and node is not None and not node.ready:
+        state = "node down"
     elif client_status == "running":
-        state = "starting" if health in {None, "critical"} else "saturated"
+        state = "starting" if health in {None, "critical", "passing"} else "saturated"
     modified = chosen.modify_time_ns / NS_PER_S
     return ReplicaStatus(
-        job_id=job_id,
-        replica=index,
-        state="draining" if draining else state,
+        job_id=judged.job_id,
+        replica=judged.replica,
+        state="draining" if judged.draining else state,
         current=current,
-        draining=draining,
-        alloc_id=alloc_id[:8],
-        node=node_names.get(node_id, node_id[:8]),
+        draining=judged.draining,
+        alloc_id=chosen.id[:8],
+        node=node.name if node is not None else chosen.node_id[:8],
         health=health,
         since_s=round(max(now - modified, 0.0), 1) if modified else None,
         last_event=_last_event(chosen),
+        failed=judged.failed,
     )
 
 
@@ -245,6 +207,36 @@ def summarise_model(
     )
 
 
+def model_status(
+    name: str, state: DesiredState, observation: Observation, assessment: Assessment, now: float
+) -> ModelStatus:
+    """A model with a profile in `state`, from one observation and its assessment (pure)."""
+    profile = state.profiles[name]
+    assessed = assessment.models[name]
+    replicas = [
+        replica_status(judged, observation.replicas[judged.job_id], observation, now)
+        for judged in assessed.replicas
+    ]
+    autoscaler = None
+    raw_state = state.autoscaler_state.get(name)
+    if raw_state:
+        try:
+            autoscaler = json.loads(raw_state)
+        except ValueError:
+            autoscaler = {"error": "autoscaler state in KV is unreadable"}
+    override = state.overrides.get(name)
+    return summarise_model(
+        name,
+        profile,
+        state.desired_count(name),
+        replicas,
+        autoscaler,
+        override=override if override is not None and override.in_force(now) else None,
+        failure=state.failures.get(name),
+        prefetch=assessed.prefetch,
+    )
+
+
 @dataclass(slots=True)
 class StatusReader:
     """Gathers status from KV, Nomad and Consul for the CLI and the HTTP API."""
@@ -256,14 +248,24 @@ class StatusReader:
     # Used when no scheduler has published its cluster config to KV yet.
     config: ClusterConfig = field(default_factory=ClusterConfig)
 
-    def _now(self) -> float:
-        return self.clock()
-
-    async def _world(
-        self,
-    ) -> tuple[list[JobStub], dict[str, list[Allocation]], list[Node]]:
+    async def _assess(
+        self, state: DesiredState, models: Collection[str]
+    ) -> tuple[Observation, Assessment, float]:
+        """Observe `models` as a reconcile pass would, and judge them the same way."""
         readout = await read_nomad(self.nomad)
-        return readout.job_stubs, readout.allocs_by_job, readout.nodes
+        now = self.clock()
+        observation = await observe(
+            self.nomad,
+            self.health,
+            readout,
+            draining=state.draining,
+            models=models,
+            now=now,
+            scope=models,
+        )
+        desired = {n: d for n, d in state.desired_models().items() if n in models}
+        config = state.cluster_config or self.config
+        return observation, assess(desired, observation, config, now), now
 
     async def model(self, name: str, *, desired_state: DesiredState | None = None) -> ModelStatus:
         state = desired_state or await self.store.read()
@@ -273,14 +275,14 @@ class StatusReader:
                     f"{name}: its profile in KV is invalid: {state.invalid[name]}"
                 )
             raise UnknownModelError(name)
-        jobs, allocs_by_job, nodes = await self._world()
-        return await self._model(name, state, jobs, allocs_by_job, nodes, detailed=True)
+        observation, assessment, now = await self._assess(state, {name})
+        return model_status(name, state, observation, assessment, now)
 
     async def models(self) -> list[ModelStatus]:
         state = await self.store.read()
-        jobs, allocs_by_job, nodes = await self._world()
+        observation, assessment, now = await self._assess(state, set(state.profiles))
         result = [
-            await self._model(name, state, jobs, allocs_by_job, nodes, detailed=False)
+            model_status(name, state, observation, assessment, now)
             for name in sorted(state.profiles)
         ]
         result.extend(
@@ -299,89 +301,3 @@ class StatusReader:
             for name, problem in sorted(state.invalid.items())
         )
         return result
-
-    async def _model(
-        self,
-        name: str,
-        state: DesiredState,
-        jobs: list[JobStub],
-        allocs_by_job: dict[str, list[Allocation]],
-        nodes: list[Node],
-        *,
-        detailed: bool,
-    ) -> ModelStatus:
-        profile = state.profiles[name]
-        now = self._now()
-        _, entries = await self.health.health_service(model_service_name(name))
-        health_by_alloc = {
-            e.meta.get(ServiceMetaKey.ALLOC_ID, ""): e.status
-            for e in entries
-            if e.meta.get(ServiceMetaKey.ALLOC_ID)
-        }
-        node_names = {n.id: n.name for n in nodes}
-        node_up = {n.id: n.ready for n in nodes}
-        replicas: list[ReplicaStatus] = []
-        for stub in jobs:
-            replica = replica_from_job_stub(stub)
-            if replica is None or replica.model != name or replica.stopped:
-                continue
-            allocs = allocs_by_job.get(replica.job_id, [])
-            evaluations: list[Evaluation] = []
-            if detailed and not any(a.live for a in allocs):
-                evaluations = (await self.nomad.job_evaluations(replica.job_id)).value
-            replicas.append(
-                replica_status(
-                    profile=profile,
-                    config=state.cluster_config or self.config,
-                    job_stub=stub,
-                    allocs=allocs,
-                    node_names=node_names,
-                    node_up=node_up,
-                    health_by_alloc=health_by_alloc,
-                    evaluations=evaluations,
-                    draining=replica.job_id in state.draining,
-                    now=now,
-                )
-            )
-        replicas.sort(key=lambda r: r.replica)
-        autoscaler = None
-        raw_state = state.autoscaler_state.get(name)
-        if raw_state:
-            try:
-                autoscaler = json.loads(raw_state)
-            except ValueError:
-                autoscaler = {"error": "autoscaler state in KV is unreadable"}
-        override = state.overrides.get(name)
-        gate = self._prefetch(profile, state, jobs, allocs_by_job, now)
-        return summarise_model(
-            name,
-            profile,
-            state.desired_count(name),
-            replicas,
-            autoscaler,
-            override=override if override is not None and override.in_force(now) else None,
-            failure=state.failures.get(name),
-            prefetch=gate,
-        )
-
-    def _prefetch(
-        self,
-        profile: ModelProfile,
-        state: DesiredState,
-        jobs: list[JobStub],
-        allocs_by_job: dict[str, list[Allocation]],
-        now: float,
-    ) -> PrefetchGate:
-        """The model's prefetch as the planner sees it (same render, same gate)."""
-        weights = profile.weights
-        if weights is None or weights.prefetch is None:
-            return NO_PREFETCH
-        observed = None
-        for stub in jobs:
-            found = observe_prefetch(stub, allocs_by_job.get(stub.id, []))
-            if found is not None and found.model == profile.name:
-                observed = found
-        body = render_prefetch(
-            profile, state.cluster_config or self.config, secret_templates(profile)
-        )
-        return prefetch_gate(body, observed, now, weights.prefetch.timeout_s)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from caravan.contract import JOB_PREFIX, MANAGED_BY_VALUE, JobMetaKey
+from scheduler.nomad_time import NS_PER_S
 
 if TYPE_CHECKING:
     # Types only: profiles import this module, and `caravan validate` must not
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     from scheduler.profiles import ModelProfile
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
-NS_PER_S = 1_000_000_000
 VOLUME_NAME = "weights"
 PREFETCH_GROUP = "prefetch"
 PREFETCH_TASK = "prefetch"

@@ -4,7 +4,9 @@
 reconcile pass, made of the typed values `caravan.nomad_api` decoded (its
 allocations are `Allocation`s, its nodes `Node`s: no JSON is read here);
 `DesiredModel` is what the profiles and desired counts ask for. Both are
-plain frozen values, so `plan()` is a pure function of them.
+plain frozen values, so `assess()` and `plan()` are pure functions of them.
+`scheduler/observe.py` reads an `Observation` once per pass; the controller
+and `caravan status` both start from it.
 """
 
 from __future__ import annotations
@@ -15,13 +17,11 @@ from typing import TYPE_CHECKING
 
 # DrainRecord is the draining/ document; its one codec is in caravan/contract.py.
 from caravan.contract import JOB_PREFIX, MANAGED_BY_VALUE, DrainRecord, JobMetaKey
-from caravan.nomad_api import Allocation, JobStub, Node
+from caravan.nomad_api import AllocatedPort, Allocation, Evaluation, JobStub, Node
 
 if TYPE_CHECKING:
     from scheduler.profiles import ModelProfile
     from scheduler.weights import ObservedPrefetch
-
-NS_PER_S = 1_000_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +43,8 @@ class ObservedReplica:
     inflight: float | None = None
     # The job's JobModifyIndex when read: a re-registration enforces it (facts N3).
     job_modify_index: int = 0
+    # The job's version: only its allocations say how the current spec did.
+    version: int = 0
 
     def live_allocs(self) -> tuple[Allocation, ...]:
         return tuple(a for a in self.allocs if a.live)
@@ -51,6 +53,14 @@ class ObservedReplica:
         if not self.allocs:
             return None
         return max(self.allocs, key=lambda a: a.create_time_ns)
+
+
+@dataclass(frozen=True, slots=True)
+class AllocEngine:
+    """The port Nomad allocated for an allocation's `http` label, and the node it runs on."""
+
+    port: AllocatedPort
+    node_name: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +76,14 @@ class Observation:
     taken_at: float
     # Each model's prefetch job as Nomad reports it (models with one only).
     prefetch: Mapping[str, ObservedPrefetch] = field(default_factory=dict)
+    # Where each allocation's engine listens (its `http` port) and on which node.
+    engines: Mapping[str, AllocEngine] = field(default_factory=dict)
+    # Consul's check status ("passing", "warning", "critical") by allocation id;
+    # an allocation with no registered instance is absent.
+    health: Mapping[str, str] = field(default_factory=dict)
+    # The evaluations of replica jobs without a live allocation, by job id
+    # (why Nomad does not place them); a job whose evaluations were not read is absent.
+    evaluations: Mapping[str, tuple[Evaluation, ...]] = field(default_factory=dict)
 
     def of_model(self, model: str) -> list[ObservedReplica]:
         return sorted(
@@ -115,4 +133,5 @@ def replica_from_job_stub(stub: JobStub) -> ObservedReplica | None:
         stopped=stub.stop,
         submit_time_ns=stub.submit_time_ns,
         job_modify_index=stub.job_modify_index,
+        version=stub.version,
     )

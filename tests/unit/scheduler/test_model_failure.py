@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
+
+from profile_builders import make_llamacpp
 
 from caravan.contract import JobMetaKey, ModelFailure
 from caravan.nomad_api import Allocation, JobStub
+from scheduler.assess import assess
+from scheduler.cluster_config import ClusterConfig
 from scheduler.model_failure import (
     FailureUpdate,
     failure_updates,
     impossible_placement,
-    model_failures,
+    model_failure,
 )
 from scheduler.placement_explain import ReplicaAsk
+from scheduler.world import DesiredModel, Observation, replica_from_job_stub
 
 NOT_RESTARTING = 'Exceeded allowed attempts 2 in interval 30m0s and mode is "fail"'
 
@@ -51,6 +58,41 @@ def alloc(
             "TaskStates": {"engine": {"Events": events}},
         }
     )
+
+
+def model_failures(
+    stubs: Sequence[JobStub],
+    allocs_by_job: Mapping[str, Sequence[Allocation]],
+    passing_by_alloc: Mapping[str, bool],
+    models: frozenset[str],
+    unplaceable: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """Each model's failure as `assess` judges it from these stubs and allocations.
+
+    `unplaceable` stands in for the impossible-placement reason of jobs
+    without allocations (`impossible_placement` is tested on its own below).
+    """
+    replicas = {}
+    for stub in stubs:
+        seen = replica_from_job_stub(stub)
+        assert seen is not None
+        replicas[seen.job_id] = replace(seen, allocs=tuple(allocs_by_job.get(seen.job_id, ())))
+    health = {alloc: "passing" if ok else "critical" for alloc, ok in passing_by_alloc.items()}
+    observation = Observation(
+        replicas=replicas, nodes={}, draining={}, taken_at=1000.0, health=health
+    )
+    desired = {name: DesiredModel(make_llamacpp(name=name), 1) for name in models}
+    judged = assess(desired, observation, ClusterConfig(), 1000.0)
+    found: dict[str, str] = {}
+    for name, model in judged.models.items():
+        reason = model.failure
+        if unplaceable is not None:
+            reason = model_failure(
+                [(r.replica, r.failed or unplaceable.get(r.job_id)) for r in model.replicas]
+            )
+        if reason is not None:
+            found[name] = reason
+    return found
 
 
 def test_every_replica_given_up_is_a_failed_model_with_nomads_words():

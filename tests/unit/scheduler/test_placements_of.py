@@ -14,11 +14,10 @@ from caravan.contract import (
 )
 from caravan.errors import HashiUnavailable
 from caravan.nomad_api import AllocatedPort, Allocation
-from scheduler.cluster_config import ClusterConfig
-from scheduler.controller import AllocEngine, Controller, placements_of
 from scheduler.metrics import SchedulerMetrics
 from scheduler.model_store import ModelStore
-from scheduler.world import ObservedReplica
+from scheduler.publish import Publisher, placements_of
+from scheduler.world import AllocEngine, ObservedReplica
 
 RUNNING = "00000000-0000-4000-8000-000000000001"
 PENDING = "00000000-0000-4000-8000-000000000002"
@@ -128,13 +127,10 @@ class MemoryKV:
         return True
 
 
-def controller_on(kv: MemoryKV) -> Controller:
-    return Controller(
-        store=ModelStore(kv, KVLayout()),
-        nomad=None,  # type: ignore[arg-type]  # publishing reads no Nomad
-        health=None,  # type: ignore[arg-type]
-        config=ClusterConfig(),
-        metrics=SchedulerMetrics.create(CollectorRegistry()),
+def controller_on(kv: MemoryKV) -> Publisher:
+    """What a reconcile pass publishes with (scheduler/publish.py)."""
+    return Publisher(
+        store=ModelStore(kv, KVLayout()), metrics=SchedulerMetrics.create(CollectorRegistry())
     )
 
 

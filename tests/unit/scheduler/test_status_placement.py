@@ -1,15 +1,18 @@
-"""`caravan status` of a replica Nomad cannot place (pure `replica_status`)."""
+"""`caravan status` of a replica Nomad cannot place (pure `assess` and `replica_status`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from profile_builders import make_llamacpp
 
 from caravan.nomad_api import Allocation, Evaluation, JobStub
+from scheduler.assess import assess
 from scheduler.cluster_config import ClusterConfig
 from scheduler.render import render
 from scheduler.status import replica_status
+from scheduler.world import DesiredModel, Observation, replica_from_job_stub
 
 BLOCKED = {
     "Status": "blocked",
@@ -24,18 +27,18 @@ def status_of(allocs: list[dict[str, Any]], evaluations: list[dict[str, Any]]) -
     profile = make_llamacpp(resources={"cores": 3})
     config = ClusterConfig()
     stub = JobStub.from_api(render(profile, 1, config=config)["Job"])
-    return replica_status(
-        profile=profile,
-        config=config,
-        job_stub=stub,
-        allocs=[Allocation.from_api(a) for a in allocs],
-        node_names={},
-        node_up={},
-        health_by_alloc={},
-        evaluations=[Evaluation.from_api(e) for e in evaluations],
-        draining=False,
-        now=100.0,
+    seen = replica_from_job_stub(stub)
+    assert seen is not None
+    seen = replace(seen, allocs=tuple(Allocation.from_api(a) for a in allocs))
+    observation = Observation(
+        replicas={seen.job_id: seen},
+        nodes={},
+        draining={},
+        taken_at=100.0,
+        evaluations={seen.job_id: tuple(Evaluation.from_api(e) for e in evaluations)},
     )
+    judged = assess({profile.name: DesiredModel(profile, 1)}, observation, config, 100.0)
+    return replica_status(judged.replicas[seen.job_id], seen, observation, 100.0)
 
 
 def test_lost_replica_waiting_for_a_node_says_why_naming_the_pool():

@@ -1,0 +1,86 @@
+"""The scheduler's modules import one way: no import circle among them.
+
+lint-imports' contracts keep the packages apart; this keeps the modules of
+`scheduler/` from closing a circle (observe -> assess -> plan -> controller
+must stay a line, never a loop back through the controller).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grimp
+
+# Closed only by imports under `if TYPE_CHECKING:` (the profile validator calls the
+# engine registry, whose adapters type against the profile): issue 22, deliverable 3,
+# removes it. No other circle may appear, and this one may only shrink.
+KNOWN_TYPE_ONLY_CIRCLE = frozenset(
+    {
+        "scheduler.cluster_config",
+        "scheduler.engines.base",
+        "scheduler.engines.llamacpp",
+        "scheduler.engines.registry",
+        "scheduler.engines.sglang",
+        "scheduler.engines.vllm",
+        "scheduler.profile_policy",
+        "scheduler.profiles",
+        "scheduler.weights",
+    }
+)
+
+
+def circles(graph: grimp.ImportGraph) -> Iterator[frozenset[str]]:
+    """The strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    for root in sorted(graph.modules):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.find_modules_directly_imported_by(root))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            module, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in graph.modules:
+                    continue
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append(
+                        (child, iter(sorted(graph.find_modules_directly_imported_by(child))))
+                    )
+                elif child in on_stack:
+                    low[module] = min(low[module], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[module])
+            if low[module] == index[module]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == module:
+                        break
+                if len(component) > 1:
+                    yield frozenset(component)
+
+
+def test_the_scheduler_has_no_import_circle_at_runtime() -> None:
+    """What Python imports when the scheduler starts is a line, never a circle."""
+    graph = grimp.build_graph("scheduler", exclude_type_checking_imports=True)
+    assert [] == list(circles(graph))
+
+
+def test_type_only_imports_close_no_new_circle() -> None:
+    """Counting imports for type checkers too, the one known circle may only shrink."""
+    graph = grimp.build_graph("scheduler")
+    assert all(found <= KNOWN_TYPE_ONLY_CIRCLE for found in circles(graph))
