@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -146,3 +149,20 @@ def test_validate_refuses_a_served_name_two_files_share(
     )
     assert main(["validate", first, second]) == 1
     assert "served_model_name: 's' is also served by model 'a'" in capsys.readouterr().err
+
+
+def test_a_closed_pipe_ends_the_cli_without_a_traceback():
+    """Issue 23, finding 7: `caravan ... | head` exits like a process ended by SIGPIPE, quietly."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "caravan_cli", "render", EXAMPLES[0]],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            check=False,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert (141, b"") == (done.returncode, done.stderr)
