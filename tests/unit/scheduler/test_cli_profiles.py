@@ -166,3 +166,13 @@ def test_a_closed_pipe_ends_the_cli_without_a_traceback():
     finally:
         os.close(write_end)
     assert (141, b"") == (done.returncode, done.stderr)
+
+
+def test_submit_refuses_non_utf8_bytes_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    """Issue 23, finding 7: submit names the file and the offset before sending anything."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"name: x\nmodel: caf\xe9\nengine: vllm\n")
+    assert 1 == main(["submit", str(bad), "--scheduler", "http://127.0.0.1:9"])
+    assert f"error: {bad}: not UTF-8 text (byte 0xe9 at offset 18)\n" == capsys.readouterr().err
