@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from scheduler.cluster_config import ClusterConfigError, load_cluster_config
-from scheduler.model_service import SubmissionRejectedError, validate_submission
 from scheduler.profiles import ProfileError, load_profile
 from scheduler.render import PlacementHints, RenderError, render, secret_templates
 from scheduler.weights import render_prefetch
@@ -62,6 +61,13 @@ def run_validate(args: argparse.Namespace) -> int:
     every replica it may scale to; then the files are checked together
     (names, served names). Every problem of every file is printed.
     """
+    # Imported here: scheduler.model_service also holds the store's I/O, whose
+    # clients (aiohttp, consul) the parser of an offline command must not load.
+    from scheduler.model_service import (  # noqa: PLC0415
+        SubmissionRejectedError,
+        validate_submission,
+    )
+
     try:
         config = load_cluster_config(args.config)
     except ClusterConfigError as exc:
