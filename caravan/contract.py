@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Generic, TypeVar
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from caravan.engine_metrics import MetricNames, metric_names_as_published
@@ -401,7 +402,106 @@ class JsonCodec(Generic[Document]):
             raise _first_problem(key, exc) from None
 
 
-# -- models/<name>: the part of a profile every reader shares ------------------------------
+# -- models/<name>: the profile document, and the part of it every reader shares -----------
+#
+# The one codec of a profile document, whoever wrote it (`caravan submit`, the
+# scheduler's API, `consul kv put @file.yaml`, Terraform's consul_keys): UTF-8
+# text holding YAML or JSON (JSON is YAML), one mapping, no key given twice.
+# The scheduler validates the mapping as its `ModelProfile`; every other
+# reader takes the `ModelView` out of the same mapping, so what the scheduler
+# deploys the routers serve.
+
+
+class ProfileDocumentError(ContractError):
+    """A profile document that is no mapping of fields; `problem` says why, in one line."""
+
+    def __init__(self, source: str, problem: str, *, syntax: bool = False) -> None:
+        self.source = source
+        self.problem = problem
+        # True when the text parses as neither JSON nor YAML.
+        self.syntax = syntax
+        super().__init__(f"{source}: {problem}")
+
+
+class _ProfileLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping key given twice (PyYAML keeps the last)."""
+
+
+def _unique_mapping(loader: _ProfileLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if not isinstance(key, str | int | float | bool) and key is not None:
+            continue  # an unhashable key: construct_mapping below says so
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            problem = f"line {line}: duplicate key {key!r} (first given on line {seen[key]})"
+            raise yaml.constructor.ConstructorError(None, None, problem, key_node.start_mark)
+        seen[key] = line
+    return loader.construct_mapping(node, deep=True)
+
+
+_ProfileLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def decode_profile_document(raw: bytes | str, *, source: str) -> dict[str, Any]:
+    """The mapping of a profile document; ProfileDocumentError (naming `source`) otherwise."""
+    if isinstance(raw, bytes):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            bad = raw[exc.start]
+            problem = f"not UTF-8 text (byte {bad:#04x} at offset {exc.start})"
+            raise ProfileDocumentError(source, problem) from None
+    else:
+        text = raw
+    # JSON by JSON's rules when it is JSON (PyYAML reads YAML 1.1, which differs
+    # from JSON in corners such as surrogate-pair escapes), else YAML.
+    try:
+        document: Any = json.loads(text, object_pairs_hook=_unique_json_object)
+    except _DuplicateJsonKey as exc:
+        raise ProfileDocumentError(source, f"duplicate key {exc.key!r}") from None
+    except RecursionError:
+        raise ProfileDocumentError(source, "the document is nested too deeply") from None
+    except ValueError:
+        document = _yaml_document(text, source)
+    if not isinstance(document, dict):
+        raise ProfileDocumentError(source, "a profile must be a mapping of fields (got no mapping)")
+    return document
+
+
+class _DuplicateJsonKey(ValueError):
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(key)
+
+
+def _unique_json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in document:
+            raise _DuplicateJsonKey(key)
+        document[key] = value
+    return document
+
+
+def _yaml_document(text: str, source: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_ProfileLoader)  # noqa: S506 - a SafeLoader
+    except yaml.constructor.ConstructorError as exc:
+        if exc.problem is not None and "duplicate key" in exc.problem:
+            raise ProfileDocumentError(source, exc.problem) from None
+        raise ProfileDocumentError(source, f"YAML error: {exc.problem}", syntax=True) from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+        problem = f"YAML syntax error at {where}: {exc.problem}"
+        raise ProfileDocumentError(source, problem, syntax=True) from None
+    except yaml.YAMLError as exc:
+        raise ProfileDocumentError(source, f"YAML syntax error: {exc}", syntax=True) from None
+    except RecursionError:
+        # A hostile document (thousands of nested lists) is a problem, not a crash.
+        raise ProfileDocumentError(source, "the document is nested too deeply") from None
 
 
 def served_name_of(name: str, served_model_name: str | None) -> str:
@@ -413,11 +513,26 @@ def served_name_of(name: str, served_model_name: str | None) -> str:
     return served_model_name or name
 
 
+def served_name_owners(declared: Mapping[str, tuple[str, int]]) -> dict[str, str]:
+    """Which model keeps each served name when several profiles in KV declare it.
+
+    `declared` maps a model to (its served name, its key's CreateIndex). The
+    model declared first keeps the name (then the lower name, on a tie); the
+    scheduler leaves the others undeployed and the routers ignore them, so both
+    agree on who serves it. Answers served name -> owning model.
+    """
+    owners: dict[str, str] = {}
+    for name, (served, _) in sorted(declared.items(), key=lambda item: (item[1][1], item[0])):
+        owners.setdefault(served, name)
+    return owners
+
+
 class ModelView(BaseModel):
     """What a reader outside the scheduler needs from `<prefix>models/<name>`.
 
-    The stored document is the whole profile (`scheduler.profiles.profile_to_json`);
-    every other field is the scheduler's and is ignored here.
+    The stored document is the whole profile (`scheduler.profiles.profile_to_json`,
+    or YAML written around caravan); every other field is the scheduler's and is
+    ignored here.
     """
 
     model_config = ConfigDict(frozen=True, extra="ignore")
@@ -433,10 +548,17 @@ class ModelView(BaseModel):
 def decode_model_view(raw: bytes | str, *, key: str, model: str) -> ModelView:
     """The view of the profile stored at `key`, which must be that of `model`.
 
-    Raises ContractError naming the key and the first field in error.
+    The document is read by `decode_profile_document`, as the scheduler reads
+    it. Raises ContractError naming the key and the first field in error.
     """
     try:
-        view = ModelView.model_validate_json(raw)
+        document = decode_profile_document(raw, source=key)
+    except ProfileDocumentError as exc:
+        if exc.syntax:
+            raise ContractError(f"{key}: not JSON or YAML ({exc.problem})") from None
+        raise
+    try:
+        view = ModelView.model_validate(document)
     except ValidationError as exc:
         raise _first_problem(key, exc) from None
     if view.name != model:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -65,6 +67,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = args.handler
     try:
         code: int = handler(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`caravan list --json | head`): stop quietly with
+        # the status of a process ended by SIGPIPE. stdout goes to /dev/null so
+        # the interpreter's own flush at exit cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except KeyboardInterrupt:
         return 130
     except SettingsError as exc:

@@ -308,9 +308,15 @@ def _read_documents(files: list[str]) -> list[tuple[str, str]]:
     documents = []
     for path in files:
         try:
-            documents.append((path, Path(path).read_text(encoding="utf-8")))
+            raw = Path(path).read_bytes()
         except OSError as exc:
             raise CommandError(f"{path}: cannot read file: {exc.strerror or exc}") from None
+        try:
+            documents.append((path, raw.decode("utf-8")))
+        except UnicodeDecodeError as exc:
+            # The profile codec's own words (caravan.contract.decode_profile_document).
+            problem = f"not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start})"
+            raise CommandError(f"{path}: {problem}") from None
     return documents
 
 

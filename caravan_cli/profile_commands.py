@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from scheduler.cluster_config import ClusterConfigError, load_cluster_config
@@ -54,6 +55,19 @@ def _error(line: str) -> None:
 
 
 def run_validate(args: argparse.Namespace) -> int:
+    """The scheduler's own validation (`validate_submission`, as submit runs it), offline.
+
+    Each file gets the schema, the cluster's profile policy and a render of
+    every replica it may scale to; then the files are checked together
+    (names, served names). Every problem of every file is printed.
+    """
+    # Imported here: scheduler.model_service also holds the store's I/O, whose
+    # clients (aiohttp, consul) the parser of an offline command must not load.
+    from scheduler.model_service import (  # noqa: PLC0415
+        SubmissionRejectedError,
+        validate_submission,
+    )
+
     try:
         config = load_cluster_config(args.config)
     except ClusterConfigError as exc:
@@ -61,27 +75,35 @@ def run_validate(args: argparse.Namespace) -> int:
         return 1
     problems = 0
     seen: dict[str, str] = {}
+    valid: list[tuple[str, bytes, ModelProfile]] = []
     for path in args.files:
-        profile: ModelProfile
         try:
-            profile = load_profile(path)
-            # Rendering catches what the schema alone cannot (an unknown GPU
-            # class, multi-node vLLM), so validation renders replica 0 too.
-            render(profile, 0, config=config)
-        except ProfileError as exc:
-            for problem in exc.problems:
-                _error(f"{path}: {problem}")
-            problems += len(exc.problems)
-            continue
-        except RenderError as exc:
-            _error(f"{path}: {exc}")
+            raw = Path(path).read_bytes()
+        except OSError as exc:
+            _error(f"{path}: cannot read file: {exc.strerror or exc}")
             problems += 1
+            continue
+        try:
+            (profile,) = validate_submission([(path, raw)], config)
+        except SubmissionRejectedError as exc:
+            for problem in exc.problems:
+                _error(str(problem))
+            problems += len(exc.problems)
             continue
         if profile.name in seen:
             _error(f"{path}: name: {profile.name!r} is already used by {seen[profile.name]}")
             problems += 1
             continue
         seen[profile.name] = path
+        valid.append((path, raw, profile))
+    try:
+        validate_submission([(path, raw) for path, raw, _ in valid], config)
+    except SubmissionRejectedError as exc:
+        for problem in exc.problems:
+            _error(str(problem))
+        problems += len(exc.problems)
+        return 1
+    for path, _, profile in valid:
         print(f"{path}: ok ({profile.name}, {profile.engine.value})")
     return 1 if problems else 0
 

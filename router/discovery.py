@@ -49,6 +49,7 @@ from caravan.contract import (
     model_service_name,
     nomad_service_id,
     replica_job_id,
+    served_name_owners,
 )
 from caravan.watch import BlockingWatch, Fetch
 from router.endpoints import (
@@ -136,7 +137,8 @@ def profiles_from_kv(
     The profile name is the key under `<prefix>models/`; the served model name
     is the contract's (`caravan.contract.ModelView.served_name`).
     """
-    models: dict[str, KnownModel] = {}
+    views: dict[str, tuple[str, int]] = {}
+    keys: dict[str, str] = {}
     problems: list[str] = []
     for entry in sorted(entries, key=lambda item: item.key):
         name = entry.key[len(prefix) :] if entry.key.startswith(prefix) else ""
@@ -147,10 +149,16 @@ def profiles_from_kv(
         except ContractError as exc:
             problems.append(str(exc))
             continue
-        if served in models:
+        views[name] = (served, entry.create_index)
+        keys[name] = entry.key
+    owners = served_name_owners(views)
+    models: dict[str, KnownModel] = {}
+    for name, (served, _) in sorted(views.items()):
+        owner = owners[served]
+        if owner != name:
             problems.append(
-                f"{entry.key}: served_model_name {served!r} is already declared by "
-                f"profile {models[served].name!r}"
+                f"{keys[name]}: served_model_name {served!r} is already declared by "
+                f"profile {owner!r}"
             )
             continue
         models[served] = KnownModel(name=name, served_model_name=served)

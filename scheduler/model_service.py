@@ -7,7 +7,7 @@ endpoints call it for remote clients.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from caravan.consul_api import TxnConflictError
@@ -93,7 +93,7 @@ def _clash_problems(
 
 
 def validate_submission(
-    documents: list[tuple[str, str]],
+    documents: Sequence[tuple[str, str | bytes]],
     config: ClusterConfig,
     stored: Mapping[str, ModelProfile] | None = None,
     *,

@@ -60,6 +60,7 @@ from caravan.contract import (
     encode_desired_count,
     encode_drain,
     encode_models_revision,
+    served_name_owners,
 )
 from scheduler.cluster_config import CLUSTER_CONFIG_CODEC, ClusterConfig
 from scheduler.profile_policy import policy_problems
@@ -168,7 +169,7 @@ def parse_stored_models(
         name = _suffix(entry, layout.models)
         indexes[name] = entry.modify_index
         try:
-            profile = parse_profile_text(entry.value.decode("utf-8", "replace"), entry.key)
+            profile = parse_profile_text(entry.value, entry.key)
         except ProfileError:
             continue
         if profile.name == name:
@@ -340,6 +341,7 @@ def _parse_demand(entry: KVEntry) -> DemandRecord | None:
 def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: int) -> DesiredState:
     """Sort a recursive read of the prefix into its parts (pure)."""
     profiles: dict[str, ModelProfile] = {}
+    declared_at: dict[str, int] = {}
     invalid: dict[str, str] = {}
     counts: dict[str, int] = {}
     draining: dict[str, DrainRecord] = {}
@@ -359,7 +361,7 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
         elif entry.key.startswith(layout.models):
             name = _suffix(entry, layout.models)
             try:
-                profile = parse_profile_text(entry.value.decode("utf-8", "replace"), entry.key)
+                profile = parse_profile_text(entry.value, entry.key)
             except ProfileError as exc:
                 invalid[name] = "; ".join(exc.problems)
                 continue
@@ -367,6 +369,7 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
                 invalid[name] = f"profile name {profile.name!r} does not match its key {name!r}"
                 continue
             profiles[name] = profile
+            declared_at[name] = entry.create_index
         elif entry.key.startswith(layout.desired):
             try:
                 counts[_suffix(entry, layout.desired)] = decode_desired_count(
@@ -409,6 +412,20 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
         if problems:
             invalid[name] = "; ".join(problems)
             del profiles[name]
+    # Two models may not share a served name (submit refuses it; KV writes
+    # around caravan are held to it here): the one declared first keeps it,
+    # by the contract's rule, which the routers follow too.
+    owners = served_name_owners(
+        {name: (p.served_name, declared_at[name]) for name, p in profiles.items()}
+    )
+    for name, profile in list(profiles.items()):
+        owner = owners[profile.served_name]
+        if owner != name:
+            invalid[name] = (
+                f"served_model_name: {profile.served_name!r} is already served by model "
+                f"{owner!r}; choose another served_model_name or delete {owner} first"
+            )
+            del profiles[name]
     return DesiredState(
         profiles=profiles,
         invalid=invalid,
@@ -441,7 +458,7 @@ class ModelStore:
         _, entry = await self.kv.kv_get(self.layout.model_key(name))
         if entry is None:
             raise UnknownModelError(name)
-        return parse_profile_text(entry.value.decode("utf-8", "replace"), entry.key)
+        return parse_profile_text(entry.value, entry.key)
 
     async def read_models(self) -> StoredModels:
         """models/ and the revision counter, with the indexes writes are conditioned on."""
@@ -503,7 +520,7 @@ class ModelStore:
             _, entry = await self.kv.kv_get(self.layout.model_key(name))
             if entry is None:
                 raise UnknownModelError(name)
-            profile = parse_profile_text(entry.value.decode("utf-8", "replace"), entry.key)
+            profile = parse_profile_text(entry.value, entry.key)
             bounds = profile.replicas
             if not bounds.min <= count <= bounds.max:
                 raise ScaleOutOfBoundsError(
@@ -524,7 +541,7 @@ class ModelStore:
             _, entry = await self.kv.kv_get(self.layout.model_key(name))
             if entry is None:
                 raise UnknownModelError(name)
-            profile = parse_profile_text(entry.value.decode("utf-8", "replace"), entry.key)
+            profile = parse_profile_text(entry.value, entry.key)
             if profile.autoscaling is None or not profile.autoscaling.enabled:
                 raise ScaleOutOfBoundsError(
                     f"{name}: --auto: the model has no enabled autoscaling to hand the count to"

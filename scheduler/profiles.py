@@ -15,7 +15,6 @@ import re
 from pathlib import Path
 from typing import Any, Self
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -30,6 +29,8 @@ from caravan.contract import (
     MODEL_NAME_MAX_LEN,
     MODEL_NAME_PATTERN,
     RESERVED_MODEL_NAMES,
+    ProfileDocumentError,
+    decode_profile_document,
     served_name_of,
 )
 from scheduler.engines.base import resolve_metrics
@@ -386,18 +387,12 @@ def describe_validation_error(error: ValidationError) -> list[str]:
     return problems
 
 
-def parse_profile_text(text: str, source: str) -> ModelProfile:
-    """Parse and validate a profile from YAML or JSON text (JSON is YAML)."""
+def parse_profile_text(text: str | bytes, source: str) -> ModelProfile:
+    """Parse and validate a profile from YAML or JSON (the contract's one profile codec)."""
     try:
-        document: Any = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
-        raise ProfileError(source, [f"YAML syntax error at {where}: {exc.problem}"]) from None
-    except yaml.YAMLError as exc:
-        raise ProfileError(source, [f"YAML syntax error: {exc}"]) from None
-    if not isinstance(document, dict):
-        raise ProfileError(source, ["a profile must be a mapping of fields (got no mapping)"])
+        document = decode_profile_document(text, source=source)
+    except ProfileDocumentError as exc:
+        raise ProfileError(source, [exc.problem]) from None
     return profile_from_mapping(document, source)
 
 
@@ -413,10 +408,10 @@ def load_profile(path: Path | str) -> ModelProfile:
     """Read and validate one profile file."""
     source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        raw = Path(path).read_bytes()
     except OSError as exc:
         raise ProfileError(source, [f"cannot read file: {exc.strerror or exc}"]) from None
-    return parse_profile_text(text, source)
+    return parse_profile_text(raw, source)
 
 
 def profile_to_json(profile: ModelProfile) -> str:

@@ -699,6 +699,36 @@ def _hash(*parts: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class JobAcl:
+    """A policy's workload binding (`nomad acl policy apply -job`): who it applies to.
+
+    An empty field matches every value (a policy bound to a namespace only
+    applies to every job of it), as Nomad's ResolvePoliciesForClaim does.
+    """
+
+    namespace: str
+    job_id: str = ""
+    group: str = ""
+    task: str = ""
+
+    def matches(self, namespace: str, job_id: str, group: str, task: str) -> bool:
+        return (
+            self.namespace == namespace
+            and self.job_id in ("", job_id)
+            and self.group in ("", group)
+            and self.task in ("", task)
+        )
+
+    def to_api(self) -> Json:
+        return {
+            "Namespace": self.namespace,
+            "JobID": self.job_id,
+            "Group": self.group,
+            "Task": self.task,
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class Policy:
     name: str
     description: str
@@ -706,13 +736,14 @@ class Policy:
     rules: Rules
     create_index: int
     modify_index: int
+    job_acl: JobAcl | None = None
 
     def to_api(self) -> Json:
         return {
             "Name": self.name,
             "Description": self.description,
             "Rules": self.rules_text,
-            "JobACL": None,
+            "JobACL": None if self.job_acl is None else self.job_acl.to_api(),
             "Hash": _hash(self.name, self.description, self.rules_text),
             "CreateIndex": self.create_index,
             "ModifyIndex": self.modify_index,
@@ -768,6 +799,23 @@ def _string(body: Mapping[str, Any], name: str, what: str) -> str:
         msg = f"json: cannot unmarshal {type(value).__name__} into Go struct field {what}.{name}"
         raise AclRequestError(400, msg)
     return value
+
+
+def _job_acl(raw: Any, errors: list[str]) -> JobAcl | None:
+    """ACLPolicy.JobACL as Nomad validates it (structs.ACLPolicy.Validate)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise AclRequestError(400, "json: cannot unmarshal into Go struct field ACLPolicy.JobACL")
+    names = ("Namespace", "JobID", "Group", "Task")
+    fields = {name: _string(raw, name, "JobACL") for name in names}
+    if fields["JobID"] and not fields["Namespace"]:
+        errors.append("namespace must be set to set job ID")
+    if fields["Group"] and not fields["JobID"]:
+        errors.append("job ID must be set to set group")
+    if fields["Task"] and not fields["Group"]:
+        errors.append("group must be set to set task")
+    return JobAcl(fields["Namespace"], fields["JobID"], fields["Group"], fields["Task"])
 
 
 def _multierror(errors: list[str]) -> str:
@@ -855,9 +903,21 @@ class AclStore:
             errors.append(f"failed to parse rules: {exc}")
         if len(description) > _MAX_DESCRIPTION:
             errors.append(f"description longer than {_MAX_DESCRIPTION}")
+        job_acl = _job_acl(body.get("JobACL"), errors)
         if errors:
             raise AclRequestError(400, f"policy 0 invalid: {_multierror(errors)}")
-        return Policy(name, description, rules_text, rules, create_index=0, modify_index=0)
+        return Policy(
+            name, description, rules_text, rules, create_index=0, modify_index=0, job_acl=job_acl
+        )
+
+    def workload_acl(self, namespace: str, job_id: str, group: str, task: str) -> Acl:
+        """What a task's workload identity holds: the policies bound to its job (JobACL)."""
+        rules = [
+            policy.rules
+            for policy in self._policies.values()
+            if policy.job_acl is not None and policy.job_acl.matches(namespace, job_id, group, task)
+        ]
+        return compile_acl(f"workload:{namespace}/{job_id}/{group}/{task}", rules)
 
     def store_policy(self, policy: Policy, index: int) -> None:
         existing = self._policies.get(policy.name)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from devcluster.nomad.acl import AclStore
 from devcluster.nomad.consul_sync import (
     ConsulAgentClient,
     check_id,
@@ -298,8 +299,16 @@ class TaskRunner:
         store = runner.client.variables
         if store is None:
             return None
-        if runner.client.acl_enabled and not workload_may_read(
-            path, job_id=runner.alloc.job_id, group=runner.alloc.task_group, task=self.name
+        namespace, job_id = runner.alloc.namespace, runner.alloc.job_id
+        group = runner.alloc.task_group
+        acl = runner.client.acl
+        if (
+            acl is not None
+            and acl.enabled
+            and not workload_may_read(path, job_id=job_id, group=group, task=self.name)
+            and not acl.workload_acl(namespace, job_id, group, self.name).allow_variable_op(
+                namespace, path, "read"
+            )
         ):
             return None
         found = store.get(runner.alloc.namespace, path)
@@ -769,10 +778,11 @@ class ClientNode:
         clock_ns: Callable[[], int],
         rng: random.Random,
         variables: VariableStore | None = None,
-        acl_enabled: bool = False,
+        acl: AclStore | None = None,
     ) -> None:
         self.variables = variables
-        self.acl_enabled = acl_enabled
+        # Nomad's ACLs (None or disabled: every workload reads every variable).
+        self.acl = acl
         self.node = node
         self.endpoints = endpoints
         self.consul = consul

@@ -282,7 +282,7 @@ class NomadServer:
             clock_ns=self.state.clock_ns,
             rng=self._rng,
             variables=self.variables,
-            acl_enabled=bool(self.settings.token),
+            acl=self.acl,
         )
         self.clients[node_id] = client
         await client.start()

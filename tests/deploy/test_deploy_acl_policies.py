@@ -8,6 +8,7 @@ beats any prefix.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +161,43 @@ def test_docs_name_no_policy_file_that_does_not_exist():
     for word in doc.split("`"):
         if word.endswith(".hcl.tftpl"):
             assert (POLICIES / Path(word).name).is_file(), word
+
+
+DEPLOY_DOC = ROOT / "docs" / "deploy.md"
+_NAMED_HCL_BLOCK = re.compile(
+    r"^```hcl\n# (caravan-[a-z]+)\.([a-z]+)-policy\.hcl\n(.*?)^```", re.MULTILINE | re.DOTALL
+)
+
+
+def deploy_doc_policies() -> dict[str, str]:
+    """Each policy file deploy.md has the operator save: template name -> its text."""
+    doc = DEPLOY_DOC.read_text(encoding="utf-8")
+    return {
+        f"{name}.{system}.hcl.tftpl": body.strip()
+        for name, system, body in _NAMED_HCL_BLOCK.findall(doc)
+    }
+
+
+def test_deploy_doc_policies_are_the_rendered_templates():
+    """deploy.md's scheduler and router policies are terraform/policies rendered, nothing else."""
+    shown = deploy_doc_policies()
+    expected = {
+        f"caravan-{component}.{system}.hcl.tftpl"
+        for component in ("scheduler", "router")
+        for system in ("consul", "nomad")
+    }
+    assert expected == set(shown) & expected
+    for name in sorted(expected):
+        assert render(name).strip() == shown[name], name
+
+
+def test_deploy_doc_scheduler_nomad_policy_may_write_the_engine_keys():
+    """The scheduler's policy in deploy.md reaches the engine keys' Variables (finding 1)."""
+    rules = parse_hcl_text(deploy_doc_policies()["caravan-scheduler.nomad.hcl.tftpl"])
+    namespace = labelled_blocks(rules, "namespace")["default"]
+    paths = {
+        path: body["capabilities"]
+        for variables in namespace["variables"]
+        for path, body in labelled_blocks(variables, "path").items()
+    }
+    assert {"read", "write"} <= set(paths["nomad/jobs/caravan-*"])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from devcluster.nomad.acl import (
+    AclRequestError,
+    AclStore,
     Management,
     NamespaceOp,
     PolicyError,
@@ -174,3 +176,42 @@ def test_csi_volumes_need_plugin_read_and_csi_mount_volume() -> None:
     assert not job_volumes_allowed(
         acl_of(mount, 'plugin {\n  policy = "write"\n}\n'), "default", job
     )
+
+
+_SECRETS_RULES = """
+namespace "default" {
+  variables {
+    path "caravan/secrets/*" {
+      capabilities = ["read"]
+    }
+  }
+}
+"""
+
+
+def _bound(store: AclStore, name: str, job_acl: dict[str, str]) -> None:
+    body = {"Name": name, "Description": "", "Rules": _SECRETS_RULES, "JobACL": job_acl}
+    store.store_policy(store.prepare_policy(name, body), index=2)
+
+
+def test_a_policy_bound_to_a_job_grants_only_that_jobs_workloads() -> None:
+    """`nomad acl policy apply -job J`: J's tasks read the path; other jobs' tasks do not."""
+    store = AclStore("management")
+    _bound(store, "secrets-j0", {"Namespace": "default", "JobID": "j0"})
+    assert store.workload_acl("default", "j0", "g", "t").allow_variable_op(
+        "default", "caravan/secrets/hf", "read"
+    )
+    assert not store.workload_acl("default", "j1", "g", "t").allow_variable_op(
+        "default", "caravan/secrets/hf", "read"
+    )
+    assert not store.workload_acl("other", "j0", "g", "t").allow_variable_op(
+        "other", "caravan/secrets/hf", "read"
+    )
+
+
+def test_a_job_binding_names_the_job_before_its_group_and_task() -> None:
+    """Nomad refuses a JobACL with a group but no job, or a task but no group."""
+    store = AclStore("management")
+    body = {"Name": "p", "Rules": _SECRETS_RULES, "JobACL": {"Namespace": "default", "Task": "t"}}
+    with pytest.raises(AclRequestError, match="group must be set to set task"):
+        store.prepare_policy("p", body)

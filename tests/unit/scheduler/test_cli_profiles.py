@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,3 +91,88 @@ def test_render_error_goes_to_stderr(tmp_path: Path, capsys: pytest.CaptureFixtu
     captured = capsys.readouterr()
     assert captured.out == ""
     assert f"{path}: nodes: multi-node" in captured.err
+
+
+@pytest.mark.parametrize(
+    ("extra", "problem"),
+    [
+        ("env: {LD_PRELOAD: /tmp/x.so}\n", "LD_PRELOAD"),
+        ("engine_args: ['--trust-remote-code']\n", "--trust-remote-code"),
+    ],
+    ids=["ld-preload", "trust-remote-code"],
+)
+def test_validate_refuses_what_submit_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: str, problem: str
+):
+    """Issue 23, finding 6: validate runs the scheduler's validation, profile policy included."""
+    bad = write(tmp_path, "p.yaml", "name: x\nmodel: m\nengine: vllm\ngpu: {class: h100}\n" + extra)
+    assert main(["validate", bad]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"{bad}: ")
+    assert problem in err
+
+
+def test_validate_reports_policy_and_render_problems_in_one_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    """A file with a policy problem and a render problem gets both lines at once."""
+    bad = write(
+        tmp_path,
+        "p.yaml",
+        "name: x\nmodel: m\nengine: vllm\ngpu: {class: h900}\nenv: {LD_PRELOAD: /x.so}\n",
+    )
+    assert main(["validate", bad]) == 1
+    err = capsys.readouterr().err
+    assert "LD_PRELOAD" in err
+    assert "unknown GPU class 'h900'" in err
+
+
+@pytest.mark.parametrize("command", ["validate", "render"])
+def test_non_utf8_profile_is_a_problem_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+):
+    """Issue 23, finding 7: bytes that are not UTF-8 name the file and the offset."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"name: x\nmodel: caf\xe9\nengine: vllm\n")
+    assert main([command, str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert f"{bad}: not UTF-8 text (byte 0xe9 at offset 18)\n" == err
+
+
+def test_validate_refuses_a_served_name_two_files_share(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    """Two files serving one name are refused as submit would refuse them."""
+    first = write(tmp_path, "a.yaml", "name: a\nmodel: m\nengine: llamacpp\nserved_model_name: s\n")
+    second = write(
+        tmp_path, "b.yaml", "name: b\nmodel: m\nengine: llamacpp\nserved_model_name: s\n"
+    )
+    assert main(["validate", first, second]) == 1
+    assert "served_model_name: 's' is also served by model 'a'" in capsys.readouterr().err
+
+
+def test_a_closed_pipe_ends_the_cli_without_a_traceback():
+    """Issue 23, finding 7: `caravan ... | head` exits like a process ended by SIGPIPE, quietly."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "caravan_cli", "render", EXAMPLES[0]],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            check=False,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert (141, b"") == (done.returncode, done.stderr)
+
+
+def test_submit_refuses_non_utf8_bytes_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    """Issue 23, finding 7: submit names the file and the offset before sending anything."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"name: x\nmodel: caf\xe9\nengine: vllm\n")
+    assert 1 == main(["submit", str(bad), "--scheduler", "http://127.0.0.1:9"])
+    assert f"error: {bad}: not UTF-8 text (byte 0xe9 at offset 18)\n" == capsys.readouterr().err
