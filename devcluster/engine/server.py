@@ -50,6 +50,7 @@ from devcluster.engine.openai_requests import (
 from devcluster.engine.sglang import SglangMetrics
 from devcluster.engine.shapes import (
     LLAMACPP_BUILD_INFO,
+    VLLM_SIM_VERSION,
     ApiShape,
     LlamacppShape,
     Reply,
@@ -59,6 +60,7 @@ from devcluster.engine.shapes import (
 from devcluster.engine.text import (
     CHATML_TEMPLATE,
     PlannedOutput,
+    Vocabulary,
     generation_key,
     natural_length,
     plan_output,
@@ -112,6 +114,7 @@ class SimulatedEngine:
         # Set by abort_all (SIGTERM): new requests are refused, streams end "abort".
         self.shutting_down = False
         self._idle = asyncio.Event()
+        self._vocab = Vocabulary()
         self.shape: ApiShape
         self._vllm_metrics: VllmMetrics | None = None
         self._llamacpp_metrics: LlamacppMetrics | None = None
@@ -120,13 +123,15 @@ class SimulatedEngine:
             self.shape = VllmShape(include_cached_tokens=settings.include_cached_tokens)
             self._sglang_metrics = SglangMetrics(model_name=settings.model_name)
         elif settings.flavor == "vllm":
-            self.shape = VllmShape(include_cached_tokens=settings.include_cached_tokens)
+            self.shape = VllmShape(include_cached_tokens=settings.include_cached_tokens, v032=True)
             self._vllm_metrics = VllmMetrics(
                 model_name=settings.model_name,
                 max_model_len=settings.max_model_len,
                 block_size=settings.perf.block_size,
                 prefix_caching=settings.perf.prefix_caching,
                 num_gpu_blocks=settings.perf.total_blocks,
+                num_gpu_blocks_override=settings.num_gpu_blocks_override,
+                user_specified_block_size=settings.user_specified_block_size,
             )
         else:
             self.shape = LlamacppShape()
@@ -148,7 +153,12 @@ class SimulatedEngine:
         if self.settings.flavor == "sglang":
             routes += [web.get("/health_generate", self._health)]
         elif self.settings.flavor == "vllm":
-            routes += [web.get("/version", self._version), web.get("/ping", self._health)]
+            routes += [
+                web.get("/version", self._version),
+                web.get("/ping", self._health),
+                web.post("/tokenize", self._tokenize),
+                web.post("/detokenize", self._detokenize),
+            ]
         else:
             routes += [
                 web.get("/v1/health", self._health),
@@ -236,7 +246,50 @@ class SimulatedEngine:
         return _json_response({"status": "ok"})
 
     async def _version(self, _: web.Request) -> web.Response:
-        return _json_response({"version": "0.0.0+caravan-sim"})
+        return _json_response({"version": VLLM_SIM_VERSION})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+        try:
+            body = await self._read_json(request)
+            fields = body if isinstance(body, dict) else {}
+            if "messages" in fields:
+                parsed = parse_chat_request({"max_tokens": 1, **fields}, self.settings.api_flavor)
+            else:
+                parsed = parse_completion_request(
+                    {"max_tokens": 1, **fields}, self.settings.api_flavor
+                )
+            self._check_model(parsed)
+        except ApiError as err:
+            return self._error(err)
+        tokens = tokenize(parsed.prompt)
+        return _json_response(
+            {
+                "count": len(tokens),
+                "max_model_len": self.settings.max_model_len,
+                "tokens": [self._vocab.id_of(token) for token in tokens],
+                "token_strs": None,
+            }
+        )
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        try:
+            ids = self._detokenize_ids(await self._read_json(request))
+        except ApiError as err:
+            return self._error(err)
+        return _json_response({"prompt": "".join(self._vocab.token_of(i) for i in ids)})
+
+    def _detokenize_ids(self, body: Any) -> list[int]:
+        fields = body if isinstance(body, dict) else {}
+        model = fields.get("model")
+        if isinstance(model, str) and model not in self.settings.served_model_names:
+            raise ApiError(404, self._unknown_model_message(model), param="model")
+        ids = fields.get("tokens")
+        if not isinstance(ids, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids
+        ):
+            raise ApiError(400, "tokens must be a list of integers", param="tokens")
+        return ids
 
     async def _models(self, _: web.Request) -> web.Response:
         created = now_seconds()
@@ -478,6 +531,8 @@ class SimulatedEngine:
             prompt_tokens=plan.prompt_tokens,
         )
         branches = list(zip(plans, handles, strict=True))
+        if self._vllm_metrics is not None:
+            self._vllm_metrics.observe_request(n=parsed.n, max_tokens=len(plan.output.tokens))
         try:
             disconnect = fault == "disconnect"
             if parsed.stream:

@@ -11,8 +11,9 @@ refused means "not yet"; an exit fails with the end of its log), and on exit
 its process group is stopped (SIGTERM, then SIGKILL) and its temporary folder,
 where vLLM leaves its `vllm_dist_*` files, is deleted.
 
-`terminate(base_url)` sends SIGTERM to a running server's main process only,
-as an orchestrator stopping it would (the abort probe).
+`terminate(base_url)` sends SIGTERM to a running server's process group (the
+abort probe). To the API server alone, real vLLM 0.32 ends in-flight streams
+with an `EngineCore encountered an issue` error event instead of "abort".
 """
 
 from __future__ import annotations
@@ -76,10 +77,11 @@ _RUNNING: dict[str, _Server] = {}
 
 
 def terminate(base_url: str) -> None:
-    """SIGTERM to the main process of a server started here (its children are left to it)."""
+    """SIGTERM to the process group of a server started here (it leads its own session)."""
     server = _RUNNING[base_url]
     if server.process.returncode is None:
-        server.process.send_signal(signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.process.pid, signal.SIGTERM)
 
 
 async def wait_exited(base_url: str, timeout_s: float = STOP_TIMEOUT_S) -> int:

@@ -422,7 +422,8 @@ def metric_families(text: str) -> dict[str, Family]:
     """`vllm:` families by name (without `_total`): type, label names, enumerated values."""
     families: dict[str, Family] = {}
     for family in text_string_to_metric_families(text):
-        if not family.name.startswith("vllm:"):
+        # `_created` samples follow their counter or histogram: not compared on their own.
+        if not family.name.startswith("vllm:") or family.name.endswith("_created"):
             continue
         labels: set[str] = set()
         values: dict[str, set[str]] = {}
