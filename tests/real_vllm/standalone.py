@@ -11,9 +11,10 @@ refused means "not yet"; an exit fails with the end of its log), and on exit
 its process group is stopped (SIGTERM, then SIGKILL) and its temporary folder,
 where vLLM leaves its `vllm_dist_*` files, is deleted.
 
-`terminate(base_url)` sends SIGTERM to a running server's process group (the
-abort probe). To the API server alone, real vLLM 0.32 ends in-flight streams
-with an `EngineCore encountered an issue` error event instead of "abort".
+`terminate(base_url)` sends SIGTERM to a running server's main process (the
+abort probe). Seen on vLLM 0.32 (CPU): to the API server alone, an in-flight
+stream ends with an `EngineCore encountered an issue` error event and
+`[DONE]`; to the whole process group, the stream stalls with no further bytes.
 """
 
 from __future__ import annotations
@@ -77,11 +78,10 @@ _RUNNING: dict[str, _Server] = {}
 
 
 def terminate(base_url: str) -> None:
-    """SIGTERM to the process group of a server started here (it leads its own session)."""
+    """SIGTERM to the main process of a server started here (its children are left to it)."""
     server = _RUNNING[base_url]
     if server.process.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.process.pid, signal.SIGTERM)
+        server.process.send_signal(signal.SIGTERM)
 
 
 async def wait_exited(base_url: str, timeout_s: float = STOP_TIMEOUT_S) -> int:
