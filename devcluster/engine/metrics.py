@@ -192,14 +192,15 @@ class VllmMetrics:
             ("vllm:estimated_write_bytes_per_gpu", "Estimated number of bytes written."),
         ):
             Counter(name, help_text, labels, registry=reg).labels(*values)
+        # The API server counts these, so they carry no `engine` label.
         rejections = Counter(
             "vllm:admission_rejections",
             "Number of admission attempts rejected by a queue limit, by reason.",
-            (*labels, "reason"),
+            ("model_name", "reason"),
             registry=reg,
         )
         for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
-            rejections.labels(*values, reason)
+            rejections.labels(model_name, reason)
         by_source = Counter(
             "vllm:prompt_tokens_by_source",
             "Number of prompt tokens by source.",

@@ -557,7 +557,9 @@ class SimulatedEngine:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             if self.settings.flavor == "llamacpp":
                 raise ApiError(500, f"[json.exception.parse_error] {exc}") from None
-            raise ApiError(400, f"JSON decode error: {exc}") from None
+            # vLLM (pydantic) names the position: `body.<offset>`.
+            where = f"body.{exc.pos}" if isinstance(exc, json.JSONDecodeError) else "body"
+            raise ApiError(400, f"JSON decode error: {exc}", param=where) from None
 
     def _check_model(self, parsed: GenerateRequest) -> None:
         if self.settings.api_flavor != "vllm" or parsed.model is None:
@@ -801,6 +803,8 @@ class SimulatedEngine:
                             index,
                         )
                     ended[index] = True
+            if include_usage:
+                chunks = self._usage_carries_fingerprint(chunks)
             if all(ended):
                 final = self._final_reply(reply, handles, sum(sent))
                 if count == 1 and not handles[0].aborted:
@@ -819,6 +823,13 @@ class SimulatedEngine:
                 await response.write_eof()
                 return response
             await _write_events(response, chunks)
+
+    def _usage_carries_fingerprint(self, chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """With a usage chunk to come, vLLM writes system_fingerprint there, not on finishes."""
+        for chunk in chunks:
+            if chunk.get("choices"):
+                chunk.pop("system_fingerprint", None)
+        return chunks
 
 
 def _indexed(chunks: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:

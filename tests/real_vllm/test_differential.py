@@ -356,7 +356,7 @@ def event_kind(event: Any) -> str:
 
 
 def stream_pattern(events: Iterable[Any]) -> list[str]:
-    """The kinds of a stream's events, with runs of one kind collapsed ("content+")."""
+    """The kinds of a stream's events, each run of one kind collapsed to one (counts vary)."""
     pattern: list[str] = []
     for event in events:
         k = event_kind(event)
@@ -364,9 +364,7 @@ def stream_pattern(events: Iterable[Any]) -> list[str]:
             "" if event == "[DONE]" or not event.get("choices") else event["choices"][0]["index"]
         )
         label = f"{k}[{index}]" if index not in ("", 0) else k
-        if pattern and pattern[-1].rstrip("+") == label:
-            pattern[-1] = label + "+"
-        else:
+        if not pattern or pattern[-1] != label:
             pattern.append(label)
     return pattern
 
