@@ -803,7 +803,7 @@ class SimulatedEngine:
                             index,
                         )
                     ended[index] = True
-            if include_usage:
+            if include_usage and self.settings.flavor == "vllm":
                 chunks = self._usage_carries_fingerprint(chunks)
             if all(ended):
                 final = self._final_reply(reply, handles, sum(sent))
