@@ -7,6 +7,7 @@ a command line the engine cannot run (like argparse and the real engines).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -16,6 +17,8 @@ from devcluster.engine.flags import EngineSettings, FlagError, parse_engine_args
 from devcluster.engine.server import run_engine
 
 log = logging.getLogger("devcluster.engine")
+# How long a SIGTERM waits for aborted requests to write their last chunks.
+DRAIN_SECONDS = 2.0
 
 _USAGE = (
     "usage: python -m devcluster.engine --flavor {vllm,llamacpp,sglang} [engine flags]\n"
@@ -43,6 +46,11 @@ async def _serve(settings: EngineSettings) -> None:
         log.info("server is listening on %s - starting the main loop", running.base_url)
         await stop.wait()
         log.info("shutting down")
+        if settings.flavor == "vllm":
+            # vLLM aborts what is in flight: streams end with finish_reason "abort" and [DONE].
+            running.engine.abort_all()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(running.engine.drained(), DRAIN_SECONDS)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -210,6 +210,9 @@ class EngineSettings:
     sim: SimSettings
     # `--api-key` / VLLM_API_KEY / LLAMA_API_KEY: when set, requests need one of them.
     api_keys: tuple[str, ...] = ()
+    # vLLM's --num-gpu-blocks-override and whether --block-size was given (cache_config_info).
+    num_gpu_blocks_override: int | None = None
+    user_specified_block_size: bool = False
 
     @property
     def api_flavor(self) -> ApiFlavor:
@@ -236,7 +239,8 @@ _DEFAULTS: dict[Flavor, dict[str, float | int | str]] = {
         "step_seconds": 0.015,
         "decode_seconds_per_seq": 0.0002,
         "kv_cache_tokens": 131072,
-        "block_size": 16,
+        # vLLM's CPU build uses 128-token blocks (GPU vLLM: 16); tests/real_vllm holds us to it.
+        "block_size": 128,
         "output_tokens": 64,
         "failure_rate": 0.0,
         "disconnect_rate": 0.0,
@@ -511,6 +515,8 @@ def _vllm_settings(args: argparse.Namespace, env: Mapping[str, str]) -> EngineSe
         sim=_sim_settings(values),
         # vLLM: `args.api_key or envs.VLLM_API_KEY`, one key.
         api_keys=tuple(key for key in [args.api_key or env.get("VLLM_API_KEY") or ""] if key),
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        user_specified_block_size=args.block_size is not None,
     )
 
 

@@ -34,6 +34,8 @@ class RequestHandle:
     finished: bool = False
     first_token: FirstToken | None = None
     finish: Finished | None = None
+    # Ended by the server (SIGTERM) before its last token: finish_reason "abort".
+    aborted: bool = False
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def wait(self) -> None:

@@ -30,6 +30,50 @@ _REQUEST_LATENCY_BUCKETS = (
     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 
+_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+_PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+# Label values vLLM 0.32 writes for its enumerations (all present from the start).
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
+CACHE_CONFIG_DEFAULTS: dict[str, str] = {
+    # CacheConfig fields vLLM 0.32 (CPU build) writes that the simulator does not model,
+    # at the values the real engine reports for the flags caravan renders.
+    "_block_size_resolved": "True",
+    "cache_dtype": "auto",
+    "cache_hit_alignment_tokens": "None",
+    "enable_mamba_shared_prefix_checkpoint": "False",
+    "gpu_memory_utilization": "0.92",
+    "hash_block_size": "None",
+    "is_attention_free": "False",
+    "kv_cache_dtype_skip_layers": "[]",
+    "kv_cache_layout": "None",
+    "kv_offloading_backend": "native",
+    "kv_offloading_size": "None",
+    "kv_sharing_fast_prefill": "False",
+    "mamba_block_size": "None",
+    "mamba_cache_dtype": "auto",
+    "mamba_cache_mode": "none",
+    "mamba_page_size_padded": "None",
+    "mamba_ssm_cache_dtype": "float32",
+    "num_cpu_blocks": "None",
+    "prefix_cache_retention_interval": "0",
+    "prefix_caching_hash_algo": "sha256",
+    "prefix_match_unit": "None",
+    "replayssm_buffer_len": "16",
+    "skip_page_size_padded": "None",
+    "sliding_window": "None",
+    "swa_bounded_replay": "True",
+    "use_kda_recoverssm": "False",
+    "use_replayssm": "False",
+}
+# Bytes of KV per token the simulator reports (kv_cache_memory_bytes): the tiny
+# model's 2 layers x 4 heads x 32 dims x K and V x bf16.
+KV_BYTES_PER_TOKEN = 1024
+
 PROMETHEUS_TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -57,6 +101,8 @@ class VllmMetrics:
         block_size: int,
         prefix_caching: bool,
         num_gpu_blocks: int | None = None,
+        num_gpu_blocks_override: int | None = None,
+        user_specified_block_size: bool = False,
     ) -> None:
         self.registry = CollectorRegistry()
         labels = ("model_name", "engine")
@@ -114,9 +160,71 @@ class VllmMetrics:
             (*labels, "finished_reason"),
             registry=reg,
         )
-        self._success = {
-            reason: success.labels(*values, reason) for reason in ("stop", "length", "abort")
-        }
+        self._success = {reason: success.labels(*values, reason) for reason in FINISHED_REASONS}
+        waiting_by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason.",
+            (*labels, "reason"),
+            registry=reg,
+        )
+        self._waiting_capacity = waiting_by_reason.labels(*values, "capacity")
+        waiting_by_reason.labels(*values, "deferred").set(0)
+        sleep = Gauge(
+            "vllm:engine_sleep_state",
+            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine "
+            "is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means "
+            "sleep level 2.",
+            (*labels, "sleep_state"),
+            registry=reg,
+        )
+        sleep.labels(*values, "awake").set(1)
+        sleep.labels(*values, "weights_offloaded").set(0)
+        sleep.labels(*values, "discard_all").set(0)
+        # Counters that stay at 0: no KV connector, no multimodal inputs, no FLOP model,
+        # no queue limits (--max-num-queued-reqs) in the simulator.
+        for name, help_text in (
+            ("vllm:external_prefix_cache_queries", "External prefix cache queries."),
+            ("vllm:external_prefix_cache_hits", "External prefix cache hits."),
+            ("vllm:mm_cache_queries", "Multi-modal cache queries."),
+            ("vllm:mm_cache_hits", "Multi-modal cache hits."),
+            ("vllm:estimated_flops_per_gpu", "Estimated number of floating point operations."),
+            ("vllm:estimated_read_bytes_per_gpu", "Estimated number of bytes read."),
+            ("vllm:estimated_write_bytes_per_gpu", "Estimated number of bytes written."),
+        ):
+            Counter(name, help_text, labels, registry=reg).labels(*values)
+        # The API server counts these, so they carry no `engine` label.
+        rejections = Counter(
+            "vllm:admission_rejections",
+            "Number of admission attempts rejected by a queue limit, by reason.",
+            ("model_name", "reason"),
+            registry=reg,
+        )
+        for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            rejections.labels(model_name, reason)
+        by_source = Counter(
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            (*labels, "source"),
+            registry=reg,
+        )
+        self._prompt_computed = by_source.labels(*values, "local_compute")
+        self._prompt_cache_hit = by_source.labels(*values, "local_cache_hit")
+        by_source.labels(*values, "external_kv_transfer")
+        self._prompt_cached = Counter(
+            "vllm:prompt_tokens_cached",
+            "Number of cached prompt tokens (local + external).",
+            labels,
+            registry=reg,
+        ).labels(*values)
+        cached_by_source = Counter(
+            "vllm:prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens by the cache tier that supplied them.",
+            (*labels, "source"),
+            registry=reg,
+        )
+        self._prompt_cached_device = cached_by_source.labels(*values, "device")
+        for source in ("host", "disk", "p2p", "external_unspecified"):
+            cached_by_source.labels(*values, source)
         token_buckets = _one_two_five_buckets(max_model_len)
         self._request_prompt_tokens = Histogram(
             "vllm:request_prompt_tokens",
@@ -131,6 +239,63 @@ class VllmMetrics:
             labels,
             buckets=token_buckets,
             registry=reg,
+        ).labels(*values)
+
+        def histogram(name: str, help_text: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, help_text, labels, buckets=buckets, registry=reg)
+
+        self._iteration_tokens = histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            _ITERATION_TOKEN_BUCKETS,
+        ).labels(*values)
+        self._max_generation = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            token_buckets,
+        ).labels(*values)
+        self._params_n = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS
+        ).labels(*values)
+        self._params_max_tokens = histogram(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            token_buckets,
+        ).labels(*values)
+        self._itl = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            _ITL_BUCKETS,
+        ).labels(*values)
+        self._tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            _ITL_BUCKETS,
+        ).labels(*values)
+        self._inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            _REQUEST_LATENCY_BUCKETS,
+        ).labels(*values)
+        self._prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            _REQUEST_LATENCY_BUCKETS,
+        ).labels(*values)
+        self._decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            _REQUEST_LATENCY_BUCKETS,
+        ).labels(*values)
+        self._request_preemptions = histogram(
+            "vllm:request_num_preemptions",
+            "Histogram of the number of times a request was preempted.",
+            _PREEMPTION_BUCKETS,
+        ).labels(*values)
+        self._prefill_computed = histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            token_buckets,
         ).labels(*values)
         self._ttft = Histogram(
             "vllm:time_to_first_token_seconds",
@@ -155,13 +320,27 @@ class VllmMetrics:
         ).labels(*values)
         # vLLM writes every CacheConfig field as a label (`metrics_info()`),
         # num_gpu_blocks included once the KV cache is sized.
+        kv_tokens = (num_gpu_blocks or 0) * block_size
+        cache_labels = {
+            **CACHE_CONFIG_DEFAULTS,
+            "block_size": str(block_size),
+            "effective_attention_block_size": str(block_size),
+            "enable_prefix_caching": str(prefix_caching),
+            "num_gpu_blocks": str(num_gpu_blocks),
+            "num_gpu_blocks_override": str(num_gpu_blocks_override),
+            "kv_cache_size_tokens": str(kv_tokens),
+            "kv_cache_memory_bytes": str(kv_tokens * KV_BYTES_PER_TOKEN),
+            "kv_cache_max_concurrency": str(round(kv_tokens / max_model_len, 2)),
+            "user_specified_block_size": str(user_specified_block_size),
+        }
+        names = sorted(cache_labels)
         cache_info = Gauge(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
-            ("block_size", "enable_prefix_caching", "num_gpu_blocks", "engine"),
+            (*names, "engine"),
             registry=reg,
         )
-        cache_info.labels(str(block_size), str(prefix_caching), str(num_gpu_blocks), "0").set(1)
+        cache_info.labels(*(cache_labels[name] for name in names), "0").set(1)
         self._seen_queries = 0
         self._seen_hits = 0
         self._seen_preemptions = 0
@@ -169,9 +348,22 @@ class VllmMetrics:
     def observe_step(self, outcome: StepOutcome) -> None:
         if outcome.emitted:
             self._generation_tokens.inc(len(outcome.emitted))
+        self._iteration_tokens.observe(outcome.prefill_tokens + outcome.decode_seqs)
         for first in outcome.first_tokens:
             self._prompt_tokens.inc(first.prompt_len)
+            computed = first.prompt_len - first.cached_tokens
+            self._prompt_computed.inc(computed)
+            self._prompt_cache_hit.inc(first.cached_tokens)
+            self._prompt_cached.inc(first.cached_tokens)
+            self._prompt_cached_device.inc(first.cached_tokens)
+            self._prefill_computed.observe(computed)
             self._ttft.observe(first.ttft_seconds)
+
+    def observe_request(self, *, n: int, max_tokens: int) -> None:
+        """A request's parameters, when it is accepted."""
+        self._params_n.observe(n)
+        self._params_max_tokens.observe(max_tokens)
+        self._max_generation.observe(max_tokens)
 
     def observe_finished(self, finished: Finished, finish_reason: str) -> None:
         self._success[finish_reason].inc()
@@ -179,6 +371,14 @@ class VllmMetrics:
         self._queue_time.observe(finished.queue_seconds)
         self._request_prompt_tokens.observe(finished.prompt_len)
         self._request_generation_tokens.observe(finished.generated)
+        self._prefill_time.observe(finished.prefill_seconds)
+        self._decode_time.observe(finished.decode_seconds)
+        self._inference_time.observe(finished.prefill_seconds + finished.decode_seconds)
+        self._request_preemptions.observe(0)
+        if finished.generated > 1:
+            per_token = finished.decode_seconds / (finished.generated - 1)
+            self._tpot.observe(per_token)
+            self._itl.observe(per_token)
 
     def observe_aborted(self) -> None:
         self._success["abort"].inc()
@@ -186,6 +386,7 @@ class VllmMetrics:
     def render(self, stats: CoreStats) -> bytes:
         self._running.set(stats.running)
         self._waiting.set(stats.waiting)
+        self._waiting_capacity.set(stats.waiting)
         self._kv_usage.set(stats.kv_cache_usage)
         # The core keeps running totals; counters only move forward by the difference.
         self._prefix_queries.inc(stats.prefix_queries_tokens - self._seen_queries)

@@ -13,7 +13,10 @@ What the two engines read differently:
   in a non-streamed message whether or not the flag was given. vLLM never
   repeats it. So a caller that continues a cut stream should send the flag
   and stream: both engines then send only the new tokens.
-- `n` other than 1: both real engines support it; the simulator answers 400.
+- `n` above 1: vLLM returns n choices (the simulator too, each its own
+  sequence in the batch); the simulated llama.cpp answers 400.
+- Booleans: vLLM's pydantic models read them in lax mode (`"yes"`, `"true"`,
+  `1`, ... are true), llama-server wants JSON booleans.
 """
 
 from __future__ import annotations
@@ -79,6 +82,8 @@ class GenerateRequest:
     response_echo: str = ""
     # Both engines take `ignore_eos`: generate until max_tokens or the context ends.
     ignore_eos: bool = False
+    # How many choices to generate (vLLM's `n`).
+    n: int = 1
 
     @property
     def prompt_tokens(self) -> int:
@@ -89,9 +94,9 @@ def parse_chat_request(body: Any, flavor: Flavor) -> GenerateRequest:
     """A chat completion request; ApiError(400) names the field at fault."""
     fields = _object(body)
     messages = _messages(fields.get("messages"), flavor)
-    _check_n(fields, flavor)
-    add_generation_prompt = _bool(fields, "add_generation_prompt", default=True)
-    continue_final = _bool(fields, "continue_final_message", default=False)
+    n = _check_n(fields, flavor)
+    add_generation_prompt = _bool(fields, "add_generation_prompt", default=True, flavor=flavor)
+    continue_final = _bool(fields, "continue_final_message", default=False, flavor=flavor)
     last = messages[-1]
     if continue_final and add_generation_prompt:
         raise ApiError(
@@ -134,14 +139,15 @@ def parse_chat_request(body: Any, flavor: Flavor) -> GenerateRequest:
         key_prompt=key_prompt,
         continued_tokens=continued,
         reply_role=role,
-        stream=_bool(fields, "stream", default=False),
+        stream=_bool(fields, "stream", default=False, flavor=flavor),
         include_usage=_include_usage(fields),
         max_tokens=_max_tokens(max_tokens),
         stop=_stop(fields.get("stop")),
         seed=_optional_int(fields, "seed"),
         stream_echo=stream_echo,
         response_echo=response_echo,
-        ignore_eos=_bool(fields, "ignore_eos", default=False),
+        ignore_eos=_bool(fields, "ignore_eos", default=False, flavor=flavor),
+        n=n,
     )
 
 
@@ -153,7 +159,7 @@ def parse_completion_request(body: Any, flavor: Flavor) -> GenerateRequest:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise ApiError(400, "prompt must be a non-empty string", param="prompt")
-    _check_n(fields, flavor)
+    n = _check_n(fields, flavor)
     max_tokens = _optional_int(fields, "max_tokens")
     if max_tokens is None and flavor == "vllm":
         max_tokens = 16  # the OpenAI completions default, which vLLM keeps
@@ -164,12 +170,13 @@ def parse_completion_request(body: Any, flavor: Flavor) -> GenerateRequest:
         key_prompt=prompt,
         continued_tokens=0,
         reply_role="assistant",
-        stream=_bool(fields, "stream", default=False),
+        stream=_bool(fields, "stream", default=False, flavor=flavor),
         include_usage=_include_usage(fields),
         max_tokens=_max_tokens(max_tokens),
         stop=_stop(fields.get("stop")),
         seed=_optional_int(fields, "seed"),
-        ignore_eos=_bool(fields, "ignore_eos", default=False),
+        ignore_eos=_bool(fields, "ignore_eos", default=False, flavor=flavor),
+        n=n,
     )
 
 
@@ -233,10 +240,22 @@ def _model(fields: Mapping[str, Any]) -> str | None:
     return model
 
 
-def _bool(fields: Mapping[str, Any], name: str, *, default: bool) -> bool:
+# What pydantic's lax mode reads as a boolean (vLLM's request models).
+_LAX_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_LAX_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def _bool(
+    fields: Mapping[str, Any], name: str, *, default: bool, flavor: Flavor = "llamacpp"
+) -> bool:
     value = fields.get(name)
     if value is None:
         return default
+    if flavor == "vllm" and not isinstance(value, bool):
+        if isinstance(value, str) and value.strip().lower() in _LAX_TRUE | _LAX_FALSE:
+            return value.strip().lower() in _LAX_TRUE
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
     if not isinstance(value, bool):
         raise ApiError(400, f"{name} must be a boolean, got {value!r}", param=name)
     return value
@@ -279,8 +298,12 @@ def _stop(raw: Any) -> tuple[str, ...]:
     raise ApiError(400, "stop must be a string or an array of strings", param="stop")
 
 
-def _check_n(fields: Mapping[str, Any], flavor: Flavor) -> None:
+def _check_n(fields: Mapping[str, Any], flavor: Flavor) -> int:
     n = _optional_int(fields, "n")
     if n is None or n == 1:
-        return
+        return 1
+    if flavor == "vllm" and n > 1:
+        return n
+    if flavor == "vllm":
+        raise ApiError(400, f"n must be at least 1, got {n}.", param="n")
     raise ApiError(400, f"n={n}: the simulated {flavor} returns one choice per request", param="n")

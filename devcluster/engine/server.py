@@ -50,6 +50,7 @@ from devcluster.engine.openai_requests import (
 from devcluster.engine.sglang import SglangMetrics
 from devcluster.engine.shapes import (
     LLAMACPP_BUILD_INFO,
+    VLLM_SIM_VERSION,
     ApiShape,
     LlamacppShape,
     Reply,
@@ -59,6 +60,7 @@ from devcluster.engine.shapes import (
 from devcluster.engine.text import (
     CHATML_TEMPLATE,
     PlannedOutput,
+    Vocabulary,
     generation_key,
     natural_length,
     plan_output,
@@ -109,6 +111,10 @@ class SimulatedEngine:
         self._finish_reasons: dict[str, str] = {}
         self._active: dict[str, _Active] = {}
         self._task_ids = 0
+        # Set by abort_all (SIGTERM): new requests are refused, streams end "abort".
+        self.shutting_down = False
+        self._idle = asyncio.Event()
+        self._vocab = Vocabulary()
         self.shape: ApiShape
         self._vllm_metrics: VllmMetrics | None = None
         self._llamacpp_metrics: LlamacppMetrics | None = None
@@ -117,13 +123,15 @@ class SimulatedEngine:
             self.shape = VllmShape(include_cached_tokens=settings.include_cached_tokens)
             self._sglang_metrics = SglangMetrics(model_name=settings.model_name)
         elif settings.flavor == "vllm":
-            self.shape = VllmShape(include_cached_tokens=settings.include_cached_tokens)
+            self.shape = VllmShape(include_cached_tokens=settings.include_cached_tokens, v032=True)
             self._vllm_metrics = VllmMetrics(
                 model_name=settings.model_name,
                 max_model_len=settings.max_model_len,
                 block_size=settings.perf.block_size,
                 prefix_caching=settings.perf.prefix_caching,
                 num_gpu_blocks=settings.perf.total_blocks,
+                num_gpu_blocks_override=settings.num_gpu_blocks_override,
+                user_specified_block_size=settings.user_specified_block_size,
             )
         else:
             self.shape = LlamacppShape()
@@ -145,7 +153,12 @@ class SimulatedEngine:
         if self.settings.flavor == "sglang":
             routes += [web.get("/health_generate", self._health)]
         elif self.settings.flavor == "vllm":
-            routes += [web.get("/version", self._version), web.get("/ping", self._health)]
+            routes += [
+                web.get("/version", self._version),
+                web.get("/ping", self._health),
+                web.post("/tokenize", self._tokenize),
+                web.post("/detokenize", self._detokenize),
+            ]
         else:
             routes += [
                 web.get("/v1/health", self._health),
@@ -233,7 +246,50 @@ class SimulatedEngine:
         return _json_response({"status": "ok"})
 
     async def _version(self, _: web.Request) -> web.Response:
-        return _json_response({"version": "0.0.0+caravan-sim"})
+        return _json_response({"version": VLLM_SIM_VERSION})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+        try:
+            body = await self._read_json(request)
+            fields = body if isinstance(body, dict) else {}
+            if "messages" in fields:
+                parsed = parse_chat_request({"max_tokens": 1, **fields}, self.settings.api_flavor)
+            else:
+                parsed = parse_completion_request(
+                    {"max_tokens": 1, **fields}, self.settings.api_flavor
+                )
+            self._check_model(parsed)
+        except ApiError as err:
+            return self._error(err)
+        tokens = tokenize(parsed.prompt)
+        return _json_response(
+            {
+                "count": len(tokens),
+                "max_model_len": self.settings.max_model_len,
+                "tokens": [self._vocab.id_of(token) for token in tokens],
+                "token_strs": None,
+            }
+        )
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        try:
+            ids = self._detokenize_ids(await self._read_json(request))
+        except ApiError as err:
+            return self._error(err)
+        return _json_response({"prompt": "".join(self._vocab.token_of(i) for i in ids)})
+
+    def _detokenize_ids(self, body: Any) -> list[int]:
+        fields = body if isinstance(body, dict) else {}
+        model = fields.get("model")
+        if isinstance(model, str) and model not in self.settings.served_model_names:
+            raise ApiError(404, self._unknown_model_message(model), param="model")
+        ids = fields.get("tokens")
+        if not isinstance(ids, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids
+        ):
+            raise ApiError(400, "tokens must be a list of integers", param="tokens")
+        return ids
 
     async def _models(self, _: web.Request) -> web.Response:
         created = now_seconds()
@@ -438,20 +494,34 @@ class SimulatedEngine:
         if fault == "hang":
             # Never answers; the handler is cancelled when the client goes away.
             await asyncio.Event().wait()
+        if self.shutting_down:
+            return self._error(ApiError(503, "The server is shutting down."))
 
+        # n > 1: one sequence per choice in the batch (as vLLM fans a request out);
+        # they share the prompt, so every choice after the first hits the prefix cache.
+        plans = [plan] + [self._plan(parsed, choice=index) for index in range(1, parsed.n)]
+        handles: list[RequestHandle] = []
+        shared_wake = asyncio.Event()
         try:
-            handle = self.loop.submit(plan.spec)
+            for branch in plans:
+                handle = self.loop.submit(branch.spec)
+                # One event for every choice, so a stream wakes when any of them moves.
+                handle.event = shared_wake
+                handles.append(handle)
         except RequestTooLargeError as exc:
+            for handle in handles:
+                self.loop.abort(handle.request_id)
             return self._error(ApiError(400, str(exc)))
-        request_id = plan.spec.request_id
-        self._finish_reasons[request_id] = plan.output.finish_reason
-        self._task_ids += 1
-        self._active[request_id] = _Active(
-            prompt_tokens=plan.prompt_tokens,
-            output_tokens=len(plan.output.tokens),
-            handle=handle,
-            task_id=self._task_ids,
-        )
+        for branch, handle in zip(plans, handles, strict=True):
+            request_id = branch.spec.request_id
+            self._finish_reasons[request_id] = branch.output.finish_reason
+            self._task_ids += 1
+            self._active[request_id] = _Active(
+                prompt_tokens=branch.prompt_tokens,
+                output_tokens=len(branch.output.tokens),
+                handle=handle,
+                task_id=self._task_ids,
+            )
         reply = Reply(
             id=self.shape.id_prefix(kind) + uuid.uuid4().hex,
             created=now_seconds(),
@@ -460,17 +530,25 @@ class SimulatedEngine:
             role=parsed.reply_role,
             prompt_tokens=plan.prompt_tokens,
         )
+        branches = list(zip(plans, handles, strict=True))
+        if self._vllm_metrics is not None:
+            self._vllm_metrics.observe_request(n=parsed.n, max_tokens=len(plan.output.tokens))
         try:
+            disconnect = fault == "disconnect"
             if parsed.stream:
-                return await self._stream(request, plan, handle, reply, fault == "disconnect")
-            return await self._respond(request, plan, handle, reply, fault == "disconnect")
+                return await self._stream(request, branches, shared_wake, reply, disconnect)
+            return await self._respond(request, branches, shared_wake, reply, disconnect)
         finally:
-            self._active.pop(request_id, None)
-            if self._finish_reasons.pop(request_id, None) is not None:
-                # Still unfinished: the client went away or the connection was dropped.
-                self.loop.abort(request_id)
-                if self._vllm_metrics is not None:
-                    self._vllm_metrics.observe_aborted()
+            for branch in plans:
+                request_id = branch.spec.request_id
+                self._active.pop(request_id, None)
+                if self._finish_reasons.pop(request_id, None) is not None:
+                    # Still unfinished: the client went away or the connection was dropped.
+                    self.loop.abort(request_id)
+                    if self._vllm_metrics is not None:
+                        self._vllm_metrics.observe_aborted()
+            if not self._active:
+                self._idle.set()
 
     async def _read_json(self, request: web.Request) -> Any:
         raw = await request.read()
@@ -479,13 +557,19 @@ class SimulatedEngine:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             if self.settings.flavor == "llamacpp":
                 raise ApiError(500, f"[json.exception.parse_error] {exc}") from None
-            raise ApiError(400, f"JSON decode error: {exc}") from None
+            # vLLM (pydantic) names the position: `body.<offset>`.
+            where = f"body.{exc.pos}" if isinstance(exc, json.JSONDecodeError) else "body"
+            raise ApiError(400, f"JSON decode error: {exc}", param=where) from None
 
     def _check_model(self, parsed: GenerateRequest) -> None:
         if self.settings.api_flavor != "vllm" or parsed.model is None:
             return
         if parsed.model not in self.settings.served_model_names:
-            raise ApiError(404, f"The model `{parsed.model}` does not exist.", param="model")
+            raise ApiError(404, self._unknown_model_message(parsed.model), param="model")
+
+    def _unknown_model_message(self, model: str) -> str:
+        aliases = ", ".join(self.settings.served_model_names)
+        return f"The model `{model}` does not exist. Valid aliases: {aliases}."
 
     def _reported_model(self, parsed: GenerateRequest) -> str:
         # vLLM echoes the served name asked for; llama.cpp always reports its alias.
@@ -493,21 +577,40 @@ class SimulatedEngine:
             return parsed.model
         return self.settings.model_name
 
-    def _plan(self, parsed: GenerateRequest) -> _Plan:
+    def _plan(self, parsed: GenerateRequest, *, choice: int = 0) -> _Plan:
         s = self.settings
         prompt_tokens = tokenize(parsed.prompt)
         n_prompt = len(prompt_tokens)
         room = s.max_model_len - n_prompt
         if s.api_flavor == "vllm":
             wanted = parsed.max_tokens
-            if room <= 0 or (wanted is not None and wanted > room):
-                asked = n_prompt + (wanted or 0)
+            if wanted is not None and wanted > s.max_model_len:
+                # vLLM 0.32 checks max_tokens against the whole context first.
+                raise ApiError(
+                    400,
+                    f"max_tokens={wanted} cannot be greater than max_model_len="
+                    f"{s.max_model_len}. Please request fewer output tokens. "
+                    f"(parameter=max_tokens, value={wanted})",
+                    param="max_tokens",
+                )
+            if room <= 0:
+                raise ApiError(
+                    400,
+                    f"This model's maximum context length is {s.max_model_len} tokens. "
+                    f"However, your prompt contains at least {n_prompt} input tokens, which "
+                    "exceeds this limit even without any output tokens. Please reduce the "
+                    f"length of the input prompt. (parameter=input_tokens, value={n_prompt})",
+                    param="input_tokens",
+                )
+            if wanted is not None and wanted > room:
+                asked = n_prompt + wanted
                 raise ApiError(
                     400,
                     f"This model's maximum context length is {s.max_model_len} tokens. "
                     f"However, you requested {asked} tokens ({n_prompt} in the messages, "
-                    f"{wanted or 0} in the completion). Please reduce the length of the "
+                    f"{wanted} in the completion). Please reduce the length of the "
                     "messages or completion.",
+                    param="max_tokens",
                 )
             max_new = wanted if wanted is not None else room
         else:
@@ -521,7 +624,8 @@ class SimulatedEngine:
                 )
             wanted = parsed.max_tokens if parsed.max_tokens is not None else s.default_max_tokens
             max_new = min(wanted, room) if wanted is not None else room
-        seed = parsed.seed if parsed.seed is not None else s.sim.seed
+        # Each choice of an n > 1 request draws its own text.
+        seed = (parsed.seed if parsed.seed is not None else s.sim.seed) + choice
         key = generation_key(parsed.key_prompt)
         output = plan_output(
             key=key,
@@ -559,9 +663,36 @@ class SimulatedEngine:
             return "disconnect"
         return None
 
-    def _final_reply(self, reply: Reply, handle: RequestHandle, sent: int) -> Reply:
-        first = handle.first_token
-        finish = handle.finish
+    # --- shutting down ----------------------------------------------------
+
+    def abort_all(self) -> None:
+        """Stop generating for every request in flight, as vLLM does on SIGTERM.
+
+        Each stream then ends with a chunk whose finish_reason is "abort" (and
+        usage when asked for) and `data: [DONE]`; a non-streamed request gets
+        its text so far with finish_reason "abort".
+        """
+        self.shutting_down = True
+        for request_id, active in list(self._active.items()):
+            if active.handle.finished:
+                continue
+            self.loop.abort(request_id)
+            self._finish_reasons.pop(request_id, None)
+            if self._vllm_metrics is not None:
+                self._vllm_metrics.observe_aborted()
+            active.handle.aborted = True
+            active.handle.finished = True
+            active.handle.event.set()
+
+    async def drained(self) -> None:
+        """Until every request handler has answered (after `abort_all`)."""
+        if self._active:
+            self._idle.clear()
+            await self._idle.wait()
+
+    def _final_reply(self, reply: Reply, handles: list[RequestHandle], sent: int) -> Reply:
+        first = handles[0].first_token
+        finish = handles[0].finish
         prompt_ms = 0.0
         predicted_ms = 0.0
         if finish is not None:
@@ -578,71 +709,135 @@ class SimulatedEngine:
     async def _respond(
         self,
         request: web.Request,
-        plan: _Plan,
-        handle: RequestHandle,
+        branches: list[tuple[_Plan, RequestHandle]],
+        wake: asyncio.Event,
         reply: Reply,
         disconnect: bool,
     ) -> web.StreamResponse:
-        while not handle.finished:
-            await handle.wait()
+        handles = [handle for _, handle in branches]
+        while not all(handle.finished for handle in handles):
+            await wake.wait()
+            wake.clear()
         if disconnect:
             _drop_connection(request)
             return web.Response(status=500)
-        final = self._final_reply(reply, handle, len(plan.output.tokens))
-        text = plan.request.response_echo + plan.output.text
-        body = self.shape.response(final, text, plan.output.finish_reason)
+        sent = [
+            handle.ready if handle.aborted else len(branch.output.tokens)
+            for branch, handle in branches
+        ]
+        final = self._final_reply(reply, handles, sum(sent))
+        body: dict[str, Any] | None = None
+        for index, ((branch, handle), count) in enumerate(zip(branches, sent, strict=True)):
+            tokens = branch.output.tokens[:count] if handle.aborted else branch.output.tokens
+            text = (branch.request.response_echo if index == 0 else "") + "".join(tokens)
+            reason = "abort" if handle.aborted else branch.output.finish_reason
+            one = self.shape.response(final, text, reason)
+            if body is None:
+                body = one
+            else:
+                choice = one["choices"][0]
+                choice["index"] = index
+                body["choices"].append(choice)
         return _json_response(body)
 
     async def _stream(
         self,
         request: web.Request,
-        plan: _Plan,
-        handle: RequestHandle,
+        branches: list[tuple[_Plan, RequestHandle]],
+        wake: asyncio.Event,
         reply: Reply,
         disconnect: bool,
     ) -> web.StreamResponse:
-        tokens = plan.output.tokens
-        finish_reason = plan.output.finish_reason
+        plan = branches[0][0]
+        first_tokens = plan.output.tokens
         # A dropped stream breaks after some tokens, never before the first.
-        drop_after = self._faults.randint(1, max(len(tokens) - 1, 1)) if disconnect else None
+        drop_after = self._faults.randint(1, max(len(first_tokens) - 1, 1)) if disconnect else None
         response = web.StreamResponse(headers=_SSE_HEADERS)
         await response.prepare(request)
-        sent = 0
-        started = False
+        count = len(branches)
+        sent = [0] * count
+        started = [False] * count
+        ended = [False] * count
         echo = plan.request.stream_echo
+        include_usage = plan.request.include_usage or self.settings.force_include_usage
+        handles = [handle for _, handle in branches]
         while True:
-            if handle.ready == sent and not handle.finished:
-                await handle.wait()
+            if not any(
+                not ended[i] and (handle.ready > sent[i] or handle.finished)
+                for i, handle in enumerate(handles)
+            ):
+                await wake.wait()
+                wake.clear()
             chunks: list[dict[str, Any]] = []
-            if not started and (handle.ready > 0 or handle.finished):
-                chunks += self.shape.stream_start(reply)
-                started = True
-            while sent < handle.ready:
-                is_last = sent == len(tokens) - 1
-                text = echo + tokens[sent]
-                echo = ""
-                chunks.append(
-                    self.shape.stream_token(reply, text, finish_reason if is_last else None)
-                )
-                sent += 1
-                if drop_after is not None and sent >= drop_after:
-                    await _write_events(response, chunks)
-                    _drop_connection(request)
-                    return response
-            if handle.finished:
-                if echo:
-                    chunks.append(self.shape.stream_token(reply, echo, None))
-                final = self._final_reply(reply, handle, sent)
-                chunks += self.shape.stream_end(
-                    final,
-                    finish_reason,
-                    include_usage=plan.request.include_usage or self.settings.force_include_usage,
-                    last_sent=bool(tokens),
-                )
+            for index, (branch, handle) in enumerate(branches):
+                tokens = branch.output.tokens
+                finish_reason = branch.output.finish_reason
+                if not started[index] and (handle.ready > 0 or handle.finished):
+                    chunks += _indexed(self.shape.stream_start(reply), index)
+                    started[index] = True
+                while sent[index] < handle.ready and not ended[index]:
+                    is_last = sent[index] == len(tokens) - 1
+                    text = tokens[sent[index]]
+                    if index == 0:
+                        text = echo + text
+                        echo = ""
+                    chunk = self.shape.stream_token(reply, text, finish_reason if is_last else None)
+                    chunks += _indexed([chunk], index)
+                    sent[index] += 1
+                    if index == 0 and drop_after is not None and sent[0] >= drop_after:
+                        await _write_events(response, chunks)
+                        _drop_connection(request)
+                        return response
+                if handle.finished and not ended[index]:
+                    if index == 0 and echo:
+                        chunks.append(self.shape.stream_token(reply, echo, None))
+                        echo = ""
+                    if handle.aborted:
+                        # vLLM ends an aborted stream with an empty chunk marked "abort".
+                        chunks += _indexed([self.shape.stream_token(reply, "", "abort")], index)
+                    elif count > 1:
+                        chunks += _indexed(
+                            self.shape.stream_end(
+                                reply, finish_reason, include_usage=False, last_sent=bool(tokens)
+                            ),
+                            index,
+                        )
+                    ended[index] = True
+            if include_usage and self.settings.flavor == "vllm":
+                chunks = self._usage_carries_fingerprint(chunks)
+            if all(ended):
+                final = self._final_reply(reply, handles, sum(sent))
+                if count == 1 and not handles[0].aborted:
+                    chunks += self.shape.stream_end(
+                        final,
+                        plan.output.finish_reason,
+                        include_usage=include_usage,
+                        last_sent=bool(first_tokens),
+                    )
+                elif include_usage:
+                    # Every choice has its finish chunk: only the usage chunk is left.
+                    chunks += self.shape.stream_end(
+                        final, plan.output.finish_reason, include_usage=True, last_sent=True
+                    )
                 await _write_events(response, chunks, done=True)
                 await response.write_eof()
                 return response
             await _write_events(response, chunks)
+
+    def _usage_carries_fingerprint(self, chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """With a usage chunk to come, vLLM writes system_fingerprint there, not on finishes."""
+        for chunk in chunks:
+            if chunk.get("choices"):
+                chunk.pop("system_fingerprint", None)
+        return chunks
+
+
+def _indexed(chunks: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
+    """Chunks of choice `index` (the shapes build choice 0)."""
+    for chunk in chunks:
+        for choice in chunk.get("choices", []):
+            choice["index"] = index
+    return chunks
 
 
 async def _write_events(

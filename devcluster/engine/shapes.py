@@ -82,11 +82,24 @@ def _llamacpp_timings(reply: Reply) -> JSON:
     }
 
 
-class VllmShape:
-    """vLLM's OpenAI server bodies."""
+# What the simulated vLLM reports as its version (`/version`, `system_fingerprint`).
+VLLM_SIM_VERSION = "0.0.0+caravan-sim"
 
-    def __init__(self, *, include_cached_tokens: bool) -> None:
+
+class VllmShape:
+    """vLLM's OpenAI server bodies.
+
+    `v032`: the fields vLLM 0.32 adds (checked against the real engine by
+    tests/real_vllm/test_differential.py): `token_ids`, `prompt_token_ids`,
+    `routed_experts`, `metrics`, ... (null unless asked for), `reasoning` in
+    place of `reasoning_content`, no empty `tool_calls`, and a
+    `system_fingerprint` naming the version. SGLang keeps the older shape.
+    """
+
+    def __init__(self, *, include_cached_tokens: bool, v032: bool = False) -> None:
         self._include_cached_tokens = include_cached_tokens
+        self._v032 = v032
+        self._fingerprint = f"vllm-{VLLM_SIM_VERSION}" if v032 else None
 
     def error(self, err: ApiError) -> JSON:
         return {
@@ -103,14 +116,19 @@ class VllmShape:
 
     def _usage(self, reply: Reply) -> JSON:
         details = {"cached_tokens": reply.cached_tokens} if self._include_cached_tokens else None
-        return {
+        usage: JSON = {
             "prompt_tokens": reply.prompt_tokens,
             "total_tokens": reply.prompt_tokens + reply.completion_tokens,
             "completion_tokens": reply.completion_tokens,
             "prompt_tokens_details": details,
         }
+        if self._v032:
+            usage["completion_tokens_details"] = None
+        return usage
 
     def response(self, reply: Reply, text: str, finish_reason: str) -> JSON:
+        if self._v032:
+            return self._response_v032(reply, text, finish_reason)
         if reply.kind == "chat":
             choice: JSON = {
                 "index": 0,
@@ -161,6 +179,67 @@ class VllmShape:
             "kv_transfer_params": None,
         }
 
+    def _response_v032(self, reply: Reply, text: str, finish_reason: str) -> JSON:
+        if reply.kind == "chat":
+            choice: JSON = {
+                "index": 0,
+                "message": {
+                    "role": reply.role,
+                    "content": text,
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "reasoning": None,
+                },
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": None,
+                "token_ids": None,
+                "routed_experts": None,
+            }
+            return {
+                "id": reply.id,
+                "object": "chat.completion",
+                "created": reply.created,
+                "model": reply.model,
+                "choices": [choice],
+                "service_tier": None,
+                "system_fingerprint": self._fingerprint,
+                "usage": self._usage(reply),
+                "prompt_logprobs": None,
+                "prompt_token_ids": None,
+                "prompt_text": None,
+                "kv_transfer_params": None,
+                "ec_transfer_params": None,
+                "metrics": None,
+            }
+        return {
+            "id": reply.id,
+            "object": "text_completion",
+            "created": reply.created,
+            "model": reply.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": finish_reason,
+                    "stop_reason": None,
+                    "token_ids": None,
+                    "prompt_logprobs": None,
+                    "prompt_token_ids": None,
+                    "routed_experts": None,
+                }
+            ],
+            "service_tier": None,
+            "system_fingerprint": self._fingerprint,
+            "usage": self._usage(reply),
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+
     def _chunk(self, reply: Reply, choices: list[JSON]) -> JSON:
         obj = "chat.completion.chunk" if reply.kind == "chat" else "text_completion"
         return {
@@ -180,7 +259,10 @@ class VllmShape:
             "logprobs": None,
             "finish_reason": None,
         }
-        return [self._chunk(reply, [choice])]
+        chunk = self._chunk(reply, [choice])
+        if self._v032:
+            chunk |= {"prompt_token_ids": None, "prompt_text": None}
+        return [chunk]
 
     def stream_token(self, reply: Reply, text: str, finish_reason: str | None) -> JSON:
         # vLLM puts the finish reason on the chunk of the last token.
@@ -200,8 +282,15 @@ class VllmShape:
             }
         if finish_reason is not None or reply.kind != "chat":
             choice["stop_reason"] = None
+        if self._v032:
+            if reply.kind != "chat":
+                choice["prompt_token_ids"] = None
+            choice["token_ids"] = None
         chunk = self._chunk(reply, [choice])
-        if reply.kind != "chat":
+        if self._v032:
+            if finish_reason is not None:
+                chunk["system_fingerprint"] = self._fingerprint
+        elif reply.kind != "chat":
             chunk["usage"] = None
         return chunk
 
@@ -213,7 +302,11 @@ class VllmShape:
             usage = self._usage(reply)
             if usage["prompt_tokens_details"] is None:
                 del usage["prompt_tokens_details"]
-            chunks.append({**self._chunk(reply, []), "usage": usage})
+            usage.pop("completion_tokens_details", None)
+            chunk = {**self._chunk(reply, []), "usage": usage}
+            if self._v032:
+                chunk["system_fingerprint"] = self._fingerprint
+            chunks.append(chunk)
         return chunks
 
 

@@ -127,6 +127,30 @@ class PlannedOutput:
         return "".join(self.tokens)
 
 
+VOCAB_SIZE = 2048
+
+
+class Vocabulary:
+    """Token ids for /tokenize and /detokenize: a stable hash of each token's text.
+
+    The simulator has no vocabulary file; ids it handed out map back to their
+    text, and an id it never saw detokenizes to a word of the reply vocabulary.
+    """
+
+    def __init__(self, size: int = VOCAB_SIZE) -> None:
+        self.size = size
+        self._texts: dict[int, str] = {}
+
+    def id_of(self, token: str) -> int:
+        digest = hashlib.blake2b(token.encode(), digest_size=4).digest()
+        token_id = int.from_bytes(digest, "big") % self.size
+        self._texts.setdefault(token_id, token)
+        return token_id
+
+    def token_of(self, token_id: int) -> str:
+        return self._texts.get(token_id, " " + _WORDS[token_id % len(_WORDS)])
+
+
 def tokenize(text: str) -> list[str]:
     """Split `text` into the simulated engines' tokens; `"".join` undoes it."""
     return _TOKEN_PATTERN.findall(text)

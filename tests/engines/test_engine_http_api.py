@@ -142,12 +142,11 @@ async def test_bad_json_is_400_for_vllm_and_500_for_llamacpp(
     assert [(400, "BadRequestError"), (500, "server_error")] == results
 
 
-@pytest.mark.parametrize("flavor", ["vllm", "llamacpp"])
-async def test_n_above_one_is_refused_with_400(
-    flavor: str, sim_engine: StartEngine, http: aiohttp.ClientSession
+async def test_llamacpp_n_above_one_is_refused_with_400(
+    sim_engine: StartEngine, http: aiohttp.ClientSession
 ) -> None:
-    """The simulator returns one choice per request and says so for n > 1."""
-    engine = await sim_engine(flavor, "--model" if flavor == "vllm" else "-m", "m")
+    """The simulated llama.cpp returns one choice per request and says so for n > 1."""
+    engine = await sim_engine("llamacpp", "-m", "m")
 
     status, body = await post_json(http, engine.base_url + "/v1/chat/completions", {**CHAT, "n": 2})
 
@@ -155,14 +154,46 @@ async def test_n_above_one_is_refused_with_400(
     assert "n=2" in body["error"]["message"]
 
 
+async def test_vllm_n_above_one_returns_n_choices(
+    sim_engine: StartEngine, http: aiohttp.ClientSession
+) -> None:
+    """Like real vLLM (tests/real_vllm/test_differential.py): n choices, usage over all of them."""
+    engine = await sim_engine("vllm", "--model", "m")
+    url = engine.base_url + "/v1/chat/completions"
+
+    status, body = await post_json(http, url, {**CHAT, "n": 3, "max_tokens": 4, "ignore_eos": True})
+    _, events = await post_json(
+        http,
+        url,
+        {**CHAT, "n": 2, "max_tokens": 4, "ignore_eos": True, "stream": True,
+         "stream_options": {"include_usage": True}},
+    )  # fmt: skip
+
+    assert 200 == status
+    assert [0, 1, 2] == [choice["index"] for choice in body["choices"]]
+    assert 12 == body["usage"]["completion_tokens"]
+    finishes = [
+        (event["choices"][0]["index"], event["choices"][0]["finish_reason"])
+        for event in events[:-2]
+        if event["choices"][0]["finish_reason"] is not None
+    ]
+    assert [(0, "length"), (1, "length")] == sorted(finishes)
+    assert 8 == events[-2]["usage"]["completion_tokens"]
+    assert "[DONE]" == events[-1]
+
+
 async def test_vllm_context_overflow_is_400(
     sim_engine: StartEngine, http: aiohttp.ClientSession
 ) -> None:
-    """A prompt plus max_tokens beyond --max-model-len is a 400 naming the limit."""
+    """A prompt plus max_tokens beyond --max-model-len is a 400 naming the limit.
+
+    max_tokens stays under the limit by itself: above it, vLLM 0.32 answers
+    "max_tokens=... cannot be greater than max_model_len=..." first.
+    """
     engine = await sim_engine("vllm", "--model", "m", "--max-model-len", "64")
 
     status, body = await post_json(
-        http, engine.base_url + "/v1/chat/completions", {**CHAT, "max_tokens": 100}
+        http, engine.base_url + "/v1/chat/completions", {**CHAT, "max_tokens": 60}
     )
 
     assert 400 == status

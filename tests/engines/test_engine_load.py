@@ -135,6 +135,9 @@ async def test_requests_sharing_a_long_prefix_get_faster_first_tokens_after_the_
     args = [model_flag, "m", "--sim-prefill-seconds-per-token", "0.0004"]
     if flavor == "llamacpp":
         args += ["-c", "8192", "-np", "1", "--metrics"]
+    else:
+        # The timings below assume GPU-sized blocks (the simulator's default is the CPU's 128).
+        args += ["--block-size", "16"]
     engine = await sim_engine(flavor, *args)
     url = engine.base_url + "/v1/chat/completions"
     system = " ".join(f"rule{i}" for i in range(1500))
@@ -163,6 +166,9 @@ async def test_kv_cache_usage_rises_with_running_sequences_and_falls_back(
         "m",
         "--num-gpu-blocks-override",
         "100",
+        # The usage steps below are counted in 16-token blocks.
+        "--block-size",
+        "16",
         "--sim-step-seconds",
         "0.05",
     )
