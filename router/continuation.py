@@ -104,44 +104,60 @@ def event_data(event: bytes) -> bytes | None:
     return parts[0] if len(parts) == 1 else b"\n".join(parts)
 
 
-# vLLM ends every running stream with this finish reason when it shuts down
-# (SIGTERM): the answer is cut, not complete (measured on vLLM 0.32).
+# vLLM ends the streams it is running with this finish reason when it shuts
+# down (SIGTERM), or with a server-side error event ("EngineCore encountered an
+# issue"): the answer is cut, not complete (seen on vLLM 0.32, varying by run).
 ABORT_FINISH = "abort"
-_ABORT_MARK = b'"abort"'
+_ENGINE_ERROR_TYPES = frozenset({"InternalServerError", "EngineDeadError", "server_error"})
+_STOP_MARKS = (b'"abort"', b'"error"')
 
 
-def cut_at_abort(block: bytes) -> tuple[bytes, bool]:
-    """(the events of `block` before the engine's abort, whether it aborted).
+def cut_at_engine_stop(block: bytes) -> tuple[bytes, str | None]:
+    """(the events of `block` before the engine gave up, why it did or None).
 
-    The event whose choice finishes with `abort`, and everything after it (the
-    usage chunk, `[DONE]`), are the engine giving up, not the answer's end, so
-    they never reach the client: the stream is continued elsewhere instead.
+    The event whose choice finishes with `abort`, or a server-side error event
+    (a 5xx code or an internal error type), and everything after it (usage,
+    `[DONE]`) are the engine stopping, not the answer's end: they never reach
+    the client, and the stream is continued elsewhere instead. An error event
+    for the request itself (a 4xx code) is the answer, and passes.
     """
-    if _ABORT_MARK not in block:
-        return block, False
+    if not any(mark in block for mark in _STOP_MARKS):
+        return block, None
     kept: list[bytes] = []
     for event in block.split(b"\n\n"):
         if not event:
             continue
         data = event_data(event)
-        if data is not None and _ABORT_MARK in data and _finishes_with_abort(data):
-            return b"".join(kept), True
+        reason = _engine_stop(data) if data is not None else None
+        if reason is not None:
+            return b"".join(kept), reason
         kept.append(event + b"\n\n")
-    return block, False
+    return block, None
 
 
-def _finishes_with_abort(data: bytes) -> bool:
+def _engine_stop(data: bytes) -> str | None:
+    if not any(mark in data for mark in _STOP_MARKS):
+        return None
     try:
         chunk = json.loads(data)
     except (ValueError, UnicodeDecodeError):
-        return False
-    choices = chunk.get("choices") if isinstance(chunk, dict) else None
-    if not isinstance(choices, list):
-        return False
-    return any(
+        return None
+    if not isinstance(chunk, dict):
+        return None
+    error = chunk.get("error")
+    if isinstance(error, Mapping) and "choices" not in chunk:
+        code = error.get("code")
+        server_side = isinstance(code, int) and not isinstance(code, bool) and code >= 500
+        if server_side or error.get("type") in _ENGINE_ERROR_TYPES:
+            return "the engine failed mid-stream"
+        return None
+    choices = chunk.get("choices")
+    if isinstance(choices, list) and any(
         isinstance(choice, Mapping) and choice.get("finish_reason") == ABORT_FINISH
         for choice in choices
-    )
+    ):
+        return "the engine aborted the stream"
+    return None
 
 
 def encode_event(payload: Mapping[str, Any]) -> bytes:

@@ -64,7 +64,7 @@ from router.continuation import (
     StreamKind,
     Unfaithful,
     build_continuation,
-    cut_at_abort,
+    cut_at_engine_stop,
     error_event,
     split_complete_events,
 )
@@ -627,11 +627,11 @@ class Proxy:
                     # A slow client is not a silent engine: no deadline while writing.
                     deadline.reschedule(None)
                     got_event = True
-                    block, aborted = cut_at_abort(block)
-                    if aborted:
+                    block, stopped = cut_at_engine_stop(block)
+                    if stopped is not None:
                         if block:
                             await self._forward(exchange, block, account, rewriter)
-                        return UpstreamAborted(endpoint_id, "the engine aborted the stream")
+                        return UpstreamAborted(endpoint_id, stopped)
                     await self._forward(exchange, block, account, rewriter)
                     if account.done:
                         return None

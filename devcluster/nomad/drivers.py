@@ -3,7 +3,8 @@
 * `raw_exec` and `exec` run `command` with `args` (no chroot or cgroups here).
 * `docker` has no engine on these machines, so images map to local commands
   through a table (built-in defaults, or a YAML/JSON file): vLLM images run the
-  simulated vLLM engine, `lmsysorg/sglang` images the simulated SGLang server
+  simulated vLLM engine, or with `real_vllm` set the real vLLM with the task's
+  own arguments (devcluster/vllm_real.py), `lmsysorg/sglang` images the simulated SGLang server
   (the image's `entrypoint`, `python3 -m sglang.launch_server`, is replaced by
   the simulator; `args` pass through), llama.cpp server images run the real
   `llama-server` when one was built (else the simulated one). The container port given as

@@ -18,6 +18,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 import aiohttp
@@ -151,7 +152,11 @@ async def fleet(
         prefer_real_llama_server=False,
         autoscale_tick_s=1.0,
         work_dir=tmp_path_factory.mktemp("real-vllm-stack"),
-        router=RouterSettings(port=0, scrape_interval_s=0.5, log_level="warning"),
+        # A real vLLM stopped by SIGTERM may go silent instead of ending its streams:
+        # the idle timeout is what continues those elsewhere.
+        router=RouterSettings(
+            port=0, scrape_interval_s=0.5, stream_idle_timeout_s=10, log_level="warning"
+        ),
         request_log=log.append,
     )
     profile = ModelProfile.model_validate(VLLM_PROFILE)
@@ -297,7 +302,7 @@ async def fleet_prefix_hits(replicas: list[Replica]) -> tuple[float, float]:
     return sum(hits), sum(queries)
 
 
-def shared_prefix(topic: int, words: int = 700) -> str:
+def shared_prefix(topic: int, words: int = 330) -> str:
     """A long system prompt, different per topic and seed-stable (several 128-token blocks)."""
     vocabulary = ("caravan", "nomad", "consul", "replica", "router", "engine", "prefix", "cache")
     return " ".join(
@@ -407,12 +412,16 @@ async def test_vllms_own_admission_503_is_retried_on_another_replica_and_counted
         async with saturated([full], key, MAX_SEQS + MAX_QUEUED):
 
             async def refusing() -> bool:
-                async with aiohttp.ClientSession() as http:
-                    running = await engine_counter(http, full, "vllm:num_requests_running")
-                    waiting = await engine_counter(http, full, "vllm:num_requests_waiting")
-                return running + waiting >= MAX_SEQS + MAX_QUEUED
+                body = {"model": NAME, "prompt": "probe", "max_tokens": 1}
+                async with (
+                    aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as http,
+                    http.post(f"{full.base_url}/v1/completions", json=body) as response,
+                ):
+                    await response.read()
+                    return response.status == HTTPStatus.SERVICE_UNAVAILABLE
 
-            await eventually(refusing, 60, "the replica full to its queue limit")
+            # vLLM itself refuses what is over --max-num-queued-reqs with 503.
+            await eventually(refusing, 60, "the full replica answering 503 itself")
             statuses = []
             async with aiohttp.ClientSession() as http:
                 for index in range(4):
@@ -438,7 +447,7 @@ async def stream_and_interrupt(fleet: Fleet, signum: int, *, group: bool) -> tup
     stream = await client.chat.completions.create(
         model=NAME,
         messages=[{"role": "user", "content": f"a long answer {signum}"}],
-        max_tokens=400,
+        max_tokens=1500,
         stream=True,
     )
     chunks: list[Any] = []

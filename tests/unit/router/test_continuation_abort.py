@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from router.continuation import cut_at_abort
+from router.continuation import cut_at_engine_stop
 
 
 def event(payload: object) -> bytes:
@@ -23,16 +23,28 @@ def test_events_before_the_abort_are_kept_and_the_rest_is_dropped() -> None:
         + event({"choices": [], "usage": {"completion_tokens": 2}}) + b"data: [DONE]\n\n"
     )  # fmt: skip
 
-    assert (chunk(" a") + chunk(" b"), True) == cut_at_abort(block)
+    assert (chunk(" a") + chunk(" b"), "the engine aborted the stream") == cut_at_engine_stop(block)
 
 
 def test_a_stream_without_an_abort_is_untouched() -> None:
     """Other finish reasons, and the word "abort" in the text, are the answer itself."""
     block = chunk(' "abort"') + chunk(None, "length") + b"data: [DONE]\n\n"
 
-    assert (block, False) == cut_at_abort(block)
+    assert (block, None) == cut_at_engine_stop(block)
 
 
 def test_an_abort_in_the_first_event_keeps_nothing() -> None:
     """A block that starts with the abort sends nothing on to the client."""
-    assert (b"", True) == cut_at_abort(chunk(None, "abort"))
+    assert (b"", "the engine aborted the stream") == cut_at_engine_stop(chunk(None, "abort"))
+
+
+def test_a_server_side_error_event_stops_the_stream_and_a_client_one_does_not() -> None:
+    """vLLM's "EngineCore encountered an issue" (500) is the engine failing: continued
+    elsewhere; a 400 error event is the request's own answer: passed on."""
+    engine = event({"error": {"message": "EngineCore encountered an issue", "code": 500}})
+    client = event({"error": {"message": "bad", "type": "BadRequestError", "code": 400}})
+
+    assert (chunk(" a"), "the engine failed mid-stream") == cut_at_engine_stop(
+        chunk(" a") + engine + b"data: [DONE]\n\n"
+    )
+    assert (chunk(" a") + client, None) == cut_at_engine_stop(chunk(" a") + client)
