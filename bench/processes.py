@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,10 +27,13 @@ START_TIMEOUT_S = 90.0
 class Proc:
     process: subprocess.Popen[str]
     log: Path
+    group: bool = False  # started in a session of its own: stop its whole process group
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 10 s."""
-        if self.process.poll() is None:
+        """SIGTERM, then SIGKILL after 10 s (to the process group, when it leads one)."""
+        if self.group:
+            self._stop_group()
+        elif self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout=10)
@@ -38,25 +41,58 @@ class Proc:
                 self.process.kill()
                 self.process.wait()
 
+    def _stop_group(self) -> None:
+        pgid = self.process.pid
+        with suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            self.process.wait()
+        # Children (vLLM's EngineCore and worker) may outlive the leader by a moment.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        with suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+
 
 @contextmanager
 def started(
-    command: list[str], pattern: str, env: dict[str, str] | None = None
+    command: list[str],
+    pattern: str,
+    env: dict[str, str] | None = None,
+    *,
+    new_session: bool = False,
+    timeout_s: float = START_TIMEOUT_S,
 ) -> Iterator[tuple[Proc, re.Match[str]]]:
     """Run `command` from the repository root until the block ends; yields it and its ready match.
 
     Raises RuntimeError when the process exits, or prints nothing matching
-    `pattern`, within START_TIMEOUT_S.
+    `pattern`, within `timeout_s`. With `new_session`, it runs in a session
+    of its own and its whole process group is stopped at the end.
     """
     handle, name = tempfile.mkstemp(prefix="caravan-bench-", suffix=".log")
     log = Path(name)
     with os.fdopen(handle, "w") as out:
         process = subprocess.Popen(
-            command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True, env=env
+            command,
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=new_session,
         )
-    proc = Proc(process, log)
+    proc = Proc(process, log, group=new_session)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while True:
             match = re.search(pattern, log.read_text(errors="replace"))
             if match:
