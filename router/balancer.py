@@ -423,17 +423,24 @@ def _predicted_ttft(
     into a second KV cache for nothing), then those with no prefill queued
     ahead of the request: the band is there so that routers agree on where a
     cold prefix lives, not to put a request behind another's prefill while an
-    engine with nothing to prefill is as good by the estimate. A request with
+    engine with nothing to prefill is as good by the estimate. A prompt cached
+    nowhere widens the band for endpoints with nothing queued to
+    `cold_tie_factor` times the best: where a new prefix lives decides every
+    later hit on it, and idle replicas of one model differ only by the noise in
+    their learned prefill rates, which would otherwise send every new prefix to
+    the same one. A request with
     no prompt key breaks ties by in-flight relative to capacity, then by
     endpoint id. Deterministic: no random draw.
     """
     estimates = ttft_estimates(candidates, request, now, config)
     best = min(item.seconds for item in estimates)
     band = best + max(config.cost.tie_abs_s, config.cost.tie_rel * best)
+    cold = request.prompt is not None and all(item.cached_tokens <= 0 for item in estimates)
+    cold_band = best * config.cost.cold_tie_factor
     near = [
         (endpoint, state, item)
         for (endpoint, state), item in zip(candidates, estimates, strict=True)
-        if item.seconds <= band
+        if item.seconds <= band or (cold and item.queued_tokens <= 0 and item.seconds <= cold_band)
     ]
     most = max(item.cached_tokens for _, _, item in near)
     near = [candidate for candidate in near if candidate[2].cached_tokens >= most]

@@ -76,6 +76,11 @@ class CostConfig:
     # Estimates this close to the best are a tie, decided by the ring (no herding).
     tie_abs_s: float = 0.005
     tie_rel: float = 0.05
+    # A prefix cached nowhere goes to its ring owner among the endpoints with nothing
+    # queued whose estimate is within this factor of the best: replicas of one model
+    # differ in learned prefill rate by measurement noise (up to 1.5x on a loaded CPU),
+    # and following that noise herds every new prefix onto one cache.
+    cold_tie_factor: float = 2.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -90,6 +95,8 @@ class CostConfig:
         for name in ("base_s", "interference_per_seq", "tie_abs_s", "tie_rel"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.cold_tie_factor < 1:
+            raise ValueError(f"cold_tie_factor must be >= 1, got {self.cold_tie_factor}")
         for name in ("rate_alpha", "cache_factor_alpha"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")

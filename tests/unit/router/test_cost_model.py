@@ -593,3 +593,37 @@ def test_near_ties_keep_a_conversation_where_its_history_is() -> None:
     assert home.cached_tokens == cached
     assert home.seconds == pytest.approx(idle.seconds)
     assert picked_id(run_pick(snapshot, live, request)) == "e2"
+
+
+def test_a_cold_prefix_goes_to_its_ring_owner_whatever_the_idle_replicas_learned_rates() -> None:
+    """Idle replicas of one model whose learned rates differ by noise (18k vs 27k tokens/s):
+    new prefixes follow the ring across all of them, not all to the fastest-looking one."""
+    snapshot = four()
+    ring = snapshot.models[MODEL].ring
+    live = live_for(snapshot)
+    for index, state in enumerate(live.values()):
+        state.prefill_rate_tps = 27000.0 if index == 0 else 18000.0
+    keys = range(1, 2**64, 2**58)
+    picks = {
+        key: picked_id(
+            run_pick(snapshot, live, RequestFeatures(MODEL, prompt=PromptShape((), 1000, key)))
+        )
+        for key in keys
+    }
+
+    assert all(picks[key] == next(ring.walk(key)) for key in keys)
+    assert {"e0", "e1", "e2", "e3"} == set(picks.values())
+
+
+def test_a_cold_prefix_still_avoids_a_replica_with_prefill_queued() -> None:
+    """The wider band for cold prefixes is for idle replicas only: queued work still counts."""
+    snapshot, live, key = fleet_at_5k_with_a_key_ringed_to_e1()
+    start_request(live, "e1", CONFIG.breaker, NOW)
+    begin_prefill(live, snapshot.by_id["e1"], PromptShape((), 200, 7), NOW, COST, max_age_s=5.0)
+
+    assert (
+        picked_id(
+            run_pick(snapshot, live, RequestFeatures(MODEL, prompt=PromptShape((), 1000, key)))
+        )
+        != "e1"
+    )
