@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, assert_never
 
 from router.affinity import DEFAULT_LOAD_FACTOR, load_bound, within_load_bound
 from router.breaker import BreakerPhase, BreakerPolicy, allows_request
-from router.cost_model import CostConfig, Estimate, estimate, peer_rate
+from router.cost_model import CostConfig, Estimate, estimate, index_fill, peer_rate
 from router.endpoints import CheckStatus, Endpoint
 from router.live_state import EndpointLiveState
 
@@ -428,7 +428,9 @@ def _predicted_ttft(
     `cold_tie_factor` times the best: where a new prefix lives decides every
     later hit on it, and idle replicas of one model differ only by the noise in
     their learned prefill rates, which would otherwise send every new prefix to
-    the same one. A request with
+    the same one; and a cold prefix skips a ring owner whose cache is fuller
+    than the emptiest tied one's by more than `cold_fill_slack` (bounded-load
+    consistent hashing). A request with
     no prompt key breaks ties by in-flight relative to capacity, then by
     endpoint id. Deterministic: no random draw.
     """
@@ -450,9 +452,11 @@ def _predicted_ttft(
         return next(iter(tied.values()))[0]
     key = request.prompt.ring_key if request.prompt is not None else None
     if key is not None:
+        fill = {eid: index_fill(state, config.cost) for eid, (_, state, _) in tied.items()}
+        limit = min(fill.values()) + config.cost.cold_fill_slack if cold else 1.0
         for endpoint_id in model_endpoints.ring.walk(key):
             chosen = tied.get(endpoint_id)
-            if chosen is not None:
+            if chosen is not None and fill[endpoint_id] <= limit:
                 return chosen[0]
     return min(
         tied.values(),

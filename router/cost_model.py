@@ -81,6 +81,11 @@ class CostConfig:
     # differ in learned prefill rate by measurement noise (up to 1.5x on a loaded CPU),
     # and following that noise herds every new prefix onto one cache.
     cold_tie_factor: float = 2.0
+    # ... unless the ring owner's cache (as believed) is fuller than the emptiest tied
+    # one's by more than this share of its capacity: then the next one on the ring
+    # (consistent hashing with bounded loads), so a few hot prefixes that hash alike
+    # do not overflow one cache while another stays empty.
+    cold_fill_slack: float = 0.25
 
     def __post_init__(self) -> None:
         for name in (
@@ -95,6 +100,8 @@ class CostConfig:
         for name in ("base_s", "interference_per_seq", "tie_abs_s", "tie_rel"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.cold_fill_slack <= 1:
+            raise ValueError(f"cold_fill_slack must be in [0, 1], got {self.cold_fill_slack}")
         if self.cold_tie_factor < 1:
             raise ValueError(f"cold_tie_factor must be >= 1, got {self.cold_tie_factor}")
         for name in ("rate_alpha", "cache_factor_alpha"):
@@ -197,6 +204,11 @@ def peer_rate(states: Iterable[EndpointLiveState]) -> float | None:
     """The mean learned prefill rate of these endpoints; None when none has learned one."""
     learned = [state.prefill_rate_tps for state in states if state.prefill_rate_tps is not None]
     return sum(learned) / len(learned) if learned else None
+
+
+def index_fill(state: EndpointLiveState, config: CostConfig) -> float:
+    """The share of the endpoint's KV capacity its index believes in use (0..1)."""
+    return len(state.prefix) / max(1, index_capacity_blocks(state, config))
 
 
 def index_capacity_blocks(state: EndpointLiveState, config: CostConfig) -> int:

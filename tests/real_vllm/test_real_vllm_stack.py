@@ -34,7 +34,7 @@ from caravan.contract import (
 from caravan.engine_metrics import metric_names_as_published
 from caravan.errors import HashiError
 from caravan_cli.local_stack import LocalStack, StackOptions, local_stack, running_router
-from devcluster.vllm_build import VllmBuild
+from devcluster.vllm_build import CPU_BLOCK_SIZE, VllmBuild
 from router.settings import RouterSettings
 from scheduler.autoscale.scrape import ReplicaTarget, scrape_replicas
 from scheduler.model_store import ModelStore
@@ -300,6 +300,92 @@ async def engine_counter(http: aiohttp.ClientSession, replica: Replica, name: st
         if line.startswith(name) and (line[len(name)] in " {"):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+async def fleet_prefix_hits(replicas: list[Replica]) -> tuple[float, float]:
+    """(hits, queries) summed over the replicas: vLLM's own counters, in tokens."""
+    async with aiohttp.ClientSession() as http:
+        hits = [await engine_counter(http, r, "vllm:prefix_cache_hits_total") for r in replicas]
+        queries = [
+            await engine_counter(http, r, "vllm:prefix_cache_queries_total") for r in replicas
+        ]
+    return sum(hits), sum(queries)
+
+
+# Nine system prompts of 8 full KV blocks (72 blocks) overflow one replica's 64 and
+# fit two. Nine, an odd number, so that round robin does not send each prompt back to
+# the same replica every round by accident (it alternates them).
+PREFIX_TOPICS = 9
+PREFIX_BLOCKS = 8
+
+
+async def sized_prefixes(replica: Replica, key: str, seed: int) -> list[str]:
+    """`PREFIX_TOPICS` system prompts of just over `PREFIX_BLOCKS` blocks each, sized by the
+    engine's own tokenizer (`/tokenize`), different per seed."""
+    vocabulary = ("caravan", "nomad", "consul", "replica", "router", "engine", "prefix", "cache")
+    want = PREFIX_BLOCKS * CPU_BLOCK_SIZE + 8
+    prompts = []
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as http:
+        for topic in range(PREFIX_TOPICS):
+            words: list[str] = []
+            tokens = 0
+            while tokens < want:
+                start = len(words)
+                words += [
+                    f"{vocabulary[(seed + topic * 7 + i * 3) % 8]}{(seed * 31 + topic + i) % 97}"
+                    for i in range(start, start + max(8, (want - tokens) // 3))
+                ]
+                body = {"model": NAME, "prompt": " ".join(words)}
+                async with http.post(f"{replica.base_url}/tokenize", json=body) as response:
+                    tokens = int((await response.json())["count"])
+            prompts.append(" ".join(words))
+    return prompts
+
+
+async def play_shared_prefixes(base_url: str, api_key: str | None, prompts: list[str]) -> None:
+    """Each system prompt in turn, four rounds, one request at a time: a cache that holds
+    them all hits from the second round on; one that does not evicts each before its turn."""
+    client = openai.AsyncOpenAI(
+        base_url=f"{base_url}/v1", api_key=api_key or "unused", max_retries=0
+    )
+    try:
+        for round_ in range(4):
+            for prompt in prompts:
+                await client.chat.completions.create(
+                    model=NAME,
+                    messages=[
+                        {"role": "system", "content": prompt},
+                        {"role": "user", "content": f"question {round_}"},
+                    ],
+                    max_tokens=2,
+                )
+    finally:
+        await client.close()
+
+
+async def test_prefix_aware_routing_raises_the_fleets_real_prefix_cache_hit_rate(
+    fleet: Fleet,
+) -> None:
+    """The same workload shape through round robin and through caravan's default policy:
+    the share of prompt tokens the engines found cached (their own counters) is far
+    higher with the default. The prompts overflow one replica's cache and fit two:
+    round robin shows every prompt to both, and each evicts the next one's blocks."""
+    replicas = await fleet.passing(2)
+    key = await fleet.engine_key()
+    async with second_router(fleet, policy="round_robin") as rr_url:
+        await eventually_routable(rr_url)
+        prompts = await sized_prefixes(replicas[0], key, seed=1)
+        before = await fleet_prefix_hits(replicas)
+        await play_shared_prefixes(rr_url, None, prompts)
+        after_rr = await fleet_prefix_hits(replicas)
+    assert fleet.stack.router is not None
+    prompts = await sized_prefixes(replicas[0], key, seed=2)
+    await play_shared_prefixes(fleet.router_url, fleet.stack.router.api_key, prompts)
+    after_default = await fleet_prefix_hits(replicas)
+
+    rr_rate = (after_rr[0] - before[0]) / (after_rr[1] - before[1])
+    default_rate = (after_default[0] - after_rr[0]) / (after_default[1] - after_rr[1])
+    assert default_rate >= max(1.5 * rr_rate, rr_rate + 0.3), (rr_rate, default_rate)
 
 
 @contextlib.asynccontextmanager

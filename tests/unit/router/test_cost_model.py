@@ -627,3 +627,19 @@ def test_a_cold_prefix_still_avoids_a_replica_with_prefill_queued() -> None:
         )
         != "e1"
     )
+
+
+def test_a_cold_prefix_skips_a_ring_owner_whose_cache_is_much_fuller() -> None:
+    """Bounded loads: a new prefix whose ring owner already holds far more than the
+    emptiest idle replica goes on along the ring, so hot prefixes spread over the caches."""
+    snapshot, live, key = fleet_at_5k_with_a_key_ringed_to_e1()
+    capacity = int(COST.default_kv_cache_tokens // SHAPE.block_tokens)
+    live["e1"].prefix.record(tuple(range(1, capacity // 2 + 1)), capacity)
+    request = RequestFeatures(MODEL, prompt=PromptShape((), 1000, key))
+    half_full = picked_id(run_pick(snapshot, live, request))
+    live["e1"].prefix = type(live["e1"].prefix)()
+    live["e1"].prefix.record(tuple(range(1, capacity // 10 + 1)), capacity)
+    a_little = picked_id(run_pick(snapshot, live, request))
+
+    assert "e1" != half_full
+    assert "e1" == a_little  # within the slack, the ring owner keeps it
