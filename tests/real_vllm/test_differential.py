@@ -343,6 +343,8 @@ def event_kind(event: Any) -> str:
     """What an SSE event is: done, usage, role, finish, content (chat) or text (completion)."""
     if event == "[DONE]":
         return "done"
+    if "error" in event and "choices" not in event:
+        return "error"
     choices = event.get("choices")
     if choices == []:
         return "usage" if event.get("usage") else "empty"
