@@ -26,7 +26,6 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Protocol
 
 import aiohttp
 
@@ -55,25 +54,10 @@ from scheduler.autoscale.scrape import (
 from scheduler.autoscale.signals import ModelSignals, ReplicaLoad, RouterQueueReport, router_queue
 from scheduler.metrics import SchedulerMetrics
 from scheduler.model_store import DesiredState, ModelStore
+from scheduler.observe import HealthSource
 from scheduler.profiles import ModelProfile
 
 log = logging.getLogger(__name__)
-
-
-class HealthSource(Protocol):
-    """The Consul health reads the autoscaler makes (caravan.consul_api.ConsulClient):
-    the passing routers, and the passing replicas of each model."""
-
-    async def health_service(
-        self,
-        name: str,
-        *,
-        passing: bool = False,
-        tags: tuple[str, ...] = (),
-        filter_expr: str | None = None,
-        index: int = 0,
-        wait_s: float | None = None,
-    ) -> tuple[int, tuple[HealthEntry, ...]]: ...
 
 
 # A demand signal older than this is stale (the router rewrites it while it

@@ -81,7 +81,6 @@ class Replica:
 class Fleet:
     stack: LocalStack
     profile: ModelProfile
-    log: list[dict[str, Any]]
 
     @property
     def router_url(self) -> str:
@@ -148,7 +147,6 @@ async def fleet(
     vllm_build: VllmBuild, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Fleet]:
     assert vllm_build.python.is_file()
-    log: list[dict[str, Any]] = []
     options = StackOptions(
         cpu_nodes=1,
         gpu_nodes=2,
@@ -166,12 +164,11 @@ async def fleet(
             stream_idle_timeout_s=10,
             log_level="warning",
         ),
-        request_log=log.append,
     )
     profile = ModelProfile.model_validate(VLLM_PROFILE)
     async with local_stack(options) as stack:
         await ModelStore(stack.scheduler.consul, KVLayout()).submit([profile])
-        found = Fleet(stack=stack, profile=profile, log=log)
+        found = Fleet(stack=stack, profile=profile)
         await found.routable(2)
         yield found
 
