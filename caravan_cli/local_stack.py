@@ -86,6 +86,8 @@ class StackOptions:
     vllm_engine: Literal["simulated", "real"] = "simulated"
     autoscale: bool = True
     autoscale_tick_s: float = 2.0
+    # Seconds the autoscaler gives each engine scrape (the scheduler's default: 2).
+    autoscale_scrape_timeout_s: float = 2.0
     # False: start devcluster only (tests that run schedulers as processes).
     run_scheduler: bool = True
     # Router settings for an in-process router; None runs no router.
@@ -391,6 +393,7 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                         leader_lock_delay_s=1.0,
                         autoscale=options.autoscale,
                         autoscale_tick_s=options.autoscale_tick_s,
+                        autoscale_scrape_timeout_s=options.autoscale_scrape_timeout_s,
                         resync_s=options.resync_s,
                         replace_lost_after_s=options.replace_lost_after_s,
                         orphan_confirm_s=options.orphan_confirm_s,

@@ -32,6 +32,7 @@ from caravan.contract import (
     model_service_name,
 )
 from caravan.engine_metrics import metric_names_as_published
+from caravan.errors import HashiError
 from caravan_cli.local_stack import LocalStack, StackOptions, local_stack, running_router
 from devcluster.vllm_build import CPU_BLOCK_SIZE, VllmBuild
 from router.settings import RouterSettings
@@ -73,6 +74,7 @@ VLLM_PROFILE: dict[str, Any] = {
 @dataclass(frozen=True, slots=True)
 class Replica:
     alloc_id: str
+    service_id: str
     base_url: str
     meta: dict[str, str]
 
@@ -100,6 +102,7 @@ class Fleet:
         return [
             Replica(
                 alloc_id=entry.meta[ServiceMetaKey.ALLOC_ID],
+                service_id=entry.service_id,
                 base_url=f"http://{entry.service_address or entry.node_address}:{entry.port}",
                 meta=dict(entry.meta),
             )
@@ -154,6 +157,9 @@ async def fleet(
         vllm_engine="real",
         prefer_real_llama_server=False,
         autoscale_tick_s=1.0,
+        # The autoscaler's test saturates both cores on purpose: a scrape of an engine's
+        # /metrics then takes seconds, and a timed-out scrape is missing data (no scale up).
+        autoscale_scrape_timeout_s=10.0,
         work_dir=tmp_path_factory.mktemp("real-vllm-stack"),
         # A real vLLM stopped by SIGTERM may go silent instead of ending its streams:
         # the idle timeout is what continues those elsewhere.
@@ -486,13 +492,18 @@ async def test_vllms_own_admission_503_is_retried_on_another_replica_and_counted
     assert retries >= 1
 
 
+# The longest answer the tiny model's context allows: ~600 tokens/s on a quiet core
+# keeps the engine generating for seconds after the signal is sent.
+LONG_ANSWER_TOKENS = 1900
+
+
 async def stream_and_interrupt(fleet: Fleet, signum: int, *, group: bool) -> tuple[str, list[Any]]:
     """A long stream; once it flows, `signum` to the replica serving it. (text, chunks)."""
     client = fleet.client
     stream = await client.chat.completions.create(
         model=NAME,
         messages=[{"role": "user", "content": f"a long answer {signum}"}],
-        max_tokens=1500,
+        max_tokens=LONG_ANSWER_TOKENS,
         stream=True,
     )
     chunks: list[Any] = []
@@ -509,15 +520,17 @@ async def stream_and_interrupt(fleet: Fleet, signum: int, *, group: bool) -> tup
 
 
 async def serving_replica(fleet: Fleet) -> Replica:
-    """The replica with a request running (the stream's)."""
+    """The replica the router holds the stream's lease on (its own in-flight gauge: the
+    engines' gauges can already read 0 when a short answer has been generated whole)."""
+    assert fleet.stack.router is not None
+    registry = fleet.stack.router.registry
+    replicas = await fleet.replicas()
 
-    async def probe() -> Replica | None:
-        async with aiohttp.ClientSession() as http:
-            for replica in await fleet.replicas():
-                # Consul may still list a replica that a previous test killed.
-                with contextlib.suppress(aiohttp.ClientError):
-                    if await engine_counter(http, replica, "vllm:num_requests_running") >= 1:
-                        return replica
+    def probe() -> Replica | None:
+        for replica in replicas:
+            labels = {"model": NAME, "endpoint": replica.service_id}
+            if (registry.get_sample_value("caravan_router_endpoint_in_flight", labels) or 0) >= 1:
+                return replica
         return None
 
     return await eventually(probe, 10, "the replica serving the stream")
@@ -525,15 +538,14 @@ async def serving_replica(fleet: Fleet) -> Replica:
 
 @pytest.mark.parametrize(
     ("signum", "group"),
-    [(signal.SIGKILL, True)],
-    ids=["sigkill"],
+    [(signal.SIGKILL, True), (signal.SIGTERM, False)],
+    ids=["sigkill", "sigterm"],
 )
 async def test_a_real_replica_killed_mid_stream_is_continued_on_another(
     fleet: Fleet, signum: int, *, group: bool
 ) -> None:
-    """SIGKILL of the whole process group: the client's stream goes on from another real
-    replica, no error. (SIGTERM's endings are in test_differential; the router's handling
-    of each in tests/component/router and tests/unit/router.)"""
+    """SIGKILL (the whole process group) or SIGTERM (vLLM ends its streams with
+    `abort`): the client's stream goes on from another real replica, no error."""
     await fleet.routable(2)
     resumed_before = fleet.failovers_resumed()
     text, chunks = await stream_and_interrupt(fleet, signum, group=group)
@@ -546,3 +558,42 @@ async def test_a_real_replica_killed_mid_stream_is_continued_on_another(
     assert fleet.failovers_resumed() > resumed_before
     # Nomad restarts the killed engine; the next test starts from two replicas again.
     await fleet.routable(2)
+
+
+async def test_the_autoscaler_scales_on_the_real_engines_load(fleet: Fleet) -> None:
+    """Load above `target_inflight` per replica, read from vLLM's own gauges, raises the
+    desired count in Consul (last: the third replica it starts goes with the module)."""
+    store = ModelStore(fleet.stack.scheduler.consul, KVLayout())
+    replicas = await fleet.passing(2)
+    key = await fleet.engine_key()
+    autoscaler = fleet.stack.scheduler.autoscaler
+
+    async def scaled() -> int | str:
+        # The machine is saturated on purpose: a slow Consul read is tried again.
+        try:
+            count = (await store.read()).desired_count(NAME)
+        except HashiError as exc:
+            return f"not yet: {exc}"
+        if count > 2:
+            return count
+        decision = autoscaler.last_decisions.get(NAME)
+        if decision is not None:
+            seen.append(decision.signals_used.get("inflight_per_replica"))
+        return f"not yet: desired {count}; {decision.reason if decision else 'no decision'}"
+
+    last: list[int | str] = []
+    seen: list[float | None] = []
+
+    async def scaled_count() -> int | None:
+        answer = await scaled()
+        last[:] = [answer]
+        return answer if isinstance(answer, int) else None
+
+    # Three each, re-sent as they end (one wave can end before the up window has
+    # passed): 3 in flight over a target of 2 per replica asks for 3 replicas.
+    async with saturated(replicas, key, 3):
+        try:
+            desired = await eventually(scaled_count, 60, "a desired count above 2")
+        except pytest.fail.Exception as exc:
+            pytest.fail(f"{exc}; last seen: {last}; in flight per replica: {seen}")
+    assert 3 == desired, last
