@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import contextlib
 import importlib.util
-import logging
 import os
 import shutil
 import signal
@@ -35,6 +34,7 @@ from pydantic import SecretStr
 
 from caravan.contract import KVLayout
 from caravan.errors import HashiError
+from caravan.log_format import configure_logging
 from caravan_cli.example_profiles import example_profiles_dir
 from router.settings import RouterSettings
 from scheduler.app import build_scheduler, scheduler_clients
@@ -118,8 +118,10 @@ def missing_demo_modules() -> list[str]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    # The demo narrates on stdout; components log only warnings to stderr.
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+    # The demo narrates on stdout; components log only warnings to stderr, in
+    # the processes' own text format (time, level, component, event, model,
+    # reason), each line at once, repeats limited.
+    configure_logging("warning", "text", batch_lines=1)
     missing = missing_demo_modules()
     if missing:
         print(
