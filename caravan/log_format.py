@@ -10,7 +10,15 @@ The router writes one line per request, so lines are buffered and written
 in batches (`BufferedLineHandler`): at most `_BATCH_LINES` lines or one
 `flush_every_s` late, and at once for warnings and errors. A write per line
 costs a system call per request, which at a few thousand requests a second
-is a measurable share of the router's CPU.
+is a measurable share of the router's CPU. The scheduler logs little and
+writes every line at once (`configure_logging(..., batch_lines=1)`), so an
+operator sees its first line when it happens, not at shutdown.
+
+Repeated warnings and errors are rate-limited (`RepeatLimiter`): the same
+event for the same model and reason (a profile that stays invalid, a token
+that stays refused) is written once per `every_s`, and the next line that
+gets through says how many were suppressed (`suppressed=N`). Info lines are
+never limited: the router's one line per request is not a repeat.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import IO, Any
 
 # Attributes every LogRecord has; anything else on a record came from `extra`.
@@ -28,6 +37,19 @@ _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
     "taskName",
 }
 _BATCH_LINES = 256
+# The context fields that make two warnings "the same event" for the limiter;
+# fields that vary per line (counts, indexes, durations) are left out on purpose.
+_IDENTITY_FIELDS = (
+    "model",
+    "reason",
+    "capability",
+    "error",
+    "status",
+    "path",
+    "job_id",
+    "service_id",
+)
+REPEAT_EVERY_S = 60.0
 
 
 def _extras(record: logging.LogRecord) -> list[str]:
@@ -71,7 +93,16 @@ class JsonLineFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
-    """`time level logger event key=value ...`, for people reading a terminal."""
+    """`time level logger event key=value ...`, for people reading a terminal.
+
+    The time is UTC with milliseconds and a `Z`, as in the JSON lines.
+    """
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802 - logging's name
+        del datefmt
+        second = int(record.created)
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        return f"{stamp}.{int((record.created - second) * 1000):03d}Z"
 
     def format(self, record: logging.LogRecord) -> str:
         fields = " ".join(f"{key}={record.__dict__[key]}" for key in _extras(record))
@@ -83,14 +114,63 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+class RepeatLimiter(logging.Filter):
+    """Lets the same warning through once per `every_s`; counts what it holds back.
+
+    "The same" is the logger, the event and the identity fields
+    (`_IDENTITY_FIELDS`: model, reason, ...). The line that gets through
+    after a quiet spell carries `suppressed=N`, the repeats held back since
+    the last one. Records below WARNING always pass.
+    """
+
+    def __init__(
+        self, every_s: float = REPEAT_EVERY_S, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        super().__init__()
+        self._every_s = every_s
+        self._clock = clock
+        # identity -> (when it last got through, repeats held back since)
+        self._seen: dict[tuple[object, ...], tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        fields = record.__dict__
+        identity = (
+            record.name,
+            record.levelno,
+            record.msg,
+            *(str(fields.get(key)) for key in _IDENTITY_FIELDS),
+        )
+        now = self._clock()
+        seen = self._seen.get(identity)
+        if seen is not None and now - seen[0] < self._every_s:
+            self._seen[identity] = (seen[0], seen[1] + 1)
+            return False
+        if seen is not None and seen[1]:
+            record.suppressed = seen[1]
+        self._seen[identity] = (now, 0)
+        if len(self._seen) > 4096:
+            # Bounded: forget identities quiet for a whole window.
+            self._seen = {k: v for k, v in self._seen.items() if now - v[0] < self._every_s}
+        return True
+
+
 class BufferedLineHandler(logging.Handler):
     """Collects formatted lines and writes them in batches (module docstring)."""
 
-    def __init__(self, stream: IO[str] | None = None, *, flush_every_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        stream: IO[str] | None = None,
+        *,
+        flush_every_s: float = 0.5,
+        batch_lines: int = _BATCH_LINES,
+    ) -> None:
         super().__init__()
         self._stream = stream if stream is not None else sys.stderr
         self._lines: list[str] = []
         self._flush_every_s = flush_every_s
+        self._batch_lines = batch_lines
         self._flushed_at = time.monotonic()
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -101,7 +181,7 @@ class BufferedLineHandler(logging.Handler):
             return
         if (
             record.levelno >= logging.WARNING
-            or len(self._lines) >= _BATCH_LINES
+            or len(self._lines) >= self._batch_lines
             or time.monotonic() - self._flushed_at >= self._flush_every_s
         ):
             self.flush()
@@ -120,7 +200,7 @@ class BufferedLineHandler(logging.Handler):
             pairs = " ".join(f"{key}={value}" for key, value in fields.items())
             line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} INFO {logger} {event} {pairs}"
         self._lines.append(line)
-        if len(self._lines) >= _BATCH_LINES:
+        if len(self._lines) >= self._batch_lines:
             self.flush()
 
     def flush(self) -> None:
@@ -136,10 +216,22 @@ class BufferedLineHandler(logging.Handler):
             return
 
 
-def configure_logging(level: str, log_format: str) -> BufferedLineHandler:
-    """Root logging for a caravan process: one buffered handler on stderr, JSON or text."""
-    handler = BufferedLineHandler()
+def configure_logging(
+    level: str,
+    log_format: str,
+    *,
+    batch_lines: int = _BATCH_LINES,
+    stream: IO[str] | None = None,
+    repeat_every_s: float = REPEAT_EVERY_S,
+) -> BufferedLineHandler:
+    """Root logging for a caravan process: one handler on stderr, JSON or text.
+
+    `batch_lines=1` writes every line at once (the scheduler, the demo);
+    repeated warnings are limited to one per `repeat_every_s` (RepeatLimiter).
+    """
+    handler = BufferedLineHandler(stream, batch_lines=batch_lines)
     handler.setFormatter(JsonLineFormatter() if log_format == "json" else TextFormatter())
+    handler.addFilter(RepeatLimiter(repeat_every_s))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -19,11 +19,11 @@ import argparse
 import asyncio
 import contextlib
 import importlib.util
-import logging
 import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -35,6 +35,7 @@ from pydantic import SecretStr
 
 from caravan.contract import KVLayout
 from caravan.errors import HashiError
+from caravan.log_format import configure_logging
 from caravan_cli.example_profiles import example_profiles_dir
 from router.settings import RouterSettings
 from scheduler.app import build_scheduler, scheduler_clients
@@ -89,6 +90,11 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     parser.add_argument(
         "--timeout", type=float, default=None, help="readiness limit (s; 180, 420 with real vLLM)"
     )
+    parser.add_argument(
+        "--keep-logs",
+        action="store_true",
+        help="keep devcluster's folder (engine logs, Nomad data) on exit; it is printed at start",
+    )
     parser.set_defaults(handler=run_demo)
 
 
@@ -110,6 +116,8 @@ class Running:
     status: StatusReader
     config: ClusterConfig
     profiles: tuple[ModelProfile, ...]
+    # devcluster's folder: the engines' logs are under <node>/alloc/<alloc id>/alloc/logs/.
+    work_dir: Path | None = None
 
 
 def missing_demo_modules() -> list[str]:
@@ -118,8 +126,10 @@ def missing_demo_modules() -> list[str]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    # The demo narrates on stdout; components log only warnings to stderr.
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+    # The demo narrates on stdout; components log only warnings to stderr, in
+    # the processes' own text format (time, level, component, event, model,
+    # reason), each line at once, repeats limited.
+    configure_logging("warning", "text", batch_lines=1)
     missing = missing_demo_modules()
     if missing:
         print(
@@ -157,6 +167,8 @@ async def _demo(args: argparse.Namespace) -> int:
         await running.store.submit(list(running.profiles))
         timeout_s = args.timeout or (REAL_VLLM_TIMEOUT_S if args.vllm == "real" else TIMEOUT_S)
         if not await _wait_ready(running, timeout_s, stop):
+            if running.work_dir is not None and not args.keep_logs:
+                say("(the engine logs go with devcluster's folder; --keep-logs keeps them)")
             return 1
         await _wait_routable(running, [p.served_name for p in running.profiles], stop)
         await _show_refusal(running.router)
@@ -205,14 +217,16 @@ def _caravan_command() -> str:
 
 @contextlib.asynccontextmanager
 async def _started(args: argparse.Namespace) -> AsyncIterator[Running]:
-    from caravan_cli.local_stack import StackOptions, local_profile, local_stack  # noqa: PLC0415
+    from caravan_cli.local_stack import StackOptions, local_stack  # noqa: PLC0415
 
     router_settings = RouterSettings(port=args.router_port, log_level="warning")
     if args.real:
         async with _real(router_settings) as running:
             yield running
         return
+    work_dir = Path(tempfile.mkdtemp(prefix="caravan-demo-")) if args.keep_logs else None
     options = StackOptions(
+        work_dir=work_dir,
         cpu_nodes=args.cpu_nodes,
         gpu_nodes=args.gpu_nodes,
         gpus_per_node=args.gpus_per_node,
@@ -228,11 +242,12 @@ async def _started(args: argparse.Namespace) -> AsyncIterator[Running]:
     async with local_stack(options) as stack:
         assert stack.router is not None  # noqa: S101 - router settings were given
         say(f"llama.cpp replicas run {stack.engine.description}")
+        logs = stack.work_dir / "nomad"
+        kept = "kept on exit" if args.keep_logs else "deleted on exit; --keep-logs keeps them"
+        say(f"engine logs: {logs}/<node>/alloc/<alloc id>/alloc/logs/ ({kept})")
         store = ModelStore(stack.scheduler.consul, KVLayout())
-        profiles = tuple(
-            local_profile(load_profile(example_profiles_dir() / name), stack.engine)
-            for name in DEMO_PROFILES
-        )
+        # As they are: devcluster's nodes have the files they name (local_stack's node root).
+        profiles = tuple(load_profile(example_profiles_dir() / name) for name in DEMO_PROFILES)
         _say_vllm_engine(stack.cluster.nomad.driver_settings.real_vllm, profiles, stack.config)
         say(f"router on {stack.router.base_url} (API key required)")
         say(f"scheduler API on {stack.scheduler_url} (API token required)")
@@ -252,6 +267,7 @@ async def _started(args: argparse.Namespace) -> AsyncIterator[Running]:
             ),
             config=stack.config,
             profiles=profiles,
+            work_dir=stack.work_dir,
         )
 
 
@@ -349,9 +365,28 @@ async def _wait_ready(running: Running, timeout_s: float, stop: asyncio.Event) -
                     if replica.state != "ready":
                         why = replica.pending_reason or replica.last_event or replica.state
                         print(f"  {profile.name} r{replica.replica}: {why}", file=sys.stderr)
+                        _print_engine_log_tail(running.work_dir, replica.alloc_id)
             return False
         await asyncio.sleep(0.5)
     return False
+
+
+def engine_log_tail(work_dir: Path, alloc_id: str, lines: int = 8) -> list[tuple[Path, list[str]]]:
+    """The last `lines` of each stderr log of an allocation under devcluster's folder."""
+    found = []
+    for log_file in sorted((work_dir / "nomad").glob(f"*/alloc/{alloc_id}/alloc/logs/*.stderr.*")):
+        text = log_file.read_text(encoding="utf-8", errors="replace")
+        found.append((log_file, text.splitlines()[-lines:]))
+    return found
+
+
+def _print_engine_log_tail(work_dir: Path | None, alloc_id: str | None) -> None:
+    if work_dir is None or alloc_id is None:
+        return
+    for log_file, lines in engine_log_tail(work_dir, alloc_id):
+        print(f"    {log_file} ends:", file=sys.stderr)
+        for line in lines:
+            print(f"      {line}", file=sys.stderr)
 
 
 async def _wait_routable(running: Running, models: list[str], stop: asyncio.Event) -> None:

@@ -12,6 +12,12 @@ nodes:
   GGUF model when `scripts/build-llama-server.sh` has built them, else the
   simulated llama.cpp engine through a small wrapper script.
 
+The nodes have the model files the example profiles name, as a real node
+would (`/opt/models/tiny-llama.gguf` and the other GGUF paths): devcluster's
+`node_root` (`<work dir>/node-root`) holds them, each the stack's tiny GGUF
+(an empty stand-in for the simulated engine, which reads no file). So an
+example profile copied from `examples/profiles/` runs as it is.
+
 Secure by default, as a user's stack must be: the stack generates a router
 API key and a scheduler API token (`LocalStack.router.api_key`,
 `LocalStack.scheduler_api_token`, with ready-made `headers`), and `env` carries
@@ -34,6 +40,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import aiohttp
+import yaml
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
@@ -41,6 +48,7 @@ from pydantic import SecretStr
 from caravan.consul_api import ConsulClient, ConsulSettings
 from caravan.errors import HashiError
 from caravan.nomad_api import NomadClient, NomadSettings
+from caravan_cli.example_profiles import example_profiles_dir
 from devcluster.cluster import ClusterConfig as DevClusterConfig
 from devcluster.cluster import DevCluster
 from devcluster.consul.server import ConsulConfig
@@ -195,6 +203,29 @@ def choose_llamacpp_engine(folder: Path, *, prefer_real: bool) -> LlamaCppEngine
     )
 
 
+def provide_example_models(node_root: Path, engine: LlamaCppEngine) -> list[str]:
+    """Put a model file at every absolute path an example llama.cpp profile names, under
+    `node_root` (devcluster's stand-in for each node's file system); the paths provided."""
+    provided = []
+    for path in sorted(example_profiles_dir().glob("*.yaml")):
+        document = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if not isinstance(document, dict) or document.get("engine") != "llamacpp":
+            continue
+        model = document.get("model")
+        if not isinstance(model, str) or not model.startswith("/"):
+            continue
+        target = node_root / model.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.is_symlink() or target.exists():
+            target.unlink()
+        if engine.real:
+            target.symlink_to(engine.model)
+        else:
+            target.write_bytes(b"")
+        provided.append(model)
+    return provided
+
+
 def cluster_config_for(engine: LlamaCppEngine) -> ClusterConfig:
     """Rendering settings for the local stack: its llama-server, fast checks and reschedules."""
     return ClusterConfig(
@@ -326,6 +357,8 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
             cleanup.enter_context(tempfile.TemporaryDirectory(prefix="caravan-"))
         )
         engine = choose_llamacpp_engine(work_dir, prefer_real=options.prefer_real_llama_server)
+        node_root = work_dir / "node-root"
+        provide_example_models(node_root, engine)
         config = cluster_config_for(engine)
         acl = options.consul_acl
         if options.profile_policy is not None:
@@ -350,6 +383,7 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                 data_dir=work_dir / "nomad",
                 token=None if options.nomad_acl is None else options.nomad_acl.management_token,
                 vllm_engine=options.vllm_engine,
+                node_root=node_root,
             ),
         )
         token = new_secret() if options.secure else None

@@ -370,6 +370,7 @@ def format_status(model: dict[str, Any], now: float) -> str:
         f"replicas {model['min']}..{model['max']}"
     )
     lines = [header]
+    lines.extend(control_plane_lines(model))
     override = model.get("override")
     if override:
         lines.append(
@@ -429,6 +430,11 @@ def format_status(model: dict[str, Any], now: float) -> str:
     return "\n".join(lines)
 
 
+def control_plane_lines(model: dict[str, Any]) -> list[str]:
+    """The grants the schedulers' and routers' tokens lack (their preflights), one a line."""
+    return [f"control plane: {problem}" for problem in model.get("control_plane") or ()]
+
+
 def _emit(args: argparse.Namespace, document: Any, text: str) -> None:
     print(json.dumps(document, indent=2) if args.json else text)
 
@@ -470,6 +476,8 @@ async def _wait_ready(models: Models, names: list[str], timeout_s: float) -> int
         if time.monotonic() > deadline:
             print(f"timed out after {timeout_s:.0f}s waiting for replicas:", file=sys.stderr)
             for name, model in latest.items():
+                for line in control_plane_lines(model):
+                    print(f"  {name}: {line}", file=sys.stderr)
                 reasons = [r for r in model["replicas"] if r.get("pending_reason")]
                 for replica in reasons:
                     print(

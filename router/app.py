@@ -36,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from caravan.consul_api import HttpCheck, ServiceRegistration
 from caravan.contract import ROUTER_SERVICE, RouterMetaKey, router_metrics_addr
+from caravan.preflight import Preflight
 from router.admission_gate import AdmissionGate, DemandSignal, DemandStore
 from router.api_keys import KeyRing, build_key_ring, load_key_file
 from router.breaker import phase_at
@@ -46,6 +47,7 @@ from router.http_limits import ConnectionGuard, GuardedAppRunner, default_connec
 from router.load_scraper import LoadScraper
 from router.metrics import EndpointGauge, RouterMetrics, RouterStateView
 from router.model_failures import ModelFailures, watch_failures
+from router.preflight import PreflightConsul, router_capabilities
 from router.proxy import Proxy, RequestLog, log_request
 from router.request_guard import RequestGuard, current_key_name
 from router.routing_state import RoutingState
@@ -64,7 +66,7 @@ _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})  # noqa: S104 - compa
 _ADMIN_MAX_CONNECTIONS = 64
 
 
-class RouterConsul(DiscoveryConsul, DemandStore, Protocol):
+class RouterConsul(DiscoveryConsul, PreflightConsul, DemandStore, Protocol):
     """Everything the router asks of Consul (implemented by `caravan.consul_api.ConsulClient`)."""
 
     async def agent_service_register(
@@ -149,6 +151,14 @@ class RouterRuntime:
             EngineKeys(nomad, wait_s=settings.consul_wait_s)
             if nomad is not None and settings.engine_api_keys
             else None
+        )
+        # Do the tokens hold every grant the router needs? (router/preflight.py)
+        self.preflight = Preflight(
+            "router",
+            router_capabilities(
+                settings.kv_layout, consul, nomad if self.engine_keys is not None else None
+            ),
+            clock=wall_clock,
         )
         self.clock = clock
         self.state = RoutingState()
@@ -252,6 +262,7 @@ class RouterRuntime:
         )
         try:
             async with asyncio.TaskGroup() as group:
+                group.create_task(self.preflight.run(), name="router-preflight")
                 if self.engine_keys is not None:
                     group.create_task(self.engine_keys.run(), name="router-engine-keys")
                 group.create_task(self.discovery.run(), name="router-discovery")
@@ -306,13 +317,19 @@ class RouterRuntime:
 
         A router that lost Consul keeps routing from its last view, so it stays
         200 and says `stale`; only a router that never synced (it knows no
-        endpoint) or that is shutting down answers 503.
+        endpoint), that is shutting down, or whose tokens lack a grant it needs
+        (`misconfigured`, with the `missing` grants: router/preflight.py)
+        answers 503.
         """
         state = self.state
         if self.shutting_down:
             return web.json_response({"status": "shutting_down"}, status=503)
         if self.background_failed:
             return web.json_response({"status": "failed"}, status=503)
+        if self.preflight.missing:
+            return web.json_response(
+                {"status": "misconfigured", "missing": list(self.preflight.missing)}, status=503
+            )
         if not state.synced:
             return web.json_response(
                 {"status": "starting", "discovery": "never_synced"}, status=503

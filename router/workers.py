@@ -117,13 +117,25 @@ class WorkerHealth:
 
 def combined_health(workers: list[WorkerHealth], *, shutting_down: bool) -> tuple[int, object]:
     """200 only while every worker answers 200: the port spreads connections over all of
-    them, so one that is starting, failed or hung fails its share of the clients."""
+    them, so one that is starting, failed or hung fails its share of the clients. A
+    worker whose tokens lack a grant makes the whole router `misconfigured`, naming it."""
     listed = [
         {"worker": w.index, "http_status": w.status, "health": w.body}
         for w in sorted(workers, key=lambda w: w.index)
     ]
     if shutting_down:
         return 503, {"status": "shutting_down", "workers": listed}
+    # The workers share the router's tokens: a grant one lacks, all lack (router/preflight.py).
+    missing = sorted(
+        {
+            str(grant)
+            for w in workers
+            if isinstance(w.body, dict) and w.body.get("status") == "misconfigured"
+            for grant in w.body.get("missing") or ()
+        }
+    )
+    if missing:
+        return 503, {"status": "misconfigured", "missing": missing, "workers": listed}
     healthy = bool(workers) and all(w.status == 200 for w in workers)
     return (200 if healthy else 503), {"status": "ok" if healthy else "degraded", "workers": listed}
 

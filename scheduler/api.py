@@ -10,7 +10,9 @@
                                       autoscaled model also hold it against the
                                       autoscaler for "hold_s" seconds (default 3600);
                                       {"auto": true}: end the hold
-    GET    /health                    200 while the process runs; says if it leads
+    GET    /health                    200 while the process runs; says if it leads;
+                                      503 "misconfigured" with the "missing" grants
+                                      when its tokens lack one (scheduler/preflight.py)
     GET    /metrics                   Prometheus exposition
 
 Errors are JSON `{"error": {"message": ..., "type": ..., "problems": [...]}}`.
@@ -47,6 +49,7 @@ from scheduler.status import InvalidStoredProfileError
 SERVICE_KEY = web.AppKey("model_service", ModelService)
 REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
 LEADER_KEY: web.AppKey[Callable[[], bool]] = web.AppKey("is_leader")
+MISSING_GRANTS_KEY: web.AppKey[Callable[[], tuple[str, ...]]] = web.AppKey("missing_grants")
 MAX_PROFILE_BYTES = 1 << 20
 
 
@@ -225,7 +228,17 @@ async def scale_model(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", "leader": request.app[LEADER_KEY]()})
+    leader = request.app[LEADER_KEY]()
+    missing = request.app[MISSING_GRANTS_KEY]()
+    if missing:
+        return web.json_response(
+            {"status": "misconfigured", "leader": leader, "missing": list(missing)}, status=503
+        )
+    return web.json_response({"status": "ok", "leader": leader})
+
+
+def _nothing_missing() -> tuple[str, ...]:
+    return ()
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -239,8 +252,12 @@ def create_api(
     is_leader: Callable[[], bool],
     *,
     auth: ApiAuth | None = None,
+    missing_grants: Callable[[], tuple[str, ...]] = _nothing_missing,
 ) -> web.Application:
-    """The API app; `auth=None` serves it open (the caller binds it to loopback then)."""
+    """The API app; `auth=None` serves it open (the caller binds it to loopback then).
+
+    `missing_grants` names the grants the scheduler's tokens lack (its preflight).
+    """
     middlewares = [_errors_as_json] if auth is None else [_require_token, _errors_as_json]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_PROFILE_BYTES)
     if auth is not None:
@@ -248,6 +265,7 @@ def create_api(
     app[SERVICE_KEY] = service
     app[REGISTRY_KEY] = registry
     app[LEADER_KEY] = is_leader
+    app[MISSING_GRANTS_KEY] = missing_grants
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/models", post_models)
     app.router.add_get("/v1/models/{name}", get_model)

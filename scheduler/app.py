@@ -36,6 +36,7 @@ from caravan.contract import JOB_PREFIX, KVLayout
 from caravan.errors import HashiError
 from caravan.leader import LeaderElection
 from caravan.nomad_api import NomadClient, NomadSettings
+from caravan.preflight import Preflight
 from caravan.watch import BlockingWatch
 from scheduler.api import ApiAuth, create_api
 from scheduler.autoscale.loop import Autoscaler
@@ -45,6 +46,7 @@ from scheduler.engine_keys import EngineKeys
 from scheduler.metrics import SchedulerMetrics
 from scheduler.model_service import ModelService
 from scheduler.model_store import ModelStore
+from scheduler.preflight import scheduler_capabilities
 from scheduler.settings import SchedulerSettings
 from scheduler.status import StatusReader
 
@@ -198,6 +200,8 @@ class SchedulerProcess:
     watches: SchedulerWatches
     wake: asyncio.Event
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    # Do the tokens hold every grant the scheduler needs? (scheduler/preflight.py)
+    preflight: Preflight | None = None
     extra_loops: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
 
     @property
@@ -215,6 +219,8 @@ class SchedulerProcess:
             try:
                 async with asyncio.TaskGroup() as tasks:
                     tasks.create_task(_propagate(election))
+                    if self.preflight is not None:
+                        tasks.create_task(self.preflight.run())
                     tasks.create_task(self._follow_leadership())
                     tasks.create_task(self.watches.run())
                     tasks.create_task(self.controller.run(self.wake))
@@ -293,15 +299,29 @@ def build_scheduler(
         inflight=autoscaler.inflight.of,
         engine_keys=engine_keys,
     )
+    preflight = Preflight(
+        "scheduler",
+        scheduler_capabilities(layout, consul, nomad, engine_api_keys=config.engine_api_keys),
+    )
+
+    def missing_grants() -> tuple[str, ...]:
+        return preflight.missing
+
     service = ModelService(
         store=store,
-        status=StatusReader(store=store, nomad=nomad, health=consul, config=config),
+        status=StatusReader(
+            store=store,
+            nomad=nomad,
+            health=consul,
+            config=config,
+            scheduler_missing=missing_grants,
+        ),
         config=config,
     )
     tokens = settings.token_source()
     auth = None if tokens is None else ApiAuth(tokens, metrics.api_auth_failures)
     api = SchedulerApi(
-        app=create_api(service, registry, is_leader, auth=auth),
+        app=create_api(service, registry, is_leader, auth=auth, missing_grants=missing_grants),
         requested_host=settings.http_host,
         port=settings.http_port,
         auth=tokens is not None,
@@ -323,6 +343,7 @@ def build_scheduler(
             consul=consul, nomad=nomad, layout=layout, wake=wake, wait_s=settings.watch_wait_s
         ),
         wake=wake,
+        preflight=preflight,
     )
 
 

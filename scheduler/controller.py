@@ -233,7 +233,7 @@ class Controller:
         now = observed.taken_at
         for name, problem in desired.invalid.items():
             self.metrics.errors.labels(kind="invalid_profile").inc()
-            log.error("profile_invalid", extra={"model": name, "problem": problem})
+            log.error("profile_invalid", extra={"model": name, "reason": problem})
         if self._suspect_empty(desired, observed, now):
             log.warning("nomad_job_list_suspect", extra={"reason": "empty after non-empty"})
             self.metrics.reconcile_passes.labels(outcome="skipped").inc()

@@ -91,7 +91,9 @@ def run(settings: SchedulerSettings, environ: Mapping[str, str]) -> int:
     (SettingsError, one line naming the variable and file) or a port that cannot
     be bound; 2 for an invalid cluster config.
     """
-    configure_logging(settings.log_level, settings.log_format)
+    # Every line at once: the scheduler logs little, and an operator watching
+    # its start must see each line when it happens.
+    configure_logging(settings.log_level, settings.log_format, batch_lines=1)
     if deprecated_alias_used(environ):
         log.warning(
             "deprecated_setting",

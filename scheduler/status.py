@@ -11,13 +11,16 @@ cannot be placed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from caravan.contract import ModelFailure, ScaleOverride
+from caravan.consul_api import HealthEntry
+from caravan.contract import ROUTER_SERVICE, SCHEDULER_SERVICE, ModelFailure, ScaleOverride
+from caravan.errors import HashiError
 from caravan.nomad_api import Allocation
 from scheduler.assess import Assessment, ReplicaAssessment, assess
 from scheduler.cluster_config import ClusterConfig
@@ -70,6 +73,9 @@ class ModelStatus:
     failure: Mapping[str, Any] | None = None
     # The prefetch job in words ("running for 30 s", "complete", "failed: ..."); None: none.
     prefetch: str | None = None
+    # Grants the control plane's tokens lack, each as "<component> <where>: <grant>"
+    # (the schedulers' and routers' preflights: caravan/preflight.py).
+    control_plane: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -237,6 +243,33 @@ def model_status(
     )
 
 
+def misconfigured_instances(entries: Iterable[HealthEntry]) -> list[str]:
+    """What the health checks of schedulers or routers say their tokens lack (pure).
+
+    A misconfigured instance answers /health with 503 and
+    `{"status": "misconfigured", "missing": [...]}`; Consul keeps that body in
+    the check's output after `Output: `.
+    """
+    found: list[str] = []
+    for entry in entries:
+        for check in entry.checks:
+            _, marker, body = check.output.partition("Output: ")
+            if not marker:
+                continue
+            try:
+                answer = json.loads(body)
+            except ValueError:
+                continue
+            if not isinstance(answer, dict) or answer.get("status") != "misconfigured":
+                continue
+            missing = answer.get("missing")
+            found.extend(
+                f"{entry.service_name} on {entry.node}: token lacks {grant!s}"
+                for grant in (missing if isinstance(missing, list) else [])
+            )
+    return found
+
+
 @dataclass(slots=True)
 class StatusReader:
     """Gathers status from KV, Nomad and Consul for the CLI and the HTTP API."""
@@ -247,6 +280,22 @@ class StatusReader:
     clock: Callable[[], float] = field(default=time.time)
     # Used when no scheduler has published its cluster config to KV yet.
     config: ClusterConfig = field(default_factory=ClusterConfig)
+    # In a scheduler: the grants its own tokens lack (its preflight).
+    scheduler_missing: Callable[[], tuple[str, ...]] | None = None
+
+    async def control_plane(self) -> tuple[str, ...]:
+        """Grants this scheduler's, and any scheduler's or router's in Consul, tokens lack."""
+        problems = [
+            f"this scheduler: token lacks {grant}"
+            for grant in (self.scheduler_missing() if self.scheduler_missing else ())
+        ]
+        for service in (SCHEDULER_SERVICE, ROUTER_SERVICE):
+            try:
+                _, entries = await self.health.health_service(service)
+            except HashiError:
+                continue  # status is still worth showing without this part
+            problems.extend(misconfigured_instances(entries))
+        return tuple(problems)
 
     async def _assess(
         self, state: DesiredState, models: Collection[str]
@@ -276,7 +325,8 @@ class StatusReader:
                 )
             raise UnknownModelError(name)
         observation, assessment, now = await self._assess(state, {name})
-        return model_status(name, state, observation, assessment, now)
+        status = model_status(name, state, observation, assessment, now)
+        return dataclasses.replace(status, control_plane=await self.control_plane())
 
     async def models(self) -> list[ModelStatus]:
         state = await self.store.read()

@@ -127,6 +127,10 @@ class DriverSettings:
     real_vllm: vllm_real.RealVllmOptions | None = None
     # The core the next real vLLM replica binds its OpenMP threads to (None: vLLM's default).
     next_core: Callable[[], int | None] = _no_core
+    # A folder that holds the files every node has at the same absolute path
+    # (`<node_root>/opt/models/x.gguf` is the nodes' `/opt/models/x.gguf`);
+    # None: tasks see only the host's own files.
+    node_root: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +215,25 @@ def _resolve_command(command: str, task_dir: Path, env: Mapping[str, str]) -> st
     return found
 
 
+def node_files(args: Sequence[str], node_root: Path | None) -> tuple[list[str], tuple[str, ...]]:
+    """Arguments naming a node's file (`/opt/models/x.gguf`, `--model=/...`) pointed at its
+    copy under `node_root`, as a node that has the file there would open it; with the
+    lines that say so at the top of the task's stderr."""
+    if node_root is None:
+        return list(args), ()
+    mapped: list[str] = []
+    notes: list[str] = []
+    for arg in args:
+        flag, equals, value = arg.rpartition("=") if arg.startswith("-") else ("", "", arg)
+        local = node_root / value.lstrip("/") if value.startswith("/") else None
+        if local is not None and (local.exists() or local.is_symlink()):
+            mapped.append(f"{flag}{equals}{local}")
+            notes.append(f"devcluster: node file {value} is {local}")
+        else:
+            mapped.append(arg)
+    return mapped, tuple(notes)
+
+
 def task_process_env(task_env: Mapping[str, str], settings: DriverSettings) -> dict[str, str]:
     """The host environment (minus Nomad's denylist) overlaid with the task's."""
     env = {k: v for k, v in settings.host_env.items() if k not in ENV_DENYLIST}
@@ -236,8 +259,9 @@ def resolve_launch(
             raise DriverError(
                 "failed to decode driver config: command is required", recoverable=False
             )
-        args = _string_list(config.get("args"), "args")
-        return LaunchSpec((_resolve_command(command, task_dir, process_env), *args), process_env)
+        args, notes = node_files(_string_list(config.get("args"), "args"), settings.node_root)
+        argv = (_resolve_command(command, task_dir, process_env), *args)
+        return LaunchSpec(argv, process_env, notes)
     if driver == "docker":
         image = config.get("image")
         if not isinstance(image, str) or not image:
@@ -273,7 +297,8 @@ def resolve_launch(
             )
             return LaunchSpec(real.argv, real.env, preamble, scratch)
         command = mapping.command or _engine_command(mapping.engine or "", settings)
-        return LaunchSpec((*command, *args), process_env)
+        args, notes = node_files(args, settings.node_root)
+        return LaunchSpec((*command, *args), process_env, notes)
     raise DriverError(f"driver {driver!r} is not supported by devcluster", recoverable=False)
 
 

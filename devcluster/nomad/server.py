@@ -145,6 +145,7 @@ class NomadServer:
             image_mappings=load_image_mappings(self.settings.image_map),
             real_vllm=real_vllm_options(self.settings),
             next_core=core_cycle(),
+            node_root=self.settings.node_root,
         )
 
     def new_id(self) -> str:

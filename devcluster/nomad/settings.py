@@ -130,6 +130,9 @@ class NomadServerSettings(BaseModel):
     vllm_engine: Literal["simulated", "real"] = "simulated"
     # KV blocks (128 tokens each) of a real vLLM replica whose job sets none.
     vllm_kv_blocks: int = Field(default=64, ge=16)
+    # Files every node has at the same absolute path, kept under this folder
+    # (drivers.node_files); None: tasks see only the host's own files.
+    node_root: Path | None = None
 
 
 def default_nodes(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -131,3 +132,19 @@ async def test_demo_serves_dns_and_leaves_no_process_behind_after_ctrl_c():
     # The demo has exited; what it killed may still be exiting.
     left = await still_alive(started, timeout_s=5)
     assert left == [], f"orphaned processes: {left}"
+
+
+@pytest.mark.slow
+async def test_demo_names_its_engine_logs_and_keeps_them_when_asked():
+    """`--keep-logs`: the folder the demo names still holds every engine's stderr after exit."""
+    process = await start_demo("--once", "--keep-logs")
+    out, err = await asyncio.wait_for(process.communicate(), 240)
+    assert process.returncode == 0, err.decode()
+    line = next(line for line in out.decode().splitlines() if line.startswith("engine logs: "))
+    folder = Path(line.removeprefix("engine logs: ").split("/<node>/", 1)[0])
+    try:
+        logs = sorted(folder.glob("*/alloc/*/alloc/logs/*.stderr.0"))
+        assert len(logs) >= 5, f"expected the 5 replicas' engine logs under {folder}"
+        assert line.endswith("(kept on exit)")
+    finally:
+        shutil.rmtree(folder.parent, ignore_errors=True)

@@ -128,3 +128,44 @@ async def test_python_m_scheduler_reads_the_environment_and_stops_cleanly_on_sig
         assert await holder() is None
         assert f"caravan scheduler listening on http://127.0.0.1:{port}" in stdout.decode()
         assert "deprecated_setting" in stderr.decode()
+
+
+async def test_python_m_scheduler_writes_its_first_info_line_while_running(
+    tmp_path: Path,
+) -> None:
+    """The scheduler's log lines reach stderr when they happen, not at shutdown."""
+    options = StackOptions(
+        prefer_real_llama_server=False, run_scheduler=False, autoscale=False, work_dir=tmp_path
+    )
+    async with local_stack(options) as stack:
+        environ = {
+            **stack.env,
+            "CARAVAN_SCHEDULER_HTTP_PORT": str(_free_port()),
+            "CARAVAN_SCHEDULER_AUTOSCALE": "false",
+            "CARAVAN_SCHEDULER_LOG_FORMAT": "text",
+        }
+        stderr_path = tmp_path / "scheduler.stderr"
+        with stderr_path.open("wb") as stderr:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "scheduler",
+                env=environ,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=stderr,
+            )
+        try:
+
+            async def listening_line() -> str | None:
+                text = stderr_path.read_text()
+                return text if "scheduler_api_listening" in text else None
+
+            text = await eventually(listening_line, timeout_s=60.0, interval_s=0.2)
+            assert process.returncode is None  # still running: the line did not wait for exit
+        finally:
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+                await asyncio.wait_for(process.wait(), timeout=30.0)
+
+    line = next(line for line in text.splitlines() if "scheduler_api_listening" in line)
+    assert ("INFO", "scheduler.app") == tuple(line.split()[1:3])

@@ -50,6 +50,17 @@ def test_worker_settings_divide_the_per_host_caps_and_never_register() -> None:
     ) == (4321, 1, False, "127.0.0.1", 0, 86, 34, 334)
 
 
+def test_a_worker_lacking_a_grant_makes_the_router_misconfigured_naming_it() -> None:
+    """The supervisor's /health says `misconfigured` with the grants its workers lack."""
+    grant = "nomad: variables read on nomad/jobs/caravan-engine-keys/models/*"
+    lacking = WorkerHealth(0, 503, {"status": "misconfigured", "missing": [grant]})
+    ok = WorkerHealth(1, 200, {"status": "ok"})
+
+    status, body = combined_health([lacking, ok], shutting_down=False)
+
+    assert (503, "misconfigured", [grant]) == (status, body["status"], body["missing"])  # type: ignore[index]
+
+
 def test_worker_settings_keep_an_unset_connection_cap_and_a_zero_queue() -> None:
     child = worker_settings(RouterSettings(workers=2, queue_max_per_model=0), 80)
     assert (child.max_connections, child.queue_max_per_model) == (None, 0)
