@@ -15,7 +15,11 @@ The workload: long shared system prompts (each a whole number of KV blocks,
 sized with the engine's own `/tokenize`) with Zipf popularity, each followed
 by a short user turn; streaming, a few output tokens, open loop (Poisson
 arrivals, seeded: the same bytes for every target). Their blocks together
-exceed one replica's cache and fit in two.
+exceed one replica's cache and fit in two. The default popularity is uniform
+(`--zipf 0`): every prompt's blocks must survive in some cache, so where a
+request lands decides its hit. With a steep popularity (`--zipf 0.8`) the hot
+prompts fit in both caches, round robin already hits on them, and the ceiling
+of any router is near round robin's 1.5x (docs/benchmarks.md).
 
 Targets, interleaved (each repetition plays every target once, in rotated
 order): `rr`, `lor` (client-side round robin / least outstanding requests,
@@ -90,7 +94,7 @@ SERVERS_S = 70.0  # both servers started together, the trace sized, the engines 
 class Workload:
     prompts: int = 12
     system_blocks: int = 7  # full KV blocks of each rendered system prompt (~900 tokens)
-    zipf: float = 0.8
+    zipf: float = 0.0  # uniform: eviction decides (see the module docstring)
     rate: float = 8.0  # requests per second, open loop, both engines together
     duration_s: float = 35.0  # seconds of arrivals per cell
     max_tokens: int = 8
