@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from pydantic import ValidationError
 
+from caravan.settings_help import print_settings_errors
 from scheduler.api_auth import TOKENS_ENV, TOKENS_FILE_ENV
 from scheduler.server import run
-from scheduler.settings import SchedulerSettings, settings_errors
+from scheduler.settings import SchedulerSettings
 
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -87,7 +87,5 @@ def run_scheduler(args: argparse.Namespace) -> int:
     try:
         settings = SchedulerSettings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
-        for line in settings_errors(exc):
-            print(f"error: {line}", file=sys.stderr)
-        return 2
+        return print_settings_errors(SchedulerSettings, exc)
     return run(settings, os.environ)

@@ -103,7 +103,7 @@ class EngineProfile(Protocol):
         ...
 
 
-class MetricsOverride(Protocol):
+class MetricsOverrideShape(Protocol):
     """A profile's override of its engine's metric names (`metrics:`)."""
 
     @property
@@ -143,7 +143,7 @@ METRICS_PATH = "/metrics"
 
 
 def resolve_metrics(
-    engine_default: ResolvedMetrics, override: MetricsOverride | None
+    engine_default: ResolvedMetrics, override: MetricsOverrideShape | None
 ) -> ResolvedMetrics:
     """Apply a profile's metric override to its engine's default mapping.
 
