@@ -20,6 +20,10 @@ Stream traits: completions default to `max_tokens: 16` (`CompletionRequest`
 in python/sglang/srt/entrypoints/openai/protocol.py) and a chat request with
 `continue_final_message` continues the last assistant message without
 repeating it, as the OpenAI defaults (`OPENAI_STREAM_TRAITS`) say.
+
+Weights: SGLang loads a Hugging Face model id through `huggingface_hub`, so a
+weights volume is its cache through HF_HOME (and HF_HUB_OFFLINE once a
+prefetch filled it), and a prefetch runs `hf download` in the SGLang image.
 """
 
 from __future__ import annotations
