@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from pydantic import AliasChoices, ValidationError
@@ -96,8 +96,14 @@ def parse_process_args(
 SETTINGS_EXIT_CODE = 2
 
 
-def settings_error_lines(settings_cls: type[BaseSettings], exc: ValidationError) -> list[str]:
-    """One line per problem, naming the variable to fix (never echoing its value)."""
+def settings_error_lines(
+    settings_cls: type[BaseSettings], exc: ValidationError, from_flags: Collection[str] = ()
+) -> list[str]:
+    """One line per problem, naming what to fix (never echoing its value).
+
+    A field in `from_flags` was set on the command line and is named as its flag's
+    destination (`workers`); any other by the variables that set it.
+    """
     by_alias = {
         alias.upper(): name
         for name in settings_cls.model_fields
@@ -107,7 +113,9 @@ def settings_error_lines(settings_cls: type[BaseSettings], exc: ValidationError)
     for error in exc.errors():
         field = str(error["loc"][0]) if error["loc"] else ""
         field = by_alias.get(field.upper(), field)
-        if field in settings_cls.model_fields:
+        if field in from_flags:
+            where = field
+        elif field in settings_cls.model_fields:
             where = " or ".join(env_names(settings_cls, field))
         else:
             where = field or "settings"
@@ -115,8 +123,10 @@ def settings_error_lines(settings_cls: type[BaseSettings], exc: ValidationError)
     return lines
 
 
-def print_settings_errors(settings_cls: type[BaseSettings], exc: ValidationError) -> int:
-    """Print `error: <variable>: <problem>` lines on stderr; the process's exit status."""
-    for line in settings_error_lines(settings_cls, exc):
+def print_settings_errors(
+    settings_cls: type[BaseSettings], exc: ValidationError, from_flags: Collection[str] = ()
+) -> int:
+    """Print `error: <variable or flag>: <problem>` lines on stderr; the exit status."""
+    for line in settings_error_lines(settings_cls, exc, from_flags):
         print(f"error: {line}", file=sys.stderr)  # noqa: T201 - the process's own error output
     return SETTINGS_EXIT_CODE

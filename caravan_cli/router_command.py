@@ -62,10 +62,11 @@ def run_router(args: argparse.Namespace) -> int:
         "admin_port": args.admin_port,
         "workers": args.workers,
     }
+    given = {k: v for k, v in overrides.items() if v is not None}
     try:
-        settings = RouterSettings(**{k: v for k, v in overrides.items() if v is not None})
+        settings = RouterSettings(**given)
     except ValidationError as exc:
-        return print_settings_errors(RouterSettings, exc)
+        return print_settings_errors(RouterSettings, exc, from_flags=given)
     # A bad CONSUL_* TLS file raises SettingsError here: one line and exit 1 from main.
     ConsulSettings.from_env(os.environ)
     return run(settings, os.environ)

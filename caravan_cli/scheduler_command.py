@@ -84,8 +84,9 @@ def run_scheduler(args: argparse.Namespace) -> int:
         "log_level": args.log_level,
         "log_format": args.log_format,
     }
+    given = {k: v for k, v in overrides.items() if v is not None}
     try:
-        settings = SchedulerSettings(**{k: v for k, v in overrides.items() if v is not None})
+        settings = SchedulerSettings(**given)
     except ValidationError as exc:
-        return print_settings_errors(SchedulerSettings, exc)
+        return print_settings_errors(SchedulerSettings, exc, from_flags=given)
     return run(settings, os.environ)

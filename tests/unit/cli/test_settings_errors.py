@@ -48,3 +48,18 @@ def test_the_cli_commands_name_the_variable_as_the_processes_do(
     [line] = capsys.readouterr().err.splitlines()
     assert SETTINGS_EXIT_CODE == code
     assert line.startswith(f"error: {variable[command]}: ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["router", "--workers", "0"], "workers"),
+        (["scheduler", "--http-port", "70000"], "http_port"),
+    ],
+)
+def test_a_bad_flag_is_named_as_the_flag_not_the_variable(
+    capsys: pytest.CaptureFixture[str], argv: list[str], named: str
+) -> None:
+    """A value given on the command line is named by its flag's field, not by a variable."""
+    assert SETTINGS_EXIT_CODE == main(argv)
+    assert capsys.readouterr().err.startswith(f"error: {named}: ")
