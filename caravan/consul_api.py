@@ -43,7 +43,7 @@ import consul.aio
 import consul.base
 from consul import exceptions as consul_errors
 from consul.callback import CB
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import Field, SecretStr
 
 from caravan.env_bool import parse_env_bool
 from caravan.errors import (
@@ -55,7 +55,7 @@ from caravan.errors import (
     HashiUnavailable,
     SettingsError,
 )
-from caravan.tls_files import TlsFile, tls_context
+from caravan.tls_files import TlsClientSettings
 
 log = logging.getLogger(__name__)
 
@@ -69,20 +69,20 @@ JITTER_FRACTION = 16
 MAX_WAIT_S = 600.0
 
 
-class ConsulSettings(BaseModel):
-    """Where Consul is and how to talk to it; build it with `from_env(os.environ)`."""
+class ConsulSettings(TlsClientSettings):
+    """Where Consul is and how to talk to it; build it with `from_env(os.environ)`.
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    The TLS files (`ca_cert`, `ca_path`, `client_cert`, `client_key`) are
+    `TlsClientSettings`', read from `CONSUL_CACERT` and its siblings.
+    """
+
+    TLS_ENV_PREFIX = "CONSUL"
 
     scheme: Literal["http", "https"] = "http"
     host: str = "127.0.0.1"
     port: int = Field(default=DEFAULT_PORT, ge=1, le=65535)
     token: SecretStr | None = None
     verify_tls: bool = True
-    ca_cert: str | None = None
-    ca_path: str | None = None
-    client_cert: str | None = None
-    client_key: str | None = None
     request_timeout_s: float = Field(default=10.0, gt=0)
 
     @property
@@ -138,47 +138,22 @@ class ConsulSettings(BaseModel):
                 raise SettingsError(
                     f"CONSUL_HTTP_TOKEN_FILE: file {token_file} cannot be read: {exc.strerror}"
                 ) from exc
-        client_cert = environ.get("CONSUL_CLIENT_CERT") or None
-        client_key = environ.get("CONSUL_CLIENT_KEY") or None
-        if bool(client_cert) != bool(client_key):
-            raise SettingsError("CONSUL_CLIENT_CERT and CONSUL_CLIENT_KEY must be set together")
         settings = cls(
+            **cls.tls_fields_from_env(environ),
             scheme=scheme,
             host=parsed.hostname,
             port=port,
             token=SecretStr(token) if token else None,
             verify_tls=verify,
-            ca_cert=environ.get("CONSUL_CACERT") or None,
-            ca_path=environ.get("CONSUL_CAPATH") or None,
-            client_cert=client_cert,
-            client_key=client_key,
         )
-        if settings.ca_cert or settings.ca_path or settings.client_cert:
-            # Checked even for plain http: a TLS file that was named but cannot be
-            # used is a mistake to report now, by its variable, not at first connect.
-            settings._tls_context()
+        settings.check_tls_files()
         return settings
-
-    def _tls_context(self) -> ssl.SSLContext:
-        def file(variable: str, path: str | None) -> TlsFile | None:
-            return TlsFile(variable, path) if path else None
-
-        return tls_context(
-            ca_cert=file("CONSUL_CACERT", self.ca_cert),
-            ca_path=file("CONSUL_CAPATH", self.ca_path),
-            client_cert=file("CONSUL_CLIENT_CERT", self.client_cert),
-            client_key=file("CONSUL_CLIENT_KEY", self.client_key),
-        )
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """The TLS context for https (None for plain http); `SettingsError` names a bad file."""
         if self.scheme != "https":
             return None
-        context = self._tls_context()
-        if not self.verify_tls:
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        return context
+        return self.client_context(verify=self.verify_tls)
 
 
 # -- results -------------------------------------------------------------------

@@ -38,7 +38,7 @@ from types import MappingProxyType, TracebackType
 from typing import Any, Generic, Self, TypeVar
 
 import aiohttp
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import Field, SecretStr
 
 from caravan.env_bool import parse_env_bool
 from caravan.errors import (
@@ -51,7 +51,7 @@ from caravan.errors import (
     JobModifyIndexConflict,
     SettingsError,
 )
-from caravan.tls_files import TlsFile, tls_context
+from caravan.tls_files import TlsClientSettings
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +67,19 @@ _VALIDATION_MARKERS = ("validation failed", "error occurred", "errors occurred")
 _ENFORCE_MARKER = "Enforcing job modify index"
 
 
-class NomadSettings(BaseModel):
-    """Where Nomad is and how to talk to it; build it with `from_env(os.environ)`."""
+class NomadSettings(TlsClientSettings):
+    """Where Nomad is and how to talk to it; build it with `from_env(os.environ)`.
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    The TLS files (`ca_cert`, `ca_path`, `client_cert`, `client_key`) are
+    `TlsClientSettings`', read from `NOMAD_CACERT` and its siblings.
+    """
+
+    TLS_ENV_PREFIX = "NOMAD"
 
     address: str = DEFAULT_ADDRESS
     token: SecretStr | None = None
     namespace: str | None = None
     region: str | None = None
-    ca_cert: str | None = None
-    ca_path: str | None = None
-    client_cert: str | None = None
-    client_key: str | None = None
     skip_verify: bool = False
     tls_server_name: str | None = None
     request_timeout_s: float = Field(default=10.0, gt=0)
@@ -97,10 +97,7 @@ class NomadSettings(BaseModel):
             _ = parsed.port
         except ValueError as exc:
             raise SettingsError(f"NOMAD_ADDR has an invalid port: {address!r}") from exc
-        client_cert = environ.get("NOMAD_CLIENT_CERT") or None
-        client_key = environ.get("NOMAD_CLIENT_KEY") or None
-        if bool(client_cert) != bool(client_key):
-            raise SettingsError("NOMAD_CLIENT_CERT and NOMAD_CLIENT_KEY must be set together")
+        tls_fields = cls.tls_fields_from_env(environ)
         skip = environ.get("NOMAD_SKIP_VERIFY", "")
         token = environ.get("NOMAD_TOKEN", "").strip()
         settings = cls(
@@ -108,39 +105,18 @@ class NomadSettings(BaseModel):
             token=SecretStr(token) if token else None,
             namespace=environ.get("NOMAD_NAMESPACE") or None,
             region=environ.get("NOMAD_REGION") or None,
-            ca_cert=environ.get("NOMAD_CACERT") or None,
-            ca_path=environ.get("NOMAD_CAPATH") or None,
-            client_cert=client_cert,
-            client_key=client_key,
+            **tls_fields,
             skip_verify=parse_env_bool("NOMAD_SKIP_VERIFY", skip) if skip else False,
             tls_server_name=environ.get("NOMAD_TLS_SERVER_NAME") or None,
         )
-        if settings.ca_cert or settings.ca_path or settings.client_cert:
-            # Checked even for plain http: a TLS file that was named but cannot be
-            # used is a mistake to report now, by its variable, not at first connect.
-            settings._tls_context()
+        settings.check_tls_files()
         return settings
-
-    def _tls_context(self) -> ssl.SSLContext:
-        def file(variable: str, path: str | None) -> TlsFile | None:
-            return TlsFile(variable, path) if path else None
-
-        return tls_context(
-            ca_cert=file("NOMAD_CACERT", self.ca_cert),
-            ca_path=file("NOMAD_CAPATH", self.ca_path),
-            client_cert=file("NOMAD_CLIENT_CERT", self.client_cert),
-            client_key=file("NOMAD_CLIENT_KEY", self.client_key),
-        )
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """The TLS context for https (None for plain http); `SettingsError` names a bad file."""
         if not self.address.startswith("https://"):
             return None
-        context = self._tls_context()
-        if self.skip_verify:
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        return context
+        return self.client_context(verify=not self.skip_verify)
 
 
 # -- results ---------------------------------------------------------------

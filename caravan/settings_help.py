@@ -2,17 +2,20 @@
 
 Both processes take their settings from the environment only; their command
 line accepts `--help` (which lists every setting: variable, default, and the
-field's description where it has one) and nothing else.
+field's description where it has one) and nothing else. Settings that cannot
+be used are reported by `print_settings_errors`, one line per problem naming
+the variable, the same from `python -m ...` and from `caravan router|scheduler`.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from pydantic import AliasChoices
+from pydantic import AliasChoices, ValidationError
 from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings
 
@@ -87,3 +90,43 @@ def parse_process_args(
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.parse_args(list(argv))
+
+
+# The exit status of a process whose settings cannot be used (argparse's for a bad flag).
+SETTINGS_EXIT_CODE = 2
+
+
+def settings_error_lines(
+    settings_cls: type[BaseSettings], exc: ValidationError, from_flags: Collection[str] = ()
+) -> list[str]:
+    """One line per problem, naming what to fix (never echoing its value).
+
+    A field in `from_flags` was set on the command line and is named as its flag's
+    destination (`workers`); any other by the variables that set it.
+    """
+    by_alias = {
+        alias.upper(): name
+        for name in settings_cls.model_fields
+        for alias in env_names(settings_cls, name)
+    }
+    lines = []
+    for error in exc.errors():
+        field = str(error["loc"][0]) if error["loc"] else ""
+        field = by_alias.get(field.upper(), field)
+        if field in from_flags:
+            where = field
+        elif field in settings_cls.model_fields:
+            where = " or ".join(env_names(settings_cls, field))
+        else:
+            where = field or "settings"
+        lines.append(f"{where}: {error['msg']}")
+    return lines
+
+
+def print_settings_errors(
+    settings_cls: type[BaseSettings], exc: ValidationError, from_flags: Collection[str] = ()
+) -> int:
+    """Print `error: <variable or flag>: <problem>` lines on stderr; the exit status."""
+    for line in settings_error_lines(settings_cls, exc, from_flags):
+        print(f"error: {line}", file=sys.stderr)  # noqa: T201 - the process's own error output
+    return SETTINGS_EXIT_CODE

@@ -12,8 +12,12 @@ not belong to the certificate. Python's ssl module would otherwise raise
 from __future__ import annotations
 
 import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
 
 from caravan.errors import SettingsError
 
@@ -99,3 +103,68 @@ def tls_context(
             ) from None
         raise SettingsError(f"{client_key}: is not a PEM private key") from None
     return context
+
+
+class TlsClientSettings(BaseModel):
+    """The TLS files of a HashiCorp API client, read from the variables its CLI reads.
+
+    `ConsulSettings` and `NomadSettings` extend it; `TLS_ENV_PREFIX` names their
+    variables (`CONSUL_CACERT`, `NOMAD_CLIENT_KEY`, ...), and errors name them too.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    TLS_ENV_PREFIX: ClassVar[str]
+
+    ca_cert: str | None = None
+    ca_path: str | None = None
+    client_cert: str | None = None
+    client_key: str | None = None
+
+    @classmethod
+    def tls_fields_from_env(cls, environ: Mapping[str, str]) -> dict[str, Any]:
+        """The four file fields from `<PREFIX>_CACERT`, `_CAPATH`, `_CLIENT_CERT`, `_CLIENT_KEY`."""
+        prefix = cls.TLS_ENV_PREFIX
+        client_cert = environ.get(f"{prefix}_CLIENT_CERT") or None
+        client_key = environ.get(f"{prefix}_CLIENT_KEY") or None
+        if bool(client_cert) != bool(client_key):
+            raise SettingsError(
+                f"{prefix}_CLIENT_CERT and {prefix}_CLIENT_KEY must be set together"
+            )
+        return {
+            "ca_cert": environ.get(f"{prefix}_CACERT") or None,
+            "ca_path": environ.get(f"{prefix}_CAPATH") or None,
+            "client_cert": client_cert,
+            "client_key": client_key,
+        }
+
+    def check_tls_files(self) -> None:
+        """Raise `SettingsError` for a named TLS file that cannot be used.
+
+        Checked even for plain http: a TLS file that was named but cannot be used
+        is a mistake to report when settings are read, by its variable, not at
+        first connect.
+        """
+        if self.ca_cert or self.ca_path or self.client_cert:
+            self._verifying_context()
+
+    def _verifying_context(self) -> ssl.SSLContext:
+        prefix = self.TLS_ENV_PREFIX
+
+        def file(suffix: str, path: str | None) -> TlsFile | None:
+            return TlsFile(f"{prefix}_{suffix}", path) if path else None
+
+        return tls_context(
+            ca_cert=file("CACERT", self.ca_cert),
+            ca_path=file("CAPATH", self.ca_path),
+            client_cert=file("CLIENT_CERT", self.client_cert),
+            client_key=file("CLIENT_KEY", self.client_key),
+        )
+
+    def client_context(self, *, verify: bool) -> ssl.SSLContext:
+        """The TLS context of an https client; `verify=False` skips the server's certificate."""
+        context = self._verifying_context()
+        if not verify:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        return context

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from pydantic import ValidationError
 
 from caravan.consul_api import ConsulSettings
+from caravan.settings_help import print_settings_errors
 from router.balancer import Policy
 from router.server import run
 from router.settings import RouterSettings
@@ -62,13 +62,11 @@ def run_router(args: argparse.Namespace) -> int:
         "admin_port": args.admin_port,
         "workers": args.workers,
     }
+    given = {k: v for k, v in overrides.items() if v is not None}
     try:
-        settings = RouterSettings(**{k: v for k, v in overrides.items() if v is not None})
+        settings = RouterSettings(**given)
     except ValidationError as exc:
-        for error in exc.errors():
-            field = ".".join(str(part) for part in error["loc"]) or "settings"
-            print(f"error: {field}: {error['msg']}", file=sys.stderr)
-        return 2
+        return print_settings_errors(RouterSettings, exc, from_flags=given)
     # A bad CONSUL_* TLS file raises SettingsError here: one line and exit 1 from main.
     ConsulSettings.from_env(os.environ)
     return run(settings, os.environ)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from pydantic import ValidationError
 
+from caravan.settings_help import print_settings_errors
 from scheduler.api_auth import TOKENS_ENV, TOKENS_FILE_ENV
 from scheduler.server import run
-from scheduler.settings import SchedulerSettings, settings_errors
+from scheduler.settings import SchedulerSettings
 
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -84,10 +84,9 @@ def run_scheduler(args: argparse.Namespace) -> int:
         "log_level": args.log_level,
         "log_format": args.log_format,
     }
+    given = {k: v for k, v in overrides.items() if v is not None}
     try:
-        settings = SchedulerSettings(**{k: v for k, v in overrides.items() if v is not None})
+        settings = SchedulerSettings(**given)
     except ValidationError as exc:
-        for line in settings_errors(exc):
-            print(f"error: {line}", file=sys.stderr)
-        return 2
+        return print_settings_errors(SchedulerSettings, exc, from_flags=given)
     return run(settings, os.environ)

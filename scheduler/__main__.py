@@ -12,9 +12,9 @@ import sys
 
 from pydantic import ValidationError
 
-from caravan.settings_help import parse_process_args
+from caravan.settings_help import parse_process_args, print_settings_errors
 from scheduler.server import run
-from scheduler.settings import SchedulerSettings, settings_errors
+from scheduler.settings import SchedulerSettings
 
 DESCRIPTION = (
     "Run the caravan scheduler: keep one Nomad job per replica of every model in Consul KV, "
@@ -33,9 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = SchedulerSettings()
     except ValidationError as exc:
-        for line in settings_errors(exc):
-            print(f"error: {line}", file=sys.stderr)  # noqa: T201
-        return 2
+        return print_settings_errors(SchedulerSettings, exc)
     return run(settings, os.environ)
 
 

@@ -23,44 +23,32 @@ from pydantic import (
 )
 
 from caravan.contract import JsonCodec
+from scheduler.engines.llamacpp import LlamaCppSettings
+from scheduler.engines.registry import EngineSettings
 from scheduler.gpu_classes import GpuClass, merge_gpu_classes
 from scheduler.profile_policy import ProfilePolicy
-from scheduler.profiles import Driver, check_node_pool_name, describe_validation_error
+from scheduler.profiles import check_node_pool_name, describe_validation_error
+
+# `LlamaCppSettings` is re-exported: the local stack builds a cluster config with its
+# own llama-server.
+__all__ = [
+    "CLUSTER_CONFIG_CODEC",
+    "NODE_POOL_ALL",
+    "NODE_POOL_DEFAULT",
+    "RESTART_INTERVAL_S",
+    "ClusterConfig",
+    "ClusterConfigError",
+    "LlamaCppSettings",
+    "NodePools",
+    "load_cluster_config",
+]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
-# Pinned so a cluster never silently changes engine versions under a profile.
-DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
-# llama.cpp publishes `server-b<build>` (CPU) and `server-cuda-b<build>` (CUDA)
-# for every release; `server` and `server-cuda` float. Both pins name one
-# build, so a model behaves the same on CPU and GPU nodes.
-LLAMACPP_BUILD = "b11429"
-DEFAULT_LLAMACPP_IMAGE = f"ghcr.io/ggml-org/llama.cpp:server-{LLAMACPP_BUILD}"
-DEFAULT_LLAMACPP_CUDA_IMAGE = f"ghcr.io/ggml-org/llama.cpp:server-cuda-{LLAMACPP_BUILD}"
 # Nomad's built-in node pools: `default` holds every node whose client config
 # names no pool, `all` is every node of the cluster.
 NODE_POOL_DEFAULT = "default"
 NODE_POOL_ALL = "all"
-DEFAULT_SGLANG_IMAGE = "lmsysorg/sglang:v0.5.6.post1"
-
-
-class VllmSettings(BaseModel):
-    model_config = _FROZEN
-
-    image: str = DEFAULT_VLLM_IMAGE
-    # Port the OpenAI server listens on inside the container.
-    container_port: int = Field(default=8000, ge=1, le=65535)
-
-
-class LlamaCppSettings(BaseModel):
-    model_config = _FROZEN
-
-    driver: Driver = Driver.RAW_EXEC
-    # Path of `llama-server` on the client nodes, for the raw_exec driver.
-    binary: str = "/usr/local/bin/llama-server"
-    image: str = DEFAULT_LLAMACPP_IMAGE
-    cuda_image: str = DEFAULT_LLAMACPP_CUDA_IMAGE
-    container_port: int = Field(default=8080, ge=1, le=65535)
 
 
 class NodePools(BaseModel):
@@ -85,20 +73,17 @@ class NodePools(BaseModel):
         return check_node_pool_name(name)
 
 
-class SglangSettings(BaseModel):
-    model_config = _FROZEN
-
-    image: str = DEFAULT_SGLANG_IMAGE
-    # Port `sglang.launch_server` listens on inside the container (its default).
-    container_port: int = Field(default=30000, ge=1, le=65535)
-
-
 # The window of Nomad's restart policy: `restart_attempts` restarts within it.
 RESTART_INTERVAL_S = 30 * 60
 
 
-class ClusterConfig(BaseModel):
-    """Settings shared by every replica job of one cluster."""
+class ClusterConfig(EngineSettings):
+    """Settings shared by every replica job of one cluster.
+
+    The engine sections (`vllm`, `llamacpp`, `sglang`) and `engine_api_keys` are
+    `EngineSettings`' (scheduler/engines/registry.py): each engine's adapter
+    declares its own settings model.
+    """
 
     model_config = _FROZEN
 
@@ -107,12 +92,9 @@ class ClusterConfig(BaseModel):
     region: str | None = None
     # Jobs run at this Nomad priority (1..100).
     priority: int = Field(default=50, ge=1, le=100)
-    vllm: VllmSettings = Field(default_factory=VllmSettings)
-    llamacpp: LlamaCppSettings = Field(default_factory=LlamaCppSettings)
     gpu_classes: dict[str, GpuClass] = Field(default_factory=dict)
     # Node pools of replicas whose profile sets no `node_pool`.
     node_pools: NodePools = Field(default_factory=NodePools)
-    sglang: SglangSettings = Field(default_factory=SglangSettings)
     # First delay before Nomad reschedules a failed replica (Nomad's minimum is 5 s).
     reschedule_delay_s: int = Field(default=30, ge=5)
     # Nomad's restart policy for a crashed engine, in place on its node: this
@@ -135,17 +117,6 @@ class ClusterConfig(BaseModel):
                 f"({RESTART_INTERVAL_S} s)"
             )
         return self
-
-    @property
-    def engine_images(self) -> frozenset[str]:
-        """The images this cluster runs engines from; a profile may always name these."""
-        return frozenset(
-            {self.vllm.image, self.llamacpp.image, self.llamacpp.cuda_image, self.sglang.image}
-        )
-
-    # Each replica's engine requires a per-model API key that reaches it through
-    # Nomad Variables and a template (docs/security.md "Engine API keys").
-    engine_api_keys: bool = True
 
     @property
     def gpu_catalog(self) -> Mapping[str, GpuClass]:

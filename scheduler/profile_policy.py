@@ -38,8 +38,8 @@ from types import MappingProxyType
 
 from pydantic import BaseModel, ConfigDict
 
-from scheduler.engines.registry import adapter_for, all_adapters
-from scheduler.profiles import Engine, ModelProfile
+from scheduler.engines.registry import Engine, adapter_for, all_adapters
+from scheduler.profiles import ModelProfile
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -101,12 +101,12 @@ _GENERIC_DENIED_ENV: tuple[str, ...] = (
 )
 DENIED_ENV: tuple[str, ...] = (
     *_GENERIC_DENIED_ENV,
-    *chain.from_iterable(adapter.denied_env for adapter in all_adapters()),
+    *chain.from_iterable(adapter.facts.denied_env for adapter in all_adapters()),
 )
 
 # The flags each engine's adapter refuses by default.
 DENIED_FLAGS: Mapping[Engine, tuple[str, ...]] = MappingProxyType(
-    {engine: adapter_for(engine).denied_flags for engine in Engine}
+    {engine: adapter_for(engine).facts.denied_flags for engine in Engine}
 )
 
 
@@ -173,7 +173,7 @@ def _denied_flag(engine: Engine, flag: str, denied: tuple[str, ...]) -> str | No
             return name
         # An argparse parser accepts an unambiguous prefix of a long flag.
         abbreviates = flag.startswith("--") and len(flag) > len("--x") and name.startswith(flag)
-        if adapter_for(engine).abbreviates_flags and abbreviates:
+        if adapter_for(engine).facts.abbreviates_flags and abbreviates:
             return name
     return None
 

@@ -33,10 +33,9 @@ from caravan.contract import (
     decode_profile_document,
     served_name_of,
 )
-from scheduler.engines.base import resolve_metrics
-from scheduler.engines.kinds import Driver, Engine
-from scheduler.engines.registry import adapter_for, engine_key_env_names
-from scheduler.weights import WeightsCache, check_weights
+from scheduler.engines.base import Driver, resolve_metrics
+from scheduler.engines.registry import Engine, adapter_for, engine_key_env_names
+from scheduler.weights_cache import WeightsCache, check_weights
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -159,7 +158,7 @@ class Resources(BaseModel):
         return self
 
 
-class MetricNames(BaseModel):
+class MetricsOverride(BaseModel):
     """Which Prometheus metrics of the engine say running, waiting and KV-cache use.
 
     The per-profile override of the engine's default mapping. An empty
@@ -242,7 +241,7 @@ class ModelProfile(BaseModel):
     # NAME -> "path[#item]". The job spec carries only the reference.
     secrets: dict[str, str] = Field(default_factory=dict)
     autoscaling: Autoscaling | None = None
-    metrics: MetricNames | None = None
+    metrics: MetricsOverride | None = None
     # Where the weights live (a Nomad host or CSI volume) and an optional prefetch.
     weights: WeightsCache | None = None
 
@@ -292,49 +291,21 @@ class ModelProfile(BaseModel):
         }
 
     @model_validator(mode="after")
-    def _engine_rules(self) -> Self:
+    def _cross_field_rules(self) -> Self:
         clash = sorted(set(self.env) & set(self.secrets))
         if clash:
             raise ValueError(f"env and secrets both set {', '.join(clash)}; keep one")
-        adapter = adapter_for(self.engine)
-        adapter.check_profile(self)
-        self._check_engine_args(adapter.managed_flags)
-        self._check_scaling()
-        check_weights(self)
-        return self
-
-    def _check_engine_args(self, managed: frozenset[str]) -> None:
-        # Flags caravan renders itself: a profile may not set them through
-        # `engine_args`, because two values for one flag would make the engine's
-        # behaviour depend on argument order, and the router and autoscaler read
-        # these values from the profile.
-        for arg in self.engine_args:
-            flag = arg.split("=", 1)[0]
-            if flag in managed:
-                raise ValueError(
-                    f"engine_args: {flag} is set by caravan from the profile; "
-                    "use the profile field instead (model, served_model_name, tensor_parallel, "
-                    "max_concurrency, context_length)"
-                )
-
-    def _check_scaling(self) -> None:
         policy = self.autoscaling
-        if policy is None:
-            return
-        if policy.scale_to_zero_after_s is not None and self.replicas.min != 0:
+        if (
+            policy is not None
+            and policy.scale_to_zero_after_s is not None
+            and self.replicas.min != 0
+        ):
             raise ValueError(
                 "autoscaling.scale_to_zero_after_s requires replicas.min: 0 "
                 f"(replicas.min is {self.replicas.min})"
             )
-        if policy.target_kv_cache is not None and not self._reports_kv_cache():
-            raise ValueError(
-                f"autoscaling.target_kv_cache: engine {self.engine.value!r} reports no KV-cache "
-                "usage metric (and metrics.kv_cache_usage names none); use target_inflight"
-            )
-
-    def _reports_kv_cache(self) -> bool:
-        engine_default = adapter_for(self.engine).default_metrics()
-        return resolve_metrics(engine_default, self.metrics).kv_cache_usage is not None
+        return self
 
     @property
     def served_name(self) -> str:
@@ -344,6 +315,38 @@ class ModelProfile(BaseModel):
     @property
     def uses_gpu(self) -> bool:
         return self.gpu is not None
+
+
+def check_engine_rules(profile: ModelProfile) -> None:
+    """The rules a profile's engine adds (its adapter's); raises ValueError naming the field.
+
+    Kept out of `ModelProfile`'s validators: the schema is the engine-agnostic
+    shape, and every loader below applies these rules to what it validated.
+    """
+    adapter = adapter_for(profile.engine)
+    facts = adapter.facts
+    adapter.check_profile(profile)
+    # Flags caravan renders itself: a profile may not set them through
+    # `engine_args`, because two values for one flag would make the engine's
+    # behaviour depend on argument order, and the router and autoscaler read
+    # these values from the profile.
+    for arg in profile.engine_args:
+        flag = arg.split("=", 1)[0]
+        if flag in facts.managed_flags:
+            raise ValueError(
+                f"engine_args: {flag} is set by caravan from the profile; "
+                "use the profile field instead (model, served_model_name, tensor_parallel, "
+                "max_concurrency, context_length)"
+            )
+    policy = profile.autoscaling
+    reports_kv_cache = resolve_metrics(facts.metrics, profile.metrics).kv_cache_usage is not None
+    if policy is not None and policy.target_kv_cache is not None and not reports_kv_cache:
+        raise ValueError(
+            f"autoscaling.target_kv_cache: engine {profile.engine.value!r} reports no KV-cache "
+            "usage metric (and metrics.kv_cache_usage names none); use target_inflight"
+        )
+    if profile.weights is not None:
+        check_weights(profile.weights, profile.model, profile.env, facts)
 
 
 class ProfileError(ValueError):
@@ -397,11 +400,16 @@ def parse_profile_text(text: str | bytes, source: str) -> ModelProfile:
 
 
 def profile_from_mapping(document: dict[str, Any], source: str) -> ModelProfile:
-    """Validate an already-parsed profile document."""
+    """Validate an already-parsed profile document, then its engine's rules."""
     try:
-        return ModelProfile.model_validate(document)
+        profile = ModelProfile.model_validate(document)
     except ValidationError as exc:
         raise ProfileError(source, describe_validation_error(exc)) from None
+    try:
+        check_engine_rules(profile)
+    except ValueError as exc:
+        raise ProfileError(source, [str(exc)]) from None
+    return profile
 
 
 def load_profile(path: Path | str) -> ModelProfile:

@@ -142,7 +142,8 @@ def _resources(
 def _service_meta(
     profile: ModelProfile, replica: int, adapter: EngineAdapter, gpu_class_name: str
 ) -> dict[str, str]:
-    metrics = resolve_metrics(adapter.default_metrics(), profile.metrics)
+    facts = adapter.facts
+    metrics = resolve_metrics(facts.metrics, profile.metrics)
     return {
         ServiceMetaKey.MODEL: profile.name,
         ServiceMetaKey.SERVED_MODELS: profile.served_name,
@@ -154,8 +155,9 @@ def _service_meta(
         **encode_metric_names(metrics.names),
         # Filled in by Nomad when it registers the service.
         ServiceMetaKey.ALLOC_ID: "${NOMAD_ALLOC_ID}",
-        **encode_stream_traits(adapter.stream_traits),
-        **encode_prefill_rate(profile.prefill_tokens_per_s),
+        **encode_stream_traits(facts.stream_traits),
+        # Always published, so the router needs no per-engine default of its own.
+        **encode_prefill_rate(profile.prefill_tokens_per_s or facts.default_prefill_tokens_per_s),
     }
 
 
@@ -177,7 +179,7 @@ def _service(
             {
                 "Name": "engine-health",
                 "Type": "http",
-                "Path": adapter.health_path,
+                "Path": adapter.facts.health_path,
                 "Interval": _ns(config.check_interval_s),
                 "Timeout": _ns(config.check_timeout_s),
                 "CheckRestart": {
@@ -230,7 +232,7 @@ def _templates(
         templates.append(
             _env_template(
                 replica_key_path(job_id),
-                [(adapter.api_key_env, ENGINE_KEY_ITEM)],
+                [(adapter.facts.api_key_env, ENGINE_KEY_ITEM)],
                 "engine-key.env",
             )
         )
@@ -243,8 +245,8 @@ def _task(
     gpu_class = _gpu_class(profile, config)
     task: dict[str, Any] = {
         "Name": TASK_NAME,
-        "Driver": adapter.driver(profile, config).value,
-        "Config": adapter.task_config(profile, config),
+        "Driver": adapter.driver(profile).value,
+        "Config": adapter.task_config(profile),
         "Env": dict(sorted(profile.env.items())),
         "Resources": _resources(profile, adapter, gpu_class),
         "KillTimeout": _ns(KILL_TIMEOUT_S),
@@ -275,11 +277,9 @@ def _gpu_class(profile: ModelProfile, config: ClusterConfig) -> GpuClass | None:
         raise RenderError("gpu.class", str(exc)) from None
 
 
-def _network(
-    profile: ModelProfile, adapter: EngineAdapter, config: ClusterConfig
-) -> dict[str, Any]:
+def _network(profile: ModelProfile, adapter: EngineAdapter) -> dict[str, Any]:
     port: dict[str, Any] = {"Label": HTTP_PORT_LABEL}
-    container_port = adapter.container_port(profile, config)
+    container_port = adapter.container_port(profile)
     if container_port is not None:
         port["To"] = container_port
     return {"Mode": "host", "DynamicPorts": [port]}
@@ -301,7 +301,7 @@ def _job_without_hash(profile: ModelProfile, replica: int, config: ClusterConfig
             f"multi-node replicas (nodes: {profile.nodes}) are accepted by the schema "
             "but not supported by rendering yet; use nodes: 1",
         )
-    adapter = adapter_for(profile.engine)
+    adapter = adapter_for(profile.engine, config)
     gpu_class_name = profile.gpu.gpu_class if profile.gpu is not None else ""
     startup_s = weights.startup_timeout_s(profile, adapter.startup_timeout_s(profile))
     job_id = replica_job_id(profile.name, replica)
@@ -355,7 +355,7 @@ def _job_without_hash(profile: ModelProfile, replica: int, config: ClusterConfig
                     "HealthyDeadline": _ns(startup_s),
                 },
                 "EphemeralDisk": {"SizeMB": 300},
-                "Networks": [_network(profile, adapter, config)],
+                "Networks": [_network(profile, adapter)],
                 # Nomad deregisters the service, waits this long, then signals
                 # the task: routers stop sending and in-flight requests finish.
                 "ShutdownDelay": _ns(profile.drain_s),

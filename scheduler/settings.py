@@ -26,7 +26,6 @@ from pydantic import (
     AliasChoices,
     Field,
     SecretStr,
-    ValidationError,
     field_validator,
     model_validator,
 )
@@ -34,7 +33,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from caravan.contract import KVLayout
 from caravan.leader import ElectionSettings
-from caravan.settings_help import env_names
 from scheduler.api_auth import TokenSource, load_token_source
 from scheduler.autoscale.loop import AutoscalerSettings
 from scheduler.controller import ControllerSettings
@@ -248,22 +246,3 @@ class SchedulerSettings(BaseSettings):
             retry_interval_s=self.leader_retry_interval_s,
             shutdown_timeout_s=self.leader_resign_timeout_s,
         )
-
-
-def settings_errors(exc: ValidationError) -> list[str]:
-    """One line per problem, naming the variable (never echoing its value)."""
-    lines = []
-    for error in exc.errors():
-        field = str(error["loc"][0]) if error["loc"] else ""
-        by_alias = {
-            alias.upper(): name
-            for name in SchedulerSettings.model_fields
-            for alias in env_names(SchedulerSettings, name)
-        }
-        field = by_alias.get(field.upper(), field)
-        if field in SchedulerSettings.model_fields:
-            where = " or ".join(env_names(SchedulerSettings, field))
-        else:
-            where = field or "settings"
-        lines.append(f"{where}: {error['msg']}")
-    return lines

@@ -5,34 +5,32 @@ the path replicas mount it at (`volume_mount`, read-only), and optionally a
 `prefetch`: a Nomad batch job, `caravan-<model>-prefetch`, that fills the
 volume once (mounted read-write) before any replica is registered.
 
-Everything here is pure: the profile schema, the blocks `render` adds to a
-replica job, the prefetch job itself, and `prefetch_gate`, which tells the
-planner from what Nomad reports (and `now`) whether replicas may be placed.
+Everything here is pure: the blocks `render` adds to a replica job, the
+prefetch job itself, and `prefetch_gate`, which tells the planner from what
+Nomad reports (and `now`) whether replicas may be placed. The profile's
+`weights:` schema is `scheduler.weights_cache`'s.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Literal, Self
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from typing import TYPE_CHECKING, Any
 
 from caravan.contract import JOB_PREFIX, MANAGED_BY_VALUE, JobMetaKey
+from scheduler.engines.registry import adapter_for
 from scheduler.nomad_time import NS_PER_S
+from scheduler.weights_cache import Prefetch, VolumeType, WeightsCache
 
 if TYPE_CHECKING:
-    # Types only: profiles import this module, and `caravan validate` must not
-    # load the Nomad client (aiohttp) to check a profile.
+    # Types only: `caravan render` must not load the Nomad client (aiohttp).
     from caravan.nomad_api import Allocation, JobStub
     from scheduler.cluster_config import ClusterConfig
     from scheduler.profiles import ModelProfile
 
-_FROZEN = ConfigDict(frozen=True, extra="forbid")
 VOLUME_NAME = "weights"
 PREFETCH_GROUP = "prefetch"
 PREFETCH_TASK = "prefetch"
@@ -48,149 +46,11 @@ COLD_CACHE_STARTUP_FACTOR = 2
 PREFETCH_RESTART_ATTEMPTS = 2
 PREFETCH_RESTART_DELAY_S = 5
 PREFETCH_RESTART_INTERVAL_S = 30 * 60
-# Paths that are Nomad's own inside every task.
-_RESERVED_MOUNT_ROOTS = ("/alloc", "/local", "/secrets", "/tmp")  # noqa: S108 - Nomad's task dirs
-CSI_ACCESS_MODES = frozenset(
-    {
-        "single-node-reader-only",
-        "single-node-writer",
-        "multi-node-reader-only",
-        "multi-node-single-writer",
-        "multi-node-multi-writer",
-    }
-)
 DEFAULT_CSI_ACCESS_MODE = "multi-node-reader-only"
 # Replicas that fill a CSI cache themselves (no prefetch) write it from many nodes.
 CSI_SHARED_WRITER_MODE = "multi-node-multi-writer"
 # The claim a prefetch takes on a CSI volume to write it.
 PREFETCH_CSI_ACCESS_MODE = "multi-node-single-writer"
-
-
-class VolumeType(StrEnum):
-    HOST = "host"
-    CSI = "csi"
-
-
-class WeightsVolume(BaseModel):
-    """The Nomad volume that holds the weights: a client host volume or a CSI volume."""
-
-    model_config = _FROZEN
-
-    type: VolumeType
-    # The host volume's name in the clients' `host_volume` blocks, or the CSI volume ID.
-    source: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-\[\]]+$")
-    # CSI only (Nomad's `access_mode` / `attachment_mode`).
-    access_mode: str | None = None
-    attachment_mode: Literal["file-system"] | None = None
-
-    @model_validator(mode="after")
-    def _modes_fit_the_type(self) -> Self:
-        if self.type is VolumeType.HOST:
-            if self.access_mode is not None or self.attachment_mode is not None:
-                raise ValueError(
-                    "weights.volume: access_mode and attachment_mode are for type: csi only"
-                )
-        elif self.access_mode is not None and self.access_mode not in CSI_ACCESS_MODES:
-            raise ValueError(
-                f"weights.volume.access_mode: {self.access_mode!r} is not one of "
-                f"{', '.join(sorted(CSI_ACCESS_MODES))}"
-            )
-        return self
-
-
-class Prefetch(BaseModel):
-    """A batch job that fills the volume once before replicas are placed."""
-
-    model_config = _FROZEN
-
-    # The command line (argv). vLLM's default: `hf download <model>` into HF_HOME.
-    command: tuple[str, ...] = ()
-    driver: Literal["docker", "exec"] = "docker"
-    # For docker: the image (default: the cluster's vLLM image, which has `hf`).
-    image: str | None = Field(default=None, min_length=1)
-    cpu_mhz: int = Field(default=1000, ge=100)
-    memory_mb: int = Field(default=2048, ge=64)
-    # After this long without success `caravan status` says the prefetch is stuck.
-    timeout_s: int = Field(default=3600, ge=60)
-
-    @field_validator("command")
-    @classmethod
-    def _command_has_no_blank(cls, command: tuple[str, ...]) -> tuple[str, ...]:
-        if command and not command[0].strip():
-            raise ValueError("weights.prefetch.command: the first item must be the program")
-        return command
-
-
-class WeightsCache(BaseModel):
-    """`weights:` in a profile: where the weights live and how they get there."""
-
-    model_config = _FROZEN
-
-    volume: WeightsVolume
-    # Where replicas (and the prefetch) see the volume; the engine's cache.
-    path: str = Field(min_length=1)
-    prefetch: Prefetch | None = None
-    # How replicas mount the volume. None: read-only with a prefetch (it
-    # filled the cache), read-write without one (the first replica on a cold
-    # cache downloads into it). True without a prefetch: the operator fills it.
-    read_only: bool | None = None
-
-    @model_validator(mode="after")
-    def _prefetched_means_read_only(self) -> Self:
-        if self.prefetch is not None and self.read_only is False:
-            raise ValueError(
-                "weights.read_only: false is for a cache the replicas fill themselves; "
-                "with a prefetch, replicas mount the volume read-only"
-            )
-        mode = self.volume.access_mode or ""
-        if mode.endswith("-reader-only") and not self.replicas_read_only:
-            # Nomad refuses a read-write claim in a reader-only mode.
-            raise ValueError(
-                f"weights.volume.access_mode: {mode} volumes are mounted read-only, but "
-                "replicas that fill the cache themselves write it; add a prefetch or "
-                "set weights.read_only: true"
-            )
-        return self
-
-    @property
-    def replicas_read_only(self) -> bool:
-        if self.read_only is not None:
-            return self.read_only
-        return self.prefetch is not None
-
-    @field_validator("path")
-    @classmethod
-    def _path_is_a_clean_absolute_folder(cls, path: str) -> str:
-        clean = posixpath.normpath(path)
-        if not path.startswith("/") or clean != path.rstrip("/") or clean == "/":
-            raise ValueError(
-                f"weights.path: {path!r} must be an absolute folder path such as /models"
-            )
-        for root in _RESERVED_MOUNT_ROOTS:
-            if clean == root or clean.startswith(f"{root}/"):
-                raise ValueError(f"weights.path: {path!r} is inside Nomad's task folder {root}")
-        return clean
-
-
-def check_weights(profile: ModelProfile) -> None:
-    """Rules across `weights` and the rest of the profile (raises ValueError)."""
-    weights = profile.weights
-    if weights is None:
-        return
-    engine = profile.engine.value
-    if engine == "llamacpp":
-        if not profile.model.startswith(f"{weights.path}/"):
-            raise ValueError(
-                f"weights.path: llama.cpp loads `model` from the volume, so model "
-                f"({profile.model!r}) must be a file under {weights.path}/"
-            )
-        if weights.prefetch is not None and not weights.prefetch.command:
-            raise ValueError(
-                "weights.prefetch.command: llama.cpp has no default download; give the "
-                "command that writes the GGUF under weights.path"
-            )
-    elif "HF_HOME" in profile.env:
-        raise ValueError("env: HF_HOME is set by weights.path (the volume is vLLM's cache)")
 
 
 def prefetch_job_id(model: str) -> str:
@@ -242,16 +102,22 @@ def replica_mounts(profile: ModelProfile) -> list[dict[str, Any]] | None:
     return [_mount(profile.weights, read_only=profile.weights.replicas_read_only)]
 
 
+def _hub_cache_env(profile: ModelProfile, weights: WeightsCache) -> dict[str, str]:
+    """The variable that makes the volume the engine's hub cache; none for a file engine."""
+    variable = adapter_for(profile.engine).facts.weights.hub_cache_env
+    return {} if variable is None else {variable: weights.path}
+
+
 def cache_env(profile: ModelProfile) -> dict[str, str]:
-    """Environment that points the engine at the volume (vLLM's Hugging Face cache)."""
+    """Environment that points the engine at the volume (its Hugging Face cache)."""
     weights = profile.weights
-    if weights is None or profile.engine.value != "vllm":
+    if weights is None:
         return {}
-    env = {"HF_HOME": weights.path}
-    if weights.prefetch is not None:
+    env = _hub_cache_env(profile, weights)
+    if env and weights.prefetch is not None:
         # The prefetch filled the cache: never reach out (and never write the
         # read-only mount) from a replica.
-        env["HF_HUB_OFFLINE"] = "1"
+        env.update(adapter_for(profile.engine).facts.weights.offline_env)
     return env
 
 
@@ -271,7 +137,11 @@ def startup_timeout_s(profile: ModelProfile, engine_default_s: int) -> int:
 def _prefetch_command(profile: ModelProfile, prefetch: Prefetch) -> tuple[str, ...]:
     if prefetch.command:
         return prefetch.command
-    return ("hf", "download", profile.model)
+    download = adapter_for(profile.engine).facts.weights.default_download
+    if download is None:
+        # Profile loading refuses this (weights_cache.check_weights).
+        raise ValueError("weights.prefetch.command: this engine has no default download")
+    return (*download, profile.model)
 
 
 def _prefetch_task_config(
@@ -281,8 +151,8 @@ def _prefetch_task_config(
     if prefetch.driver == "exec":
         return {"command": program, "args": args}
     return {
-        "image": prefetch.image or config.vllm.image,
-        # The vLLM image's entrypoint is the server: replace it.
+        "image": prefetch.image or adapter_for(profile.engine, config).prefetch_image,
+        # An engine image's entrypoint is its server: replace it.
         "entrypoint": [program],
         "args": args,
     }
@@ -306,7 +176,7 @@ def render_prefetch(
         return None
     prefetch = weights.prefetch
     job_id = prefetch_job_id(profile.name)
-    env = {"HF_HOME": weights.path} if profile.engine.value == "vllm" else {}
+    env = _hub_cache_env(profile, weights)
     task: dict[str, Any] = {
         "Name": PREFETCH_TASK,
         "Driver": prefetch.driver,

@@ -1,28 +1,122 @@
-"""The engine adapter interface: what rendering needs to know about an engine.
+"""The engine adapter interface: what caravan knows about an engine, and how it renders it.
 
 One module per engine implements it (`vllm.py`, `llamacpp.py`, `sglang.py`) and owns
-everything caravan knows about that engine: the profile rules it adds, the
-flags caravan renders itself, the flags and variables the profile policy
-refuses, rendering (driver, config, port mapping), and the facts the router
-and autoscaler need (capacity, health path, metric names, stream traits).
-`registry.py` maps each `Engine` to its adapter; nothing outside these
-modules branches on an engine's name. Adapters are pure.
+everything caravan knows about that engine:
+
+- its facts (`EngineFacts`): constants the profile rules, the profile policy,
+  rendering, the weights cache and the router (through service Meta) read,
+  such as the health path, metric names, stream traits and default prefill rate;
+- its settings model (the image, port, binary of the cluster config's section
+  named after the engine);
+- the rules it adds to a profile, its sizing, and rendering (driver, config, port).
+
+`registry.py` maps each `Engine` to its adapter and its settings; nothing outside
+these modules branches on an engine's name. Adapters are pure.
+
+Adapters read a profile through `EngineProfile`, which `scheduler.profiles.ModelProfile`
+satisfies: the profile module imports the registry (for `Engine`), so the adapters
+must not import the profile module back.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
 from caravan.engine_metrics import MetricNames, resolve_metric_names
-from scheduler.engines.kinds import Driver
 
 if TYPE_CHECKING:
     from caravan.contract import StreamTraits
-    from scheduler.cluster_config import ClusterConfig
-    from scheduler.engines.kinds import Engine
-    from scheduler.profiles import MetricNames as ProfileMetricNames
-    from scheduler.profiles import ModelProfile
+
+
+class Driver(StrEnum):
+    """The Nomad task driver a replica runs under."""
+
+    DOCKER = "docker"
+    RAW_EXEC = "raw_exec"
+
+
+class GpuShape(Protocol):
+    """What an adapter reads of a profile's `gpu` block."""
+
+    @property
+    def count(self) -> int: ...
+
+    @property
+    def allow_count_mismatch(self) -> bool: ...
+
+
+class ResourceShape(Protocol):
+    """What an adapter reads of a profile's `resources` block."""
+
+    @property
+    def cores(self) -> int | None: ...
+
+
+class EngineProfile(Protocol):
+    """What an adapter reads of a model profile."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def served_name(self) -> str: ...
+
+    @property
+    def tensor_parallel(self) -> int: ...
+
+    @property
+    def nodes(self) -> int: ...
+
+    @property
+    def gpu(self) -> GpuShape | None: ...
+
+    @property
+    def uses_gpu(self) -> bool: ...
+
+    @property
+    def driver(self) -> Driver | None: ...
+
+    @property
+    def image(self) -> str | None: ...
+
+    @property
+    def engine_args(self) -> tuple[str, ...]: ...
+
+    @property
+    def context_length(self) -> int | None: ...
+
+    @property
+    def max_concurrency(self) -> int | None: ...
+
+    @property
+    def startup_timeout_s(self) -> int | None: ...
+
+    @property
+    def resources(self) -> ResourceShape: ...
+
+    @property
+    def weights(self) -> object | None:
+        """The profile's weights cache (None: the engine fetches or finds the model itself)."""
+        ...
+
+
+class MetricsOverrideShape(Protocol):
+    """A profile's override of its engine's metric names (`metrics:`)."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def running(self) -> str | None: ...
+
+    @property
+    def waiting(self) -> str | None: ...
+
+    @property
+    def kv_cache_usage(self) -> str | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +143,7 @@ METRICS_PATH = "/metrics"
 
 
 def resolve_metrics(
-    engine_default: ResolvedMetrics, override: ProfileMetricNames | None
+    engine_default: ResolvedMetrics, override: MetricsOverrideShape | None
 ) -> ResolvedMetrics:
     """Apply a profile's metric override to its engine's default mapping.
 
@@ -65,6 +159,107 @@ def resolve_metrics(
         kv_cache_usage=override.kv_cache_usage,
     )
     return ResolvedMetrics(path=override.path, names=names)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsFacts:
+    """How an engine finds its weights on a cache volume (a profile's `weights`)."""
+
+    # The variable that points the engine's Hugging Face cache at the volume;
+    # None: the engine has no hub cache and `model` is a file on the volume.
+    hub_cache_env: str | None
+    # Set on replicas whose cache a prefetch filled: never reach out, never
+    # write the read-only mount.
+    offline_env: Mapping[str, str]
+    # The prefetch's argv when the profile gives none, the model id appended;
+    # None: the engine has no default download.
+    default_download: tuple[str, ...] | None
+
+
+# The Hugging Face hub cache, as vLLM and SGLang read it (`huggingface_hub`).
+HF_HUB_WEIGHTS = WeightsFacts(
+    hub_cache_env="HF_HOME",
+    offline_env={"HF_HUB_OFFLINE": "1"},
+    default_download=("hf", "download"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What caravan knows about an engine that no profile or setting changes."""
+
+    # The engine's name in profiles (`engine:`) and in service Meta.
+    name: str
+    # How messages name it ("vLLM").
+    shown: str
+    # HTTP path that answers 200 once the model is loaded.
+    health_path: str
+    # The environment variable caravan puts the engine's API key in.
+    api_key_env: str
+    # Flags caravan renders from profile fields; `engine_args` may not set them.
+    managed_flags: frozenset[str]
+    # Flags the default profile policy refuses (code loading, listener, file access).
+    denied_flags: tuple[str, ...]
+    # Variables (or `PREFIX*`) of this engine the default profile policy refuses.
+    denied_env: tuple[str, ...]
+    # Whether the engine's parser takes an unambiguous prefix of a long flag.
+    abbreviates_flags: bool
+    # How the router continues a stream on this engine (published in service Meta).
+    stream_traits: StreamTraits
+    # The engine's own metrics path and names of running, waiting and KV use.
+    metrics: ResolvedMetrics
+    # Prompt tokens per second one replica prefills when its profile declares no
+    # `prefill_tokens_per_s` (published in service Meta for the router's cost model).
+    default_prefill_tokens_per_s: int
+    # How it finds weights on a cache volume.
+    weights: WeightsFacts
+
+
+class EngineAdapter(Protocol):
+    """What the profile rules and rendering ask of an engine under one cluster's settings."""
+
+    @property
+    def facts(self) -> EngineFacts: ...
+
+    @property
+    def images(self) -> frozenset[str]:
+        """The images this engine's settings name; a profile may always use these."""
+        ...
+
+    def normalise_flag(self, flag: str) -> str:
+        """A flag as the engine's parser reads it (`--a_b` may mean `--a-b`)."""
+        ...
+
+    def check_profile(self, profile: EngineProfile) -> None:
+        """The engine's own profile rules; raises ValueError naming the field."""
+        ...
+
+    def capacity(self, profile: EngineProfile) -> int:
+        """Concurrent sequences one replica serves before requests queue."""
+        ...
+
+    def startup_timeout_s(self, profile: EngineProfile) -> int:
+        """How long model load may take before the replica counts as failed."""
+        ...
+
+    def default_memory_mb(self, profile: EngineProfile) -> int: ...
+
+    def default_cpu_mhz(self, profile: EngineProfile) -> int: ...
+
+    def driver(self, profile: EngineProfile) -> Driver: ...
+
+    def container_port(self, profile: EngineProfile) -> int | None:
+        """The port inside the container (docker `To`); `None` for host-mode raw_exec."""
+        ...
+
+    def task_config(self, profile: EngineProfile) -> dict[str, Any]:
+        """The task's driver `Config` block (image or command, args)."""
+        ...
+
+    @property
+    def prefetch_image(self) -> str:
+        """The docker image a weights prefetch runs in when the profile names none."""
+        ...
 
 
 GIB = 1024**3
@@ -83,112 +278,40 @@ class GpuContainerSizing:
     """What the GPU server engines (vLLM, SGLang) share: a docker container sized per
     tensor-parallel rank, and the load time of tens of GB of weights."""
 
-    def startup_timeout_s(self, profile: ModelProfile) -> int:
+    __slots__ = ()
+
+    def startup_timeout_s(self, profile: EngineProfile) -> int:
         # Downloading and loading tens of GB of weights and capturing CUDA
         # graphs routinely takes several minutes.
         return profile.startup_timeout_s or 900
 
-    def default_memory_mb(self, profile: ModelProfile) -> int:
+    def default_memory_mb(self, profile: EngineProfile) -> int:
         return 16384 * profile.tensor_parallel
 
-    def default_cpu_mhz(self, profile: ModelProfile) -> int:
+    def default_cpu_mhz(self, profile: EngineProfile) -> int:
         return 2000 * profile.tensor_parallel
 
-    def driver(self, profile: ModelProfile, config: ClusterConfig) -> Driver:
-        del profile, config
+    def driver(self, profile: EngineProfile) -> Driver:
+        del profile
         return Driver.DOCKER
 
-    def shm_size_bytes(self, profile: ModelProfile) -> int:
+    def shm_size_bytes(self, profile: EngineProfile) -> int:
         return max(SHM_BYTES_MIN, SHM_BYTES_PER_RANK * profile.tensor_parallel)
 
 
-def check_gpu_engine(profile: ModelProfile, engine: str, shown: str) -> None:
+def check_gpu_engine(profile: EngineProfile, facts: EngineFacts) -> None:
     """The rules of a GPU-only, tensor-parallel engine in a docker image."""
     if profile.gpu is None:
         # A typo in `gpu` must never become a replica placed on a machine with no GPU.
         raise ValueError(
-            f"gpu: engine '{engine}' needs a gpu block (for example gpu: {{class: h100, "
+            f"gpu: engine '{facts.name}' needs a gpu block (for example gpu: {{class: h100, "
             "count: 1}); only llama.cpp can run on the CPU"
         )
     if profile.gpu.count != profile.tensor_parallel and not profile.gpu.allow_count_mismatch:
         raise ValueError(
             f"gpu.count ({profile.gpu.count}) must equal tensor_parallel "
-            f"({profile.tensor_parallel}) for {shown} (one GPU per tensor-parallel rank per "
-            "node); set gpu.allow_count_mismatch: true if the difference is deliberate"
+            f"({profile.tensor_parallel}) for {facts.shown} (one GPU per tensor-parallel rank "
+            "per node); set gpu.allow_count_mismatch: true if the difference is deliberate"
         )
     if profile.driver is Driver.RAW_EXEC:
-        raise ValueError(f"driver: {shown} replicas run with the docker driver only")
-
-
-class EngineAdapter(Protocol):
-    """What rendering asks of an engine."""
-
-    @property
-    def engine(self) -> Engine: ...
-
-    @property
-    def health_path(self) -> str:
-        """HTTP path that answers 200 once the model is loaded."""
-        ...
-
-    @property
-    def api_key_env(self) -> str:
-        """The environment variable the engine reads its API key from."""
-        ...
-
-    @property
-    def managed_flags(self) -> frozenset[str]:
-        """Flags caravan renders from profile fields; `engine_args` may not set them."""
-        ...
-
-    @property
-    def denied_flags(self) -> tuple[str, ...]:
-        """Flags the default profile policy refuses (code loading, listener, file access)."""
-        ...
-
-    @property
-    def denied_env(self) -> tuple[str, ...]:
-        """Variables (or `PREFIX*`) of this engine the default profile policy refuses."""
-        ...
-
-    @property
-    def abbreviates_flags(self) -> bool:
-        """Whether the engine's parser takes an unambiguous prefix of a long flag."""
-        ...
-
-    @property
-    def stream_traits(self) -> StreamTraits:
-        """How the router continues a stream on this engine (published in service Meta)."""
-        ...
-
-    def normalise_flag(self, flag: str) -> str:
-        """A flag as the engine's parser reads it (`--a_b` may mean `--a-b`)."""
-        ...
-
-    def check_profile(self, profile: ModelProfile) -> None:
-        """The engine's own profile rules; raises ValueError naming the field."""
-        ...
-
-    def default_metrics(self) -> ResolvedMetrics: ...
-
-    def capacity(self, profile: ModelProfile) -> int:
-        """Concurrent sequences one replica serves before requests queue."""
-        ...
-
-    def startup_timeout_s(self, profile: ModelProfile) -> int:
-        """How long model load may take before the replica counts as failed."""
-        ...
-
-    def default_memory_mb(self, profile: ModelProfile) -> int: ...
-
-    def default_cpu_mhz(self, profile: ModelProfile) -> int: ...
-
-    def driver(self, profile: ModelProfile, config: ClusterConfig) -> Driver: ...
-
-    def container_port(self, profile: ModelProfile, config: ClusterConfig) -> int | None:
-        """The port inside the container (docker `To`); `None` for host-mode raw_exec."""
-        ...
-
-    def task_config(self, profile: ModelProfile, config: ClusterConfig) -> dict[str, Any]:
-        """The task's driver `Config` block (image or command, args)."""
-        ...
+        raise ValueError(f"driver: {facts.shown} replicas run with the docker driver only")

@@ -8,16 +8,44 @@ KV-cache usage metric in current releases.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from caravan.contract import HTTP_PORT_LABEL, StreamTraits
 from caravan.engine_metrics import MetricNames
-from scheduler.engines.base import METRICS_PATH, ResolvedMetrics
-from scheduler.engines.kinds import Driver, Engine
+from scheduler.engines.base import (
+    METRICS_PATH,
+    Driver,
+    EngineFacts,
+    ResolvedMetrics,
+    WeightsFacts,
+)
 
 if TYPE_CHECKING:
-    from scheduler.cluster_config import ClusterConfig
-    from scheduler.profiles import ModelProfile
+    from scheduler.engines.base import EngineProfile
+
+# llama.cpp publishes `server-b<build>` (CPU) and `server-cuda-b<build>` (CUDA)
+# for every release; `server` and `server-cuda` float. Both pins name one
+# build, so a model behaves the same on CPU and GPU nodes.
+LLAMACPP_BUILD = "b11429"
+DEFAULT_LLAMACPP_IMAGE = f"ghcr.io/ggml-org/llama.cpp:server-{LLAMACPP_BUILD}"
+DEFAULT_LLAMACPP_CUDA_IMAGE = f"ghcr.io/ggml-org/llama.cpp:server-cuda-{LLAMACPP_BUILD}"
+
+
+class LlamaCppSettings(BaseModel):
+    """The cluster config's `llamacpp:` section."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    driver: Driver = Driver.RAW_EXEC
+    # Path of `llama-server` on the client nodes, for the raw_exec driver.
+    binary: str = "/usr/local/bin/llama-server"
+    image: str = DEFAULT_LLAMACPP_IMAGE
+    cuda_image: str = DEFAULT_LLAMACPP_CUDA_IMAGE
+    container_port: int = Field(default=8080, ge=1, le=65535)
+
 
 LLAMACPP_METRIC_NAMES = MetricNames(
     running="llamacpp:requests_processing",
@@ -81,44 +109,41 @@ def _has_flag(args: tuple[str, ...], flags: frozenset[str]) -> bool:
     return any(arg.split("=", 1)[0] in flags for arg in args)
 
 
+LLAMACPP_FACTS = EngineFacts(
+    name="llamacpp",
+    shown="llama.cpp",
+    health_path="/health",
+    # llama-server's `--api-key` is also read from LLAMA_API_KEY (common/arg.cpp).
+    api_key_env="LLAMA_API_KEY",
+    managed_flags=MANAGED_FLAGS,
+    denied_flags=DENIED_FLAGS,
+    denied_env=DENIED_ENV,
+    abbreviates_flags=False,
+    stream_traits=STREAM_TRAITS,
+    metrics=LLAMACPP_METRICS,
+    default_prefill_tokens_per_s=2000,
+    # `-m` names a GGUF file: on a cache volume, a file under its path; no
+    # default download (a prefetch gives its own command).
+    weights=WeightsFacts(hub_cache_env=None, offline_env={}, default_download=None),
+)
+
+
+@dataclass(frozen=True, slots=True)
 class LlamaCppAdapter:
-    @property
-    def engine(self) -> Engine:
-        return Engine.LLAMACPP
+    settings: LlamaCppSettings = field(default_factory=LlamaCppSettings)
 
     @property
-    def health_path(self) -> str:
-        return "/health"
+    def facts(self) -> EngineFacts:
+        return LLAMACPP_FACTS
 
     @property
-    def api_key_env(self) -> str:
-        # llama-server's `--api-key` is also read from LLAMA_API_KEY (common/arg.cpp).
-        return "LLAMA_API_KEY"
-
-    @property
-    def managed_flags(self) -> frozenset[str]:
-        return MANAGED_FLAGS
-
-    @property
-    def denied_flags(self) -> tuple[str, ...]:
-        return DENIED_FLAGS
-
-    @property
-    def denied_env(self) -> tuple[str, ...]:
-        return DENIED_ENV
-
-    @property
-    def abbreviates_flags(self) -> bool:
-        return False
-
-    @property
-    def stream_traits(self) -> StreamTraits:
-        return STREAM_TRAITS
+    def images(self) -> frozenset[str]:
+        return frozenset({self.settings.image, self.settings.cuda_image})
 
     def normalise_flag(self, flag: str) -> str:
         return flag
 
-    def check_profile(self, profile: ModelProfile) -> None:
+    def check_profile(self, profile: EngineProfile) -> None:
         if profile.tensor_parallel > 1:
             raise ValueError(
                 "tensor_parallel: llama.cpp replicas do not support tensor parallelism "
@@ -129,41 +154,38 @@ class LlamaCppAdapter:
                 f"nodes: llama.cpp replicas run on one node (got {profile.nodes}); use vLLM or 1"
             )
 
-    def default_metrics(self) -> ResolvedMetrics:
-        return LLAMACPP_METRICS
-
-    def capacity(self, profile: ModelProfile) -> int:
+    def capacity(self, profile: EngineProfile) -> int:
         return profile.max_concurrency or DEFAULT_PARALLEL
 
-    def startup_timeout_s(self, profile: ModelProfile) -> int:
+    def startup_timeout_s(self, profile: EngineProfile) -> int:
         return profile.startup_timeout_s or 300
 
-    def default_memory_mb(self, profile: ModelProfile) -> int:
+    def default_memory_mb(self, profile: EngineProfile) -> int:
         del profile
         return 2048
 
-    def default_cpu_mhz(self, profile: ModelProfile) -> int:
+    def default_cpu_mhz(self, profile: EngineProfile) -> int:
         del profile
         return 1000
 
-    def driver(self, profile: ModelProfile, config: ClusterConfig) -> Driver:
-        return profile.driver or config.llamacpp.driver
+    def driver(self, profile: EngineProfile) -> Driver:
+        return profile.driver or self.settings.driver
 
-    def container_port(self, profile: ModelProfile, config: ClusterConfig) -> int | None:
-        if self.driver(profile, config) is Driver.DOCKER:
-            return config.llamacpp.container_port
+    def container_port(self, profile: EngineProfile) -> int | None:
+        if self.driver(profile) is Driver.DOCKER:
+            return self.settings.container_port
         # raw_exec shares the host network: setting `To` would tell the process
         # a port that was never reserved (facts N18).
         return None
 
-    def threads(self, profile: ModelProfile) -> int:
+    def threads(self, profile: EngineProfile) -> int:
         # One thread per reserved core; with a MHz reservation, one thread,
         # since several replicas then share the node's cores.
         return profile.resources.cores or 1
 
-    def args(self, profile: ModelProfile, config: ClusterConfig) -> list[str]:
-        if self.driver(profile, config) is Driver.DOCKER:
-            host, port = "0.0.0.0", str(config.llamacpp.container_port)  # noqa: S104 - inside the container
+    def args(self, profile: EngineProfile) -> list[str]:
+        if self.driver(profile) is Driver.DOCKER:
+            host, port = "0.0.0.0", str(self.settings.container_port)  # noqa: S104 - inside the container
         else:
             host, port = f"${{NOMAD_IP_{HTTP_PORT_LABEL}}}", f"${{NOMAD_PORT_{HTTP_PORT_LABEL}}}"
         args = [
@@ -191,12 +213,12 @@ class LlamaCppAdapter:
         args += list(profile.engine_args)
         return args
 
-    def task_config(self, profile: ModelProfile, config: ClusterConfig) -> dict[str, Any]:
-        args = self.args(profile, config)
-        if self.driver(profile, config) is Driver.RAW_EXEC:
-            return {"command": config.llamacpp.binary, "args": args}
+    def task_config(self, profile: EngineProfile) -> dict[str, Any]:
+        args = self.args(profile)
+        if self.driver(profile) is Driver.RAW_EXEC:
+            return {"command": self.settings.binary, "args": args}
         image = profile.image or (
-            config.llamacpp.cuda_image if profile.uses_gpu else config.llamacpp.image
+            self.settings.cuda_image if profile.uses_gpu else self.settings.image
         )
         task_config: dict[str, Any] = {"image": image, "args": args, "ports": [HTTP_PORT_LABEL]}
         if profile.model.startswith("/") and profile.weights is None:
@@ -205,3 +227,9 @@ class LlamaCppAdapter:
             folder = profile.model.rsplit("/", 1)[0] or "/"
             task_config["volumes"] = [f"{folder}:{folder}:ro"]
         return task_config
+
+    @property
+    def prefetch_image(self) -> str:
+        # The server image (an Ubuntu base with curl); a llama.cpp prefetch
+        # always gives its own command.
+        return self.settings.image

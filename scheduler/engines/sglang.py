@@ -20,25 +20,45 @@ Stream traits: completions default to `max_tokens: 16` (`CompletionRequest`
 in python/sglang/srt/entrypoints/openai/protocol.py) and a chat request with
 `continue_final_message` continues the last assistant message without
 repeating it, as the OpenAI defaults (`OPENAI_STREAM_TRAITS`) say.
+
+Weights: SGLang loads a Hugging Face model id through `huggingface_hub`, so a
+weights volume is its cache through HF_HOME (and HF_HUB_OFFLINE once a
+prefetch filled it), and a prefetch runs `hf download` in the SGLang image.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from caravan.contract import HTTP_PORT_LABEL, OPENAI_STREAM_TRAITS, StreamTraits
+from pydantic import BaseModel, ConfigDict, Field
+
+from caravan.contract import HTTP_PORT_LABEL, OPENAI_STREAM_TRAITS
 from caravan.engine_metrics import MetricNames
 from scheduler.engines.base import (
+    HF_HUB_WEIGHTS,
     METRICS_PATH,
+    EngineFacts,
     GpuContainerSizing,
     ResolvedMetrics,
     check_gpu_engine,
 )
-from scheduler.engines.kinds import Engine
 
 if TYPE_CHECKING:
-    from scheduler.cluster_config import ClusterConfig
-    from scheduler.profiles import ModelProfile
+    from scheduler.engines.base import EngineProfile
+
+DEFAULT_SGLANG_IMAGE = "lmsysorg/sglang:v0.5.6.post1"
+
+
+class SglangSettings(BaseModel):
+    """The cluster config's `sglang:` section."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    image: str = DEFAULT_SGLANG_IMAGE
+    # Port `sglang.launch_server` listens on inside the container (its default).
+    container_port: int = Field(default=30000, ge=1, le=65535)
+
 
 SGLANG_METRIC_NAMES = MetricNames(
     running="sglang:num_running_reqs",
@@ -85,62 +105,57 @@ DENIED_FLAGS = (
 DENIED_ENV = ("SGLANG_HOST_IP", "SGLANG_PORT", "SGLANG_LOGGING_CONFIG_PATH", API_KEY_ENV)
 
 
+SGLANG_FACTS = EngineFacts(
+    name="sglang",
+    shown="SGLang",
+    health_path="/health",
+    api_key_env=API_KEY_ENV,
+    managed_flags=MANAGED_FLAGS,
+    denied_flags=DENIED_FLAGS,
+    denied_env=DENIED_ENV,
+    # `ServerArgs.add_cli_args` fills a plain argparse parser (prefixes allowed).
+    abbreviates_flags=True,
+    stream_traits=OPENAI_STREAM_TRAITS,
+    metrics=SGLANG_METRICS,
+    default_prefill_tokens_per_s=5000,
+    # SGLang loads `model` through its Hugging Face cache (HF_HOME), as vLLM does.
+    weights=HF_HUB_WEIGHTS,
+)
+
+
+@dataclass(frozen=True, slots=True)
 class SglangAdapter(GpuContainerSizing):
-    @property
-    def engine(self) -> Engine:
-        return Engine.SGLANG
+    settings: SglangSettings = field(default_factory=SglangSettings)
+    # Whether replicas get an API key (the cluster config's `engine_api_keys`).
+    api_keys: bool = True
 
     @property
-    def health_path(self) -> str:
-        return "/health"
+    def facts(self) -> EngineFacts:
+        return SGLANG_FACTS
 
     @property
-    def api_key_env(self) -> str:
-        return API_KEY_ENV
-
-    @property
-    def managed_flags(self) -> frozenset[str]:
-        return MANAGED_FLAGS
-
-    @property
-    def denied_flags(self) -> tuple[str, ...]:
-        return DENIED_FLAGS
-
-    @property
-    def denied_env(self) -> tuple[str, ...]:
-        return DENIED_ENV
-
-    @property
-    def abbreviates_flags(self) -> bool:
-        # `ServerArgs.add_cli_args` fills a plain argparse parser (prefixes allowed).
-        return True
-
-    @property
-    def stream_traits(self) -> StreamTraits:
-        return OPENAI_STREAM_TRAITS
+    def images(self) -> frozenset[str]:
+        return frozenset({self.settings.image})
 
     def normalise_flag(self, flag: str) -> str:
         return flag
 
-    def check_profile(self, profile: ModelProfile) -> None:
-        check_gpu_engine(profile, "sglang", "SGLang")
+    def check_profile(self, profile: EngineProfile) -> None:
+        check_gpu_engine(profile, SGLANG_FACTS)
         if profile.nodes > 1:
             raise ValueError(
                 f"nodes: SGLang replicas run on one node (got {profile.nodes}); "
                 "caravan does not render SGLang's multi-node flags"
             )
 
-    def default_metrics(self) -> ResolvedMetrics:
-        return SGLANG_METRICS
-
-    def capacity(self, profile: ModelProfile) -> int:
+    def capacity(self, profile: EngineProfile) -> int:
         return profile.max_concurrency or DEFAULT_MAX_RUNNING_REQUESTS
 
-    def container_port(self, profile: ModelProfile, config: ClusterConfig) -> int | None:
+    def container_port(self, profile: EngineProfile) -> int | None:
         del profile
-        return config.sglang.container_port
+        return self.settings.container_port
 
-    def args(self, profile: ModelProfile, config: ClusterConfig) -> list[str]:
+    def args(self, profile: EngineProfile) -> list[str]:
         args = [
             "--model-path",
             profile.model,
@@ -152,24 +167,29 @@ class SglangAdapter(GpuContainerSizing):
             "--host",
             "0.0.0.0",  # noqa: S104 - inside the container
             "--port",
-            str(config.sglang.container_port),
+            str(self.settings.container_port),
             "--max-running-requests",
             str(self.capacity(profile)),
             "--enable-metrics",
         ]
         if profile.context_length is not None:
             args += ["--context-length", str(profile.context_length)]
-        if config.engine_api_keys:
+        if self.api_keys:
             args += ["--api-key", f"${{{API_KEY_ENV}}}"]
         args += list(profile.engine_args)
         return args
 
-    def task_config(self, profile: ModelProfile, config: ClusterConfig) -> dict[str, Any]:
+    def task_config(self, profile: EngineProfile) -> dict[str, Any]:
         return {
-            "image": profile.image or config.sglang.image,
+            "image": profile.image or self.settings.image,
             "entrypoint": list(ENTRYPOINT),
-            "args": self.args(profile, config),
+            "args": self.args(profile),
             "ports": [HTTP_PORT_LABEL],
             # Tensor-parallel ranks exchange tensors through /dev/shm (NCCL).
             "shm_size": self.shm_size_bytes(profile),
         }
+
+    @property
+    def prefetch_image(self) -> str:
+        # The SGLang image has `hf` (huggingface_hub), the default download.
+        return self.settings.image

@@ -7,21 +7,38 @@ Flags follow vLLM's documented OpenAI server (`--model`, `--served-model-name`,
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from caravan.contract import HTTP_PORT_LABEL, OPENAI_STREAM_TRAITS, StreamTraits
+from pydantic import BaseModel, ConfigDict, Field
+
+from caravan.contract import HTTP_PORT_LABEL, OPENAI_STREAM_TRAITS
 from caravan.engine_metrics import MetricNames
 from scheduler.engines.base import (
+    HF_HUB_WEIGHTS,
     METRICS_PATH,
+    EngineFacts,
     GpuContainerSizing,
     ResolvedMetrics,
     check_gpu_engine,
 )
-from scheduler.engines.kinds import Engine
 
 if TYPE_CHECKING:
-    from scheduler.cluster_config import ClusterConfig
-    from scheduler.profiles import ModelProfile
+    from scheduler.engines.base import EngineProfile
+
+# Pinned so a cluster never silently changes engine versions under a profile.
+DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
+
+
+class VllmSettings(BaseModel):
+    """The cluster config's `vllm:` section."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    image: str = DEFAULT_VLLM_IMAGE
+    # Port the OpenAI server listens on inside the container.
+    container_port: int = Field(default=8000, ge=1, le=65535)
+
 
 VLLM_METRIC_NAMES = MetricNames(
     running="vllm:num_requests_running",
@@ -73,42 +90,38 @@ DENIED_ENV = (
 DEFAULT_MAX_NUM_SEQS = 256
 
 
+VLLM_FACTS = EngineFacts(
+    name="vllm",
+    shown="vLLM",
+    health_path="/health",
+    # `--api-key` falls back to VLLM_API_KEY (vllm/entrypoints/openai/api_server.py).
+    api_key_env="VLLM_API_KEY",
+    managed_flags=MANAGED_FLAGS,
+    denied_flags=DENIED_FLAGS,
+    denied_env=DENIED_ENV,
+    # vLLM parses with argparse, which accepts an unambiguous prefix of a long flag.
+    abbreviates_flags=True,
+    # Completions keep the OpenAI default of 16 tokens; a continued chat
+    # message is not repeated (`continue_final_message`).
+    stream_traits=OPENAI_STREAM_TRAITS,
+    metrics=VLLM_METRICS,
+    default_prefill_tokens_per_s=20000,
+    # vLLM loads `model` through its Hugging Face cache (HF_HOME).
+    weights=HF_HUB_WEIGHTS,
+)
+
+
+@dataclass(frozen=True, slots=True)
 class VllmAdapter(GpuContainerSizing):
-    @property
-    def engine(self) -> Engine:
-        return Engine.VLLM
+    settings: VllmSettings = field(default_factory=VllmSettings)
 
     @property
-    def health_path(self) -> str:
-        return "/health"
+    def facts(self) -> EngineFacts:
+        return VLLM_FACTS
 
     @property
-    def api_key_env(self) -> str:
-        # `--api-key` falls back to VLLM_API_KEY (vllm/entrypoints/openai/api_server.py).
-        return "VLLM_API_KEY"
-
-    @property
-    def managed_flags(self) -> frozenset[str]:
-        return MANAGED_FLAGS
-
-    @property
-    def denied_flags(self) -> tuple[str, ...]:
-        return DENIED_FLAGS
-
-    @property
-    def denied_env(self) -> tuple[str, ...]:
-        return DENIED_ENV
-
-    @property
-    def abbreviates_flags(self) -> bool:
-        # vLLM parses with argparse, which accepts an unambiguous prefix of a long flag.
-        return True
-
-    @property
-    def stream_traits(self) -> StreamTraits:
-        # Completions keep the OpenAI default of 16 tokens; a continued chat
-        # message is not repeated (`continue_final_message`).
-        return OPENAI_STREAM_TRAITS
+    def images(self) -> frozenset[str]:
+        return frozenset({self.settings.image})
 
     def normalise_flag(self, flag: str) -> str:
         # vLLM's parser reads `--a_b` as `--a-b` and `--x.y=v` as a field of `--x`.
@@ -116,20 +129,17 @@ class VllmAdapter(GpuContainerSizing):
         head, dashes = flag.lstrip("-"), len(flag) - len(flag.lstrip("-"))
         return "-" * dashes + head.replace("_", "-")
 
-    def check_profile(self, profile: ModelProfile) -> None:
-        check_gpu_engine(profile, "vllm", "vLLM")
+    def check_profile(self, profile: EngineProfile) -> None:
+        check_gpu_engine(profile, VLLM_FACTS)
 
-    def default_metrics(self) -> ResolvedMetrics:
-        return VLLM_METRICS
-
-    def capacity(self, profile: ModelProfile) -> int:
+    def capacity(self, profile: EngineProfile) -> int:
         return profile.max_concurrency or DEFAULT_MAX_NUM_SEQS
 
-    def container_port(self, profile: ModelProfile, config: ClusterConfig) -> int | None:
+    def container_port(self, profile: EngineProfile) -> int | None:
         del profile
-        return config.vllm.container_port
+        return self.settings.container_port
 
-    def args(self, profile: ModelProfile, config: ClusterConfig) -> list[str]:
+    def args(self, profile: EngineProfile) -> list[str]:
         args = [
             "--model",
             profile.model,
@@ -138,7 +148,7 @@ class VllmAdapter(GpuContainerSizing):
             "--tensor-parallel-size",
             str(profile.tensor_parallel),
             "--port",
-            str(config.vllm.container_port),
+            str(self.settings.container_port),
             "--max-num-seqs",
             str(self.capacity(profile)),
         ]
@@ -147,10 +157,15 @@ class VllmAdapter(GpuContainerSizing):
         args += list(profile.engine_args)
         return args
 
-    def task_config(self, profile: ModelProfile, config: ClusterConfig) -> dict[str, Any]:
+    def task_config(self, profile: EngineProfile) -> dict[str, Any]:
         return {
-            "image": profile.image or config.vllm.image,
-            "args": self.args(profile, config),
+            "image": profile.image or self.settings.image,
+            "args": self.args(profile),
             "ports": [HTTP_PORT_LABEL],
             "shm_size": self.shm_size_bytes(profile),
         }
+
+    @property
+    def prefetch_image(self) -> str:
+        # The vLLM image has `hf` (huggingface_hub), the default download.
+        return self.settings.image

@@ -27,8 +27,7 @@ from caravan.contract import (
 from caravan.engine_metrics import metric_names_as_published, parse_engine_load
 from caravan_cli.local_stack import LocalStack, StackOptions, local_stack
 from router.settings import RouterSettings
-from scheduler.engines.kinds import Engine
-from scheduler.engines.registry import adapter_for
+from scheduler.engines.registry import Engine, adapter_for
 from scheduler.model_store import ModelStore
 from scheduler.profiles import ModelProfile, load_profile
 
@@ -77,7 +76,7 @@ async def test_sglang_serves_through_the_router(tmp_path: Path) -> None:
         meta = entry.meta
         assert "sglang" == meta[ServiceMetaKey.ENGINE]
         assert "64" == meta[ServiceMetaKey.CAPACITY]
-        assert adapter_for(Engine.SGLANG).stream_traits == decode_stream_traits(meta)
+        assert adapter_for(Engine.SGLANG).facts.stream_traits == decode_stream_traits(meta)
         names = metric_names_as_published(
             meta.get(ServiceMetaKey.METRIC_RUNNING),
             meta.get(ServiceMetaKey.METRIC_WAITING),

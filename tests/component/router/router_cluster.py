@@ -56,7 +56,7 @@ from caravan.contract import (
 from devcluster.consul.server import ConsulConfig, ConsulServer
 from router.app import RUNTIME, RouterRuntime, app_runner, create_app
 from router.settings import RouterSettings
-from scheduler.engines.kinds import Engine as EngineName
+from scheduler.engines.registry import Engine as EngineName
 from scheduler.engines.registry import adapter_for
 
 REPO = Path(__file__).resolve().parents[3]
@@ -187,7 +187,7 @@ def replica_meta(
         ServiceMetaKey.METRIC_WAITING: waiting,
         ServiceMetaKey.METRIC_KV_CACHE: kv,
         ServiceMetaKey.SPEC_HASH: "0123456789abcdef",
-        **encode_stream_traits(adapter_for(EngineName(flavor)).stream_traits),
+        **encode_stream_traits(adapter_for(EngineName(flavor)).facts.stream_traits),
     }
 
 

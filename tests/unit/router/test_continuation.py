@@ -20,13 +20,12 @@ from router.continuation import (
     request_blocker,
     split_complete_events,
 )
-from scheduler.engines.kinds import Engine
-from scheduler.engines.registry import adapter_for
+from scheduler.engines.registry import Engine, adapter_for
 
 
 def traits_of(engine: str) -> StreamTraits:
     """The stream traits the engine's adapter publishes (what the router reads from Meta)."""
-    return adapter_for(Engine(engine)).stream_traits
+    return adapter_for(Engine(engine)).facts.stream_traits
 
 
 def chunk(content: str | None = None, *, finish: str | None = None, **delta: Any) -> dict[str, Any]:

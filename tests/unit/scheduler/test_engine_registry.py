@@ -6,8 +6,7 @@ import pytest
 from profile_builders import make_llamacpp, make_vllm
 
 from caravan.contract import ServiceMetaKey, decode_stream_traits
-from scheduler.engines.kinds import Engine
-from scheduler.engines.registry import adapter_for, all_adapters, engine_key_env_names
+from scheduler.engines.registry import Engine, adapter_for, all_adapters, engine_key_env_names
 from scheduler.profile_policy import DENIED_ENV, DENIED_FLAGS
 from scheduler.profiles import ENGINE_KEY_ENV_NAMES
 from scheduler.render import render
@@ -15,17 +14,17 @@ from scheduler.render import render
 
 @pytest.mark.parametrize("engine", list(Engine))
 def test_every_engine_has_its_own_adapter(engine: Engine) -> None:
-    adapter = adapter_for(engine)
+    facts = adapter_for(engine).facts
 
-    assert engine is adapter.engine
-    assert adapter.managed_flags
-    assert adapter.denied_flags == DENIED_FLAGS[engine]
-    assert set(adapter.denied_env) <= set(DENIED_ENV)
-    assert adapter.api_key_env in ENGINE_KEY_ENV_NAMES
+    assert engine.value == facts.name
+    assert facts.managed_flags
+    assert facts.denied_flags == DENIED_FLAGS[engine]
+    assert set(facts.denied_env) <= set(DENIED_ENV)
+    assert facts.api_key_env in ENGINE_KEY_ENV_NAMES
 
 
 def test_engine_key_variables_are_those_of_the_adapters() -> None:
-    assert {a.api_key_env for a in all_adapters()} == set(engine_key_env_names())
+    assert {a.facts.api_key_env for a in all_adapters()} == set(engine_key_env_names())
     assert len(all_adapters()) == len(Engine)
 
 
@@ -34,5 +33,5 @@ def test_rendered_meta_publishes_the_adapters_stream_traits(profile) -> None:
     """The router keys on these traits; the job publishes exactly its adapter's."""
     meta = render(profile, 0)["Job"]["TaskGroups"][0]["Services"][0]["Meta"]
 
-    assert adapter_for(profile.engine).stream_traits == decode_stream_traits(meta)
+    assert adapter_for(profile.engine).facts.stream_traits == decode_stream_traits(meta)
     assert ServiceMetaKey.PREFILL_ECHO in meta

@@ -339,10 +339,23 @@ def test_restart_policy_nomad_would_refuse_is_refused_by_name(fields: dict[str, 
         ClusterConfig.model_validate(fields)
 
 
-def test_a_declared_prefill_rate_is_published_in_every_replicas_service_meta():
+@pytest.mark.parametrize(
+    ("profile", "expected"),
+    [
+        (make_vllm(prefill_tokens_per_s=8000), "8000"),
+        (make_vllm(), "20000"),
+        (make_llamacpp(), "2000"),
+        (make_vllm(engine="sglang"), "5000"),
+    ],
+    ids=["declared", "vllm-default", "llamacpp-default", "sglang-default"],
+)
+def test_every_replicas_service_meta_publishes_its_prefill_rate(profile, expected: str):
+    """The profile's declared prefill rate, else its engine's default, is always in Meta."""
     key = ServiceMetaKey.PREFILL_TOKENS_PER_S
-    service = group_of(render(make_vllm(prefill_tokens_per_s=8000), 0))["Services"][0]
-    assert service["Meta"][key] == "8000"
-    assert key not in group_of(render(make_vllm(), 0))["Services"][0]["Meta"]
+    assert expected == group_of(render(profile, 0))["Services"][0]["Meta"][key]
+
+
+def test_a_prefill_rate_below_one_token_per_second_is_refused():
+    """A declared prefill rate of zero is refused by name."""
     with pytest.raises(ValueError, match="prefill_tokens_per_s"):
         make_vllm(prefill_tokens_per_s=0)

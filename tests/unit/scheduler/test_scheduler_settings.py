@@ -15,7 +15,7 @@ from pydantic import SecretStr, ValidationError
 from caravan.consul_api import ConsulClient, ConsulSettings
 from caravan.leader import ElectionSettings
 from caravan.nomad_api import NomadClient, NomadSettings
-from caravan.settings_help import env_names, setting_docs
+from caravan.settings_help import env_names, setting_docs, settings_error_lines
 from router.settings import RouterSettings
 from scheduler.app import build_scheduler
 from scheduler.autoscale.loop import AutoscalerSettings
@@ -23,7 +23,7 @@ from scheduler.cluster_config import ClusterConfig
 from scheduler.controller import ControllerSettings
 from scheduler.plan import PlanSettings
 from scheduler.server import deprecated_alias_used
-from scheduler.settings import SchedulerSettings, settings_errors
+from scheduler.settings import SchedulerSettings
 
 REPO = Path(__file__).resolve().parents[3]
 TOKEN = "t" * 32
@@ -138,7 +138,7 @@ def test_a_bad_value_names_its_variable(
     monkeypatch.setenv(variable, value)
     with pytest.raises(ValidationError) as caught:
         SchedulerSettings()
-    lines = settings_errors(caught.value)
+    lines = settings_error_lines(SchedulerSettings, caught.value)
     assert 1 == len(lines)
     assert variable in lines[0].split(": ")[0].split(" or ")
 

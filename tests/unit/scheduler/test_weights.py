@@ -214,6 +214,58 @@ def test_prefetch_job_writes_the_volume_with_secrets_by_reference() -> None:
     assert render_prefetch(_profile(CPU), ClusterConfig(), []) is None
 
 
+SGLANG = {**VLLM, "engine": "sglang"}
+# Every engine section names an image no other section does.
+OWN_IMAGES = ClusterConfig.model_validate(
+    {
+        "vllm": {"image": "registry.example/vllm:1"},
+        "sglang": {"image": "registry.example/sglang:1"},
+        "llamacpp": {"image": "registry.example/llama:1", "cuda_image": "registry.example/cu:1"},
+    }
+)
+
+
+def _prefetch_task(profile: Any, config: ClusterConfig = OWN_IMAGES) -> dict[str, Any]:
+    body = render_prefetch(profile, config, secret_templates(profile))
+    assert body is not None
+    task: dict[str, Any] = body["Job"]["TaskGroups"][0]["Tasks"][0]
+    return task
+
+
+def test_sglang_uses_the_volume_as_its_hf_cache_as_vllm_does() -> None:
+    """SGLang's replicas and its prefetch get HF_HOME on the volume, offline once prefetched."""
+    task = render(_profile(SGLANG), 0)["Job"]["TaskGroups"][0]["Tasks"][0]
+    assert {"HF_HOME": "/models", "HF_HUB_OFFLINE": "1"} == task["Env"]
+    prefetch = _prefetch_task(_profile(SGLANG))
+    assert {"HF_HOME": "/models"} == prefetch["Env"]
+    assert ["download", "Qwen/Qwen2.5-7B-Instruct"] == prefetch["Config"]["args"]
+    assert "HF_HOME is set by weights.path" in _problems(SGLANG, env={"HF_HOME": "/x"})
+
+
+@pytest.mark.parametrize(
+    ("base", "image"),
+    [
+        (VLLM, "registry.example/vllm:1"),
+        (SGLANG, "registry.example/sglang:1"),
+        (
+            {**CPU, "weights": _weights(prefetch={"command": ["curl", "-o", "/models/tiny.gguf"]})},
+            "registry.example/llama:1",
+        ),
+    ],
+    ids=["vllm", "sglang", "llamacpp"],
+)
+def test_each_engines_prefetch_runs_in_its_own_image(base: dict[str, Any], image: str) -> None:
+    """A prefetch that names no image runs in its engine's image from the cluster config."""
+    assert image == _prefetch_task(_profile(base))["Config"]["image"]
+
+
+def test_a_llamacpp_prefetch_gets_no_hub_cache_variable() -> None:
+    """llama.cpp loads a file from the volume, so neither replica nor prefetch gets HF_HOME."""
+    profile = _profile(CPU, weights=_weights(prefetch={"command": ["true"]}))
+    assert {} == _prefetch_task(profile)["Env"]
+    assert "HF_HOME" not in render(profile, 0)["Job"]["TaskGroups"][0]["Tasks"][0]["Env"]
+
+
 def _observed(state: PrefetchState, spec_hash: str, failure: str | None = None) -> ObservedPrefetch:
     return ObservedPrefetch(
         job_id="caravan-qwen-prefetch",
