@@ -465,11 +465,6 @@ class AdmissionGate:
             return
 
 
-def continuation_features(features: RequestFeatures, tried: frozenset[str]) -> RequestFeatures:
-    """The features of a retry or continuation: the same request, minus what it tried."""
-    return replace(features, exclude=tried)
-
-
 def model_label(state: RoutingState, model: str) -> str:
     """The `model` label of a request: the model if Consul knows it, else `OTHER_MODEL`."""
     return model if state.view.is_known(model) else OTHER_MODEL

@@ -18,7 +18,8 @@ For one candidate endpoint, the estimate is
   predicted hits the engine's own prefix-cache counters confirmed.
 - `rate`: prefill tokens per second, learned per endpoint from the streams it
   served (work ahead of the request over its observed time to first token),
-  seeded by a per-engine default.
+  seeded by the rate the endpoint's Meta declares (the profile's, else its
+  engine's default, published by the scheduler), else one fallback.
 - `running`: requests decoding there (this router's, plus other routers'
   from the scrape); each slows a prefill step a little.
 
@@ -57,9 +58,8 @@ class CostConfig:
     """The cost model's constants; rates and capacities here are only the defaults."""
 
     shape: ShapeConfig = field(default_factory=ShapeConfig)
-    # Prefill tokens per second before anything is learned, by the endpoint's engine.
-    vllm_prefill_tokens_per_s: float = 20000.0
-    llamacpp_prefill_tokens_per_s: float = 2000.0
+    # Prefill tokens per second before anything is learned, for an endpoint whose
+    # Meta declares no rate (the scheduler publishes one for every engine it knows).
     other_prefill_tokens_per_s: float = 5000.0
     # KV capacity (tokens) the index assumes when the engine does not report one.
     default_kv_cache_tokens: int = 65536
@@ -89,8 +89,6 @@ class CostConfig:
 
     def __post_init__(self) -> None:
         for name in (
-            "vllm_prefill_tokens_per_s",
-            "llamacpp_prefill_tokens_per_s",
             "other_prefill_tokens_per_s",
             "default_kv_cache_tokens",
             "default_prompt_tokens",
@@ -108,12 +106,16 @@ class CostConfig:
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
 
-    def default_rate(self, engine: str) -> float:
-        if engine == "vllm":
-            return self.vllm_prefill_tokens_per_s
-        if engine == "llamacpp":
-            return self.llamacpp_prefill_tokens_per_s
-        return self.other_prefill_tokens_per_s
+
+def default_rate(endpoint: Endpoint, config: CostConfig) -> float:
+    """The endpoint's prefill rate before anything is learned: its Meta's, else the fallback.
+
+    The scheduler publishes the profile's `prefill_tokens_per_s`, else its
+    engine's default, in every replica's Meta; the router knows no engine.
+    """
+    if endpoint.prefill_tokens_per_s is not None:
+        return float(endpoint.prefill_tokens_per_s)
+    return config.other_prefill_tokens_per_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,17 +189,15 @@ def prefill_rate(
     `peer_rate` is what the endpoint's fellow replicas learned (same model):
     a replica that has served nothing yet must not look several times faster
     than the others because the default is optimistic, or a burst piles onto it.
-    Before any replica has learned, the rate its profile declares
-    (`prefill_tokens_per_s`, from Meta) stands in for the engine's default.
+    Before any replica has learned, the rate its Meta declares stands in
+    (`default_rate`).
     """
     learned = state.prefill_rate_tps
     if learned is not None:
         return learned
     if peer_rate is not None:
         return peer_rate
-    if endpoint.prefill_tokens_per_s is not None:
-        return float(endpoint.prefill_tokens_per_s)
-    return config.default_rate(endpoint.engine)
+    return default_rate(endpoint, config)
 
 
 def peer_rate(states: Iterable[EndpointLiveState]) -> float | None:

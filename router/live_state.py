@@ -31,6 +31,7 @@ from router.cost_model import (
     CostConfig,
     cache_hit_factor,
     cached_tokens,
+    default_rate,
     foreign_queue,
     index_capacity_blocks,
     learned_rate,
@@ -229,7 +230,7 @@ class Prefill:
     work_tokens: float
     running: float
     sent_at: float
-    # The endpoint's engine default rate, which bounds what one observation teaches.
+    # The endpoint's declared (Meta) or fallback rate: bounds what one observation teaches.
     default_rate: float
     # When its first token is expected (the endpoint's drain clock at send time).
     expected_at: float
@@ -279,7 +280,7 @@ def begin_prefill(
         work_tokens=ahead + foreign_tokens + uncached,
         running=running,
         sent_at=now,
-        default_rate=config.default_rate(endpoint.engine),
+        default_rate=default_rate(endpoint, config),
         expected_at=state.prefill_busy_until,
     )
     state.prefilling += 1

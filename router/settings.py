@@ -150,10 +150,14 @@ class RouterSettings(BaseSettings):
     prefix_block_chars: int = Field(default=128, ge=16)
     # Characters per token when the router estimates a prompt's tokens.
     chars_per_token: float = Field(default=4.0, gt=0)
-    # Prefill rates assumed until the router has learned an endpoint's own.
-    vllm_prefill_tokens_per_s: float = Field(default=20000.0, gt=0)
-    llamacpp_prefill_tokens_per_s: float = Field(default=2000.0, gt=0)
+    # Prefill rate assumed for an endpoint whose Meta declares none (the scheduler
+    # publishes the profile's `prefill_tokens_per_s`, else its engine's default),
+    # until the router has learned the endpoint's own.
     other_prefill_tokens_per_s: float = Field(default=5000.0, gt=0)
+    # Retired: one rate per engine named here; the scheduler publishes each replica's
+    # rate in its Meta now (the router knows no engine). Setting either is an error.
+    vllm_prefill_tokens_per_s: float | None = None
+    llamacpp_prefill_tokens_per_s: float | None = None
     # KV capacity the prefix index assumes for an engine that does not report one.
     default_kv_cache_tokens: int = Field(default=65536, ge=1)
 
@@ -178,6 +182,17 @@ class RouterSettings(BaseSettings):
                 "forward_authorization is retired: clients' Authorization headers are never "
                 "sent to engines; the router sends each engine its model's key "
                 "(engine_api_keys, docs/security.md)"
+            )
+        return value
+
+    @field_validator("vllm_prefill_tokens_per_s", "llamacpp_prefill_tokens_per_s")
+    @classmethod
+    def _engine_rates_retired(cls, value: float | None) -> float | None:
+        if value is not None:
+            raise ValueError(
+                "per-engine prefill rates are retired: each replica's Meta carries its "
+                "rate (the profile's prefill_tokens_per_s, else its engine's default); "
+                "other_prefill_tokens_per_s is the one fallback for a replica without one"
             )
         return value
 
@@ -206,8 +221,6 @@ class RouterSettings(BaseSettings):
                 shape=ShapeConfig(
                     block_chars=self.prefix_block_chars, chars_per_token=self.chars_per_token
                 ),
-                vllm_prefill_tokens_per_s=self.vllm_prefill_tokens_per_s,
-                llamacpp_prefill_tokens_per_s=self.llamacpp_prefill_tokens_per_s,
                 other_prefill_tokens_per_s=self.other_prefill_tokens_per_s,
                 default_kv_cache_tokens=self.default_kv_cache_tokens,
             ),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from router.cost_model import (
     CacheFigures,
     CostConfig,
     cache_hit_factor,
+    default_rate,
     estimate,
     foreign_queue,
     learned_rate,
@@ -108,7 +110,7 @@ class TestEstimate:
         assert warm.seconds < cold.seconds < busy.seconds
         assert warm.cached_tokens > 0.9 * shape.tokens
         assert cold.cached_tokens == 0
-        rate = COST.vllm_prefill_tokens_per_s
+        rate = COST.other_prefill_tokens_per_s
         assert cold.seconds == pytest.approx(COST.base_s + shape.tokens / rate)
         assert busy.seconds - cold.seconds == pytest.approx(4000 / rate)
 
@@ -139,9 +141,14 @@ class TestEstimate:
         without = estimate(snapshot.by_id["e0"], live["e0"], shape, NOW, COST, max_age_s=5)
         assert with_scrape.seconds == pytest.approx(without.seconds)
 
-    def test_engines_have_their_own_default_rates(self) -> None:
-        assert COST.default_rate("vllm") > COST.default_rate("llamacpp")
-        assert COST.default_rate("sglang") == COST.other_prefill_tokens_per_s
+    def test_the_default_rate_is_the_endpoints_meta_else_one_fallback_for_any_engine(self) -> None:
+        """The router names no engine: Meta's rate, else `other_prefill_tokens_per_s`."""
+        endpoint = four().by_id["e0"]
+        declared = dataclasses.replace(endpoint, prefill_tokens_per_s=12000)
+        assert default_rate(declared, COST) == 12000.0
+        for engine in ("vllm", "llamacpp", "sglang"):
+            undeclared = dataclasses.replace(endpoint, engine=engine, prefill_tokens_per_s=None)
+            assert default_rate(undeclared, COST) == COST.other_prefill_tokens_per_s
 
 
 class TestLearning:
@@ -444,7 +451,7 @@ class TestDrainClock:
         big = PromptShape(blocks=(), tokens=4000, ring_key=1)
         start_request(live, "e0", CONFIG.breaker, NOW)
         begin_prefill(live, endpoint, big, NOW, COST, max_age_s=5)
-        rate = COST.vllm_prefill_tokens_per_s
+        rate = COST.other_prefill_tokens_per_s
         small = PromptShape(blocks=(), tokens=100, ring_key=2)
         at_send = estimate(endpoint, live["e0"], small, NOW, COST, max_age_s=5)
         later = estimate(endpoint, live["e0"], small, NOW + 3000 / rate, COST, max_age_s=5)
@@ -489,7 +496,7 @@ def test_an_engine_behind_its_clock_counts_its_queue_whole() -> None:
     small = PromptShape(blocks=(), tokens=100, ring_key=2)
     idle = estimate(endpoint, EndpointLiveState(), small, NOW, COST, max_age_s=5)
     late = estimate(endpoint, live["e0"], small, busy_until + 0.5, COST, max_age_s=5)
-    assert late.seconds - idle.seconds == pytest.approx(4000 / COST.vllm_prefill_tokens_per_s)
+    assert late.seconds - idle.seconds == pytest.approx(4000 / COST.other_prefill_tokens_per_s)
 
 
 def test_a_first_token_during_the_scrape_is_not_another_routers_queue() -> None:

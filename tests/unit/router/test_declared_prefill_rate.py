@@ -49,7 +49,7 @@ def test_the_cost_model_starts_from_it_until_something_is_learned() -> None:
     live = live_for(snapshot)
     declared, undeclared = (snapshot.by_id[i] for i in ("e0", "e1"))
     assert prefill_rate(declared, live["e0"], COST) == 6000.0
-    assert prefill_rate(undeclared, live["e1"], COST) == COST.vllm_prefill_tokens_per_s
+    assert prefill_rate(undeclared, live["e1"], COST) == COST.other_prefill_tokens_per_s
     # What replicas measured wins over what was declared.
     assert prefill_rate(declared, live["e0"], COST, peer_rate=4500.0) == 4500.0
     live["e0"].prefill_rate_tps = 5100.0
