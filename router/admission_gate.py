@@ -69,7 +69,16 @@ from router.errors import (
     QueueTimeout,
     ReplacementTimeout,
 )
-from router.live_state import Lease, Outcome, finish_request, start_request
+from router.live_state import (
+    Lease,
+    Outcome,
+    Prefill,
+    begin_prefill,
+    end_prefill,
+    finish_request,
+    peer_rate_of,
+    start_request,
+)
 from router.metrics import OTHER_MODEL, RouterMetrics
 from router.model_failures import ModelFailures
 from router.replacement import still_excluded
@@ -92,6 +101,8 @@ class Admitted:
 
     endpoint: Endpoint
     lease: Lease
+    # Its prompt as the cost model counts it there, until its first byte or its end.
+    prefill: Prefill | None = None
 
 
 @dataclass(slots=True)
@@ -229,7 +240,7 @@ class AdmissionGate:
         if isinstance(result, Picked):
             if not self._queues.depth(model):
                 self._metrics.for_model(model).wait.observe(0.0)
-                return self._lease(result.endpoint, now)
+                return self._lease(result.endpoint, features, now)
             # Capacity exists but others were first: wait behind them.
             result = NotPicked(NoEndpointReason.AT_CAPACITY)
         declared = model in state.view.profiles
@@ -250,7 +261,7 @@ class AdmissionGate:
         )
         match decision:
             case Admit(endpoint=endpoint):
-                return self._lease(endpoint, now)
+                return self._lease(endpoint, features, now)
             case UnknownModel():
                 raise ModelNotFound(model)
             case Reject():
@@ -268,8 +279,28 @@ class AdmissionGate:
             case _:
                 assert_never(decision)
 
+    def first_byte(self, admitted: Admitted) -> None:
+        """The endpoint's answer reached the client: its prefill is over (the cost model learns)."""
+        if admitted.prefill is not None:
+            end_prefill(
+                self._state.live,
+                admitted.prefill,
+                self._clock(),
+                self._balancer.cost,
+                first_token=True,
+            )
+
     def finish(self, admitted: Admitted, outcome: Outcome) -> None:
         """Give the lease back with what it said about the endpoint; wakes waiters."""
+        if admitted.prefill is not None:
+            # Ended without a first byte (or after it: then this does nothing).
+            end_prefill(
+                self._state.live,
+                admitted.prefill,
+                self._clock(),
+                self._balancer.cost,
+                first_token=False,
+            )
         finish_request(
             self._state.live, admitted.lease, outcome, self._balancer.breaker, self._clock()
         )
@@ -349,9 +380,22 @@ class AdmissionGate:
             memory=self._memory,
         )
 
-    def _lease(self, endpoint: Endpoint, now: float) -> Admitted:
-        lease = start_request(self._state.live, endpoint.id, self._balancer.breaker, now)
-        return Admitted(endpoint, lease)
+    def _lease(self, endpoint: Endpoint, features: RequestFeatures, now: float) -> Admitted:
+        """Count the request on the endpoint, and its prompt for the cost model."""
+        live = self._state.live
+        lease = start_request(live, endpoint.id, self._balancer.breaker, now)
+        if features.prompt is None:
+            return Admitted(endpoint, lease)
+        prefill = begin_prefill(
+            live,
+            endpoint,
+            features.prompt,
+            now,
+            self._balancer.cost,
+            max_age_s=self._balancer.load_max_age_s,
+            peer=peer_rate_of(self._state.view.snapshot, live, features.model),
+        )
+        return Admitted(endpoint, lease, prefill)
 
     async def _wait(
         self,
@@ -452,7 +496,7 @@ class AdmissionGate:
                     waiter.features = replace(waiter.features, exclude=exclude)
             result = self._pick(waiter.features, now)
             if isinstance(result, Picked):
-                waiter.future.set_result(self._lease(result.endpoint, now))
+                waiter.future.set_result(self._lease(result.endpoint, waiter.features, now))
                 continue
             if result.reason is NoEndpointReason.ALL_EXCLUDED and not (
                 waiter.replacement and ticket.cold_start

@@ -17,7 +17,8 @@ closes last.
 
 Every request passes the request guard (`router.request_guard`: keys, rate
 limits, priority grants, body limits, OpenAI-shaped errors) before its
-handler; the proxy itself no longer checks keys.
+handler; the guard parses each body once and hands the proxy the result
+(`router.parsed_request`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from router.load_scraper import LoadScraper
 from router.metrics import EndpointGauge, RouterMetrics, RouterStateView
 from router.model_failures import ModelFailures, watch_failures
 from router.proxy import Proxy, RequestLog, log_request
-from router.request_guard import RequestGuard, current_key_name
+from router.request_guard import RequestGuard
 from router.routing_state import RoutingState
 from router.settings import RouterSettings
 
@@ -199,15 +200,14 @@ class RouterRuntime:
         # The port /health is checked on: the admin listener's when there is one.
         self.admin_port: int | None = None
         self.proxy = Proxy(
-            # Keys are checked once, by the request guard, for every route.
-            settings.model_copy(update={"api_keys": ()}),
+            settings,
             state=self.state,
             gate=self.gate,
             session=self.session,
             metrics=self.metrics,
             clock=clock,
             wall_clock=wall_clock,
-            request_log=_with_key_name(request_log or log_request),
+            request_log=request_log or log_request,
             engine_keys=self.engine_keys,
         )
         self.metrics.add_state_collector(self.state_view)
@@ -377,18 +377,6 @@ def key_ring(settings: RouterSettings) -> KeyRing:
     """The plain keys and the key file's entries; ApiKeyError naming the file if it is bad."""
     entries = load_key_file(settings.api_keys_file) if settings.api_keys_file else ()
     return build_key_ring(settings.api_keys, entries, default_priority=settings.default_priority)
-
-
-def _with_key_name(write: RequestLog) -> RequestLog:
-    """The canonical line, with the name of the request's API key when it has one."""
-
-    def write_with_key(fields: dict[str, object]) -> None:
-        key_name = current_key_name.get()
-        if key_name is not None:
-            fields["key"] = key_name
-        write(fields)
-
-    return write_with_key
 
 
 def create_app(
