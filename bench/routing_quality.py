@@ -877,18 +877,20 @@ def offline_cell(
         pick,
     )
     from router.breaker import BreakerPolicy  # noqa: PLC0415
-    from router.cost_model import CacheFigures  # noqa: PLC0415
-    from router.endpoints import snapshot_from_health  # noqa: PLC0415
-    from router.live_state import (  # noqa: PLC0415
-        Lease,
+    from router.cost_model import (  # noqa: PLC0415
+        CacheFigures,
         Prefill,
         begin_prefill,
         end_prefill,
+        peer_rate_of,
+        record_cache_figures,
+    )
+    from router.endpoints import snapshot_from_health  # noqa: PLC0415
+    from router.live_state import (  # noqa: PLC0415
+        Lease,
         finish_request,
         own_counts,
-        peer_rate_of,
         reconcile_live_state,
-        record_cache_figures,
         record_load,
         start_request,
     )

@@ -61,6 +61,7 @@ from router.balancer import (
     RequestFeatures,
     pick,
 )
+from router.cost_model import Prefill, begin_prefill, end_prefill, peer_rate_of
 from router.endpoints import Endpoint
 from router.errors import (
     ModelNotFound,
@@ -69,16 +70,7 @@ from router.errors import (
     QueueTimeout,
     ReplacementTimeout,
 )
-from router.live_state import (
-    Lease,
-    Outcome,
-    Prefill,
-    begin_prefill,
-    end_prefill,
-    finish_request,
-    peer_rate_of,
-    start_request,
-)
+from router.live_state import Lease, Outcome, finish_request, start_request
 from router.metrics import OTHER_MODEL, RouterMetrics
 from router.model_failures import ModelFailures
 from router.replacement import still_excluded

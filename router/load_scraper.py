@@ -36,10 +36,15 @@ from caravan.engine_scrape import (
     fetch_metrics_text,
     relevant_lines,
 )
-from router.cost_model import CACHE_FIGURE_NAMES, CostConfig, parse_cache_figures
+from router.cost_model import (
+    CACHE_FIGURE_NAMES,
+    CostConfig,
+    parse_cache_figures,
+    record_cache_figures,
+)
 from router.endpoints import CheckStatus, Endpoint
 from router.engine_keys import EngineKeySource
-from router.live_state import forget_load, own_counts, record_cache_figures, record_load
+from router.live_state import forget_load, own_counts, record_load
 from router.metrics import RouterMetrics
 from router.routing_state import RoutingState
 

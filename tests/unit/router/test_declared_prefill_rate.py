@@ -52,6 +52,6 @@ def test_the_cost_model_starts_from_it_until_something_is_learned() -> None:
     assert prefill_rate(undeclared, live["e1"], COST) == COST.other_prefill_tokens_per_s
     # What replicas measured wins over what was declared.
     assert prefill_rate(declared, live["e0"], COST, peer_rate=4500.0) == 4500.0
-    live["e0"].prefill_rate_tps = 5100.0
+    live["e0"].cost.prefill_rate_tps = 5100.0
     assert prefill_rate(declared, live["e0"], COST, peer_rate=4500.0) == 5100.0
     assert dataclasses.replace(declared, prefill_tokens_per_s=None).prefill_tokens_per_s is None
