@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from caravan.consul_api import ConsulSettings
 from router.balancer import Policy
-from router.server import run
+from router.entry import run
 from router.settings import RouterSettings
 
 

@@ -8,7 +8,7 @@ import sys
 from pydantic import ValidationError
 
 from caravan.settings_help import parse_process_args
-from router.server import run
+from router.entry import run
 from router.settings import RouterSettings
 
 DESCRIPTION = (
