@@ -9,9 +9,9 @@ import sys
 from pydantic import ValidationError
 
 from caravan.consul_api import ConsulSettings
-from router.balancer import Policy
-from router.entry import run
+from router.core.balancer import Policy
 from router.settings import RouterSettings
+from router.wiring.entry import run
 
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

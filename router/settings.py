@@ -16,11 +16,11 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from caravan.contract import KVLayout
-from router.admission import AdmissionPolicy
-from router.balancer import BalancerConfig, Policy
-from router.breaker import BreakerPolicy
-from router.cost_model import CostConfig
-from router.prefix_index import ShapeConfig
+from router.core.admission import AdmissionPolicy
+from router.core.balancer import BalancerConfig, Policy
+from router.core.breaker import BreakerPolicy
+from router.core.cost_model import CostConfig
+from router.core.prefix_index import ShapeConfig
 
 MIB = 1024 * 1024
 
@@ -116,12 +116,12 @@ class RouterSettings(BaseSettings):
     log_format: Literal["json", "text"] = "json"
     # Processes serving the one port (SO_REUSEPORT), each with its own event loop,
     # Consul watches, scrapes and admission state; the parent registers in Consul
-    # and serves /health and /metrics for all of them (router/workers.py).
+    # and serves /health and /metrics for all of them (router/wiring/workers.py).
     workers: int = Field(default=1, ge=1, le=256)
 
     # -- hardening (router/README.md, docs/security.md "Router hardening") --------
     # Named keys with a priority ceiling and a rate limit: a YAML/JSON list of
-    # {name, key, max_priority, rps, burst} (router/api_keys.py); adds to api_keys.
+    # {name, key, max_priority, rps, burst} (router/edge/api_keys.py); adds to api_keys.
     api_keys_file: Path | None = None
     # Honour x-caravan-priority from clients when no API key is configured (with
     # keys, each key's max_priority bounds it instead).
@@ -145,7 +145,7 @@ class RouterSettings(BaseSettings):
     admin_host: str = "127.0.0.1"
     admin_port: int | None = Field(default=None, ge=0, le=65535)
 
-    # -- predicted_ttft cost model (router/cost_model.py) ---------------------------
+    # -- predicted_ttft cost model (router/core/cost_model.py) ---------------------------
     # Prompts are cut into blocks of this many characters for the prefix index.
     prefix_block_chars: int = Field(default=128, ge=16)
     # Characters per token when the router estimates a prompt's tokens.

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from router_builders import MODEL, endpoint_entry, live_for, snapshot_of
 
 from caravan.engine_metrics import EngineLoad, EngineMetricsParseError
-from router.balancer import (
+from router.core.balancer import (
     BalancerConfig,
     NotPicked,
     Picked,
@@ -23,7 +23,7 @@ from router.balancer import (
     RequestFeatures,
     pick,
 )
-from router.cost_model import (
+from router.core.cost_model import (
     CacheFigures,
     CostConfig,
     CostState,
@@ -38,15 +38,15 @@ from router.cost_model import (
     peer_rate_of,
     record_cache_figures,
 )
-from router.endpoints import EndpointSnapshot
-from router.live_state import (
+from router.core.endpoints import EndpointSnapshot
+from router.core.live_state import (
     EndpointLiveState,
     LiveStates,
     own_counts,
     record_load,
     start_request,
 )
-from router.prefix_index import PromptShape, ShapeConfig, prompt_shape
+from router.core.prefix_index import PromptShape, ShapeConfig, prompt_shape
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "metrics"
 SHAPE = ShapeConfig(block_chars=32, chars_per_token=4.0)

@@ -16,8 +16,8 @@ from caravan.contract import (
     decode_prefill_rate,
     encode_prefill_rate,
 )
-from router.cost_model import CostConfig, prefill_rate
-from router.endpoints import MalformedEntryError, endpoint_from_entry
+from router.core.cost_model import CostConfig, prefill_rate
+from router.core.endpoints import MalformedEntryError, endpoint_from_entry
 
 KEY = ServiceMetaKey.PREFILL_TOKENS_PER_S
 COST = CostConfig()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from router.balancer import Policy
+from router.core.balancer import Policy
 from router.settings import RouterSettings
 
 

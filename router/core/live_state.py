@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from router.breaker import (
+from router.core.breaker import (
     CLOSED,
     BreakerPolicy,
     BreakerState,
@@ -26,12 +26,12 @@ from router.breaker import (
     record_success,
     release_probe,
 )
-from router.cost_model import CostState
-from router.endpoints import CheckStatus
+from router.core.cost_model import CostState
+from router.core.endpoints import CheckStatus
 
 if TYPE_CHECKING:
     from caravan.engine_metrics import EngineLoad
-    from router.endpoints import EndpointSnapshot
+    from router.core.endpoints import EndpointSnapshot
 
 
 @dataclass(slots=True)
@@ -47,7 +47,7 @@ class EndpointLiveState:
     # The last successful scrape of the engine, and when it was taken (router clock).
     load: EngineLoad | None = None
     load_scraped_at: float | None = None
-    # The cost model's bookkeeping of its prefills there (router.cost_model).
+    # The cost model's bookkeeping of its prefills there (router.core.cost_model).
     cost: CostState = field(default_factory=CostState)
 
 

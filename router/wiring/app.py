@@ -1,7 +1,7 @@
 """Wiring: build the router's objects, its aiohttp app, and own its background tasks.
 
     app = create_app(settings, consul=consul, registry=CollectorRegistry())
-    runner = app_runner(app, settings)          # guarded connections (router.http_limits)
+    runner = app_runner(app, settings)          # guarded connections (router.edge.http_limits)
     await runner.setup(); await web.TCPSite(runner, host, port).start()
     # optional: app_runner(create_admin_app(app[RUNTIME]), settings, listener="admin")
     await app[RUNTIME].register(bound_port)      # Consul service `caravan-router`
@@ -15,10 +15,10 @@ from `cleanup_ctx` and cancelled when the app is cleaned up, after in-flight
 requests had their `shutdown_timeout_s`; the shared `aiohttp.ClientSession`
 closes last.
 
-Every request passes the request guard (`router.request_guard`: keys, rate
+Every request passes the request guard (`router.edge.request_guard`: keys, rate
 limits, priority grants, body limits, OpenAI-shaped errors) before its
 handler; the guard parses each body once and hands the proxy the result
-(`router.parsed_request`).
+(`router.edge.parsed_request`).
 """
 
 from __future__ import annotations
@@ -37,22 +37,23 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from caravan.consul_api import HttpCheck, ServiceRegistration
 from caravan.contract import ROUTER_SERVICE, RouterMetaKey, router_metrics_addr
-from router.admission_gate import AdmissionGate, DemandSignal, DemandStore
-from router.api_keys import KeyRing, build_key_ring, load_key_file
-from router.breaker import phase_at
-from router.discovery import Discovery, DiscoveryConsul
-from router.endpoints import CheckStatus
-from router.engine_keys import EngineKeys, VariableReader
-from router.http_limits import ConnectionGuard, GuardedAppRunner, default_connection_limit
-from router.load_scraper import LoadScraper
+from router.core.breaker import phase_at
+from router.core.endpoints import CheckStatus
+from router.core.routing_state import RoutingState
+from router.edge.admission_gate import AdmissionGate, DemandSignal, DemandStore
+from router.edge.api_keys import KeyRing, build_key_ring, load_key_file
+from router.edge.http_limits import ConnectionGuard, GuardedAppRunner, default_connection_limit
+from router.edge.proxy import Proxy, RequestLog, log_request
+from router.edge.request_guard import RequestGuard
+from router.feeds.discovery import Discovery, DiscoveryConsul
+from router.feeds.engine_keys import EngineKeys, VariableReader
+from router.feeds.load_scraper import LoadScraper
+from router.feeds.model_failures import ModelFailures, watch_failures
 from router.metrics import EndpointGauge, RouterMetrics, RouterStateView
-from router.model_failures import ModelFailures, watch_failures
-from router.proxy import Proxy, RequestLog, log_request
-from router.request_guard import RequestGuard
-from router.routing_state import RoutingState
 from router.settings import RouterSettings
 
-log = logging.getLogger(__name__)
+# Named as before the router's sub-packages: the logger is a field of every log line.
+log = logging.getLogger("router.app")
 
 # Routers are control-plane services, not model replicas: never tag them `caravan`.
 ROUTER_TAG = "caravan-control"
@@ -392,7 +393,7 @@ def create_app(
     """The router's aiohttp application; `consul` must be open for the app's lifetime.
 
     `request_log` writes the canonical line of each request (default: stdlib
-    logging on `router.proxy`). `nomad` (open for the app's lifetime too) is
+    logging on `router.edge.proxy`). `nomad` (open for the app's lifetime too) is
     where the engines' API keys are read from when `engine_api_keys` is on;
     without it no key is sent upstream.
     """
@@ -443,7 +444,7 @@ def _admin_routes(runtime: RouterRuntime) -> list[web.RouteDef]:
 def app_runner(
     app: web.Application, settings: RouterSettings, *, listener: str = "public"
 ) -> web.AppRunner:
-    """The runner to serve the app with (`router.http_limits`: header timeout, connection cap).
+    """The runner to serve the app with (`router.edge.http_limits`: header timeout, connection cap).
 
     Client disconnects cancel handlers (logged as 499).
     """

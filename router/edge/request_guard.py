@@ -2,15 +2,15 @@
 
 For every request, before any handler:
 
-1. tell the connection (`router.http_limits`) its headers are in (it stops
+1. tell the connection (`router.edge.http_limits`) its headers are in (it stops
    the header deadline; the connection notes the end of the response itself);
-2. on `/v1/` routes: authenticate the key (`router.api_keys`, 401), apply its
+2. on `/v1/` routes: authenticate the key (`router.edge.api_keys`, 401), apply its
    rate limit (429 + Retry-After), and grant `x-caravan-priority` as far as
    the key may go (`grant_priority`);
 3. on POST: read the body within `body_read_timeout_s` (408 and close on
    expiry: a trickling body cannot hold a connection), within
    `max_body_bytes` (413), and check and parse it, once
-   (`router.request_body.validate_body`: nesting depth, strict JSON, an
+   (`router.edge.request_body.validate_body`: nesting depth, strict JSON, an
    object, the types of `model`, `stream`, `messages`; 400 naming the
    problem). The handler gets the result as a `ParsedRequest` (body, payload,
    key name, granted priority, request id) under `PARSED_REQUEST`, and never
@@ -34,8 +34,7 @@ from types import MappingProxyType
 
 from aiohttp import web
 
-from router.api_keys import ApiKey, KeyRing, RateLimits, grant_priority
-from router.errors import (
+from router.core.errors import (
     InvalidRequest,
     MethodNotAllowed,
     RateLimited,
@@ -47,18 +46,20 @@ from router.errors import (
     error_body,
     retry_after_s,
 )
-from router.http_limits import SERVER_HEADER, GuardedRequestHandler
-from router.metrics import RouterMetrics
-from router.parsed_request import (
+from router.edge.api_keys import ApiKey, KeyRing, RateLimits, grant_priority
+from router.edge.http_limits import SERVER_HEADER, GuardedRequestHandler
+from router.edge.parsed_request import (
     MAX_REQUEST_ID_CHARS,
     PARSED_REQUEST,
     PRIORITY_HEADER,
     REQUEST_ID_HEADER,
     ParsedRequest,
 )
-from router.request_body import validate_body
+from router.edge.request_body import validate_body
+from router.metrics import RouterMetrics
 
-log = logging.getLogger(__name__)
+# Named as before the router's sub-packages: the logger is a field of every log line.
+log = logging.getLogger("router.request_guard")
 
 _MAX_PRIORITY_CHARS = 20
 

@@ -1,8 +1,8 @@
 """The router process's entry point (`python -m router`, `caravan router`).
 
-One router serves by itself (`router.server.run`); with `settings.workers`
+One router serves by itself (`router.wiring.server.run`); with `settings.workers`
 above 1 the process becomes the supervisor of that many workers
-(`router.workers.supervise`), each of which serves through `router.server`.
+(`router.wiring.workers.supervise`), each of which serves through `router.wiring.server`.
 Kept apart from both so that they import one way: workers -> server.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from router.server import run as serve_one
-from router.server import start_up
 from router.settings import RouterSettings
-from router.workers import supervise
+from router.wiring.server import run as serve_one
+from router.wiring.server import start_up
+from router.wiring.workers import supervise
 
 
 def run(settings: RouterSettings, environ: Mapping[str, str]) -> int:

@@ -17,7 +17,7 @@ comment every `cold_start_keepalive_s` through the `hold` callback.
 
 A retry or continuation whose replica died (`admit(..., replacement=True)`)
 and that finds every endpoint already tried is held the same way, for the
-replacement the scheduler rebuilds (`router.replacement`): while it waits, a
+replacement the scheduler rebuilds (`router.core.replacement`): while it waits, a
 tried endpoint that Consul reports critical or that left the catalog stops
 being excluded, so a replica restarted in place is taken again once it passes.
 
@@ -40,7 +40,7 @@ from typing import Protocol, assert_never
 
 from caravan.contract import DemandRecord, KVLayout, encode_demand
 from caravan.errors import HashiError
-from router.admission import (
+from router.core.admission import (
     AdmissionPolicy,
     AdmissionQueues,
     Admit,
@@ -50,7 +50,7 @@ from router.admission import (
     UnknownModel,
     decide_admission,
 )
-from router.balancer import (
+from router.core.balancer import (
     BalancerConfig,
     NoEndpointReason,
     NotPicked,
@@ -61,22 +61,23 @@ from router.balancer import (
     RequestFeatures,
     pick,
 )
-from router.cost_model import Prefill, begin_prefill, end_prefill, peer_rate_of
-from router.endpoints import Endpoint
-from router.errors import (
+from router.core.cost_model import Prefill, begin_prefill, end_prefill, peer_rate_of
+from router.core.endpoints import Endpoint
+from router.core.errors import (
     ModelNotFound,
     ModelUnavailable,
     NoHealthyEndpoint,
     QueueTimeout,
     ReplacementTimeout,
 )
-from router.live_state import Lease, Outcome, finish_request, start_request
+from router.core.live_state import Lease, Outcome, finish_request, start_request
+from router.core.replacement import still_excluded
+from router.core.routing_state import KnownModel, RoutingState
+from router.feeds.model_failures import ModelFailures
 from router.metrics import OTHER_MODEL, RouterMetrics
-from router.model_failures import ModelFailures
-from router.replacement import still_excluded
-from router.routing_state import KnownModel, RoutingState
 
-log = logging.getLogger(__name__)
+# Named as before the router's sub-packages: the logger is a field of every log line.
+log = logging.getLogger("router.admission_gate")
 
 Hold = Callable[[], Awaitable[None]]
 # Priority of a continuation after a mid-stream failure: its client is already
@@ -102,7 +103,7 @@ class _Waiter:
     ticket: Ticket
     features: RequestFeatures
     future: asyncio.Future[Admitted]
-    # Held for the replacement of a dead replica (router.replacement).
+    # Held for the replacement of a dead replica (router.core.replacement).
     replacement: bool = False
 
 
@@ -218,7 +219,7 @@ class AdmissionGate:
         `hold` is awaited when a cold-start wait begins and every keep-alive
         interval during it (streams use it to send SSE comments).
         `replacement`: the request's replica died in a way that a rebuilt one
-        can make good (`router.replacement.waits_for_replacement`); when every
+        can make good (`router.core.replacement.waits_for_replacement`); when every
         endpoint was already tried, wait for one up to the cold-start deadline.
         """
         now = self._clock()

@@ -29,19 +29,27 @@ from caravan.consul_api import ConsulClient, ConsulSettings
 from caravan.errors import HashiError
 from caravan.log_format import BufferedLineHandler, configure_logging
 from caravan.nomad_api import NomadClient, NomadSettings
-from router.api_keys import ApiKeyError
-from router.app import RUNTIME, RouterRuntime, app_runner, create_admin_app, create_app, key_ring
-from router.proxy import RequestLog, log_request
+from router.edge.api_keys import ApiKeyError
+from router.edge.proxy import RequestLog, log_request
 from router.settings import RouterSettings
+from router.wiring.app import (
+    RUNTIME,
+    RouterRuntime,
+    app_runner,
+    create_admin_app,
+    create_app,
+    key_ring,
+)
 
-log = logging.getLogger(__name__)
+# Named as before the router's sub-packages: the logger is a field of every log line.
+log = logging.getLogger("router.server")
 
 _REGISTER_RETRY_S = (1.0, 2.0, 5.0, 10.0)
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerRole:
-    """How a worker of `caravan router --workers N` (router/workers.py) serves.
+    """How a worker of `caravan router --workers N` (router/wiring/workers.py) serves.
 
     It binds the shared public port with SO_REUSEPORT, prints nothing, never
     registers in Consul, stops on SIGTERM (or when its parent is gone, through
@@ -266,8 +274,8 @@ def run(
 ) -> int:
     """Serve as one router (or as `worker`, one of a supervisor's) until stopped; the exit code.
 
-    `router.entry.run` is the process entry point: it comes here unless
-    `settings.workers` asks for a supervisor (router/workers.py).
+    `router.wiring.entry.run` is the process entry point: it comes here unless
+    `settings.workers` asks for a supervisor (router/wiring/workers.py).
     """
     startup = start_up(settings, environ)
     if isinstance(startup, int):

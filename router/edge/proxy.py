@@ -2,7 +2,7 @@
 
 Per request:
 
-1. take the `ParsedRequest` the request guard built (`router.parsed_request`:
+1. take the `ParsedRequest` the request guard built (`router.edge.parsed_request`:
    the body read and parsed once, the key's name, the granted priority, the
    request id) and derive the balancer's features (affinity key, prompt shape);
 2. `AdmissionGate.admit` gives an endpoint and a lease (or queues, holds for a
@@ -22,11 +22,11 @@ another endpoint (the tried ones excluded), up to `max_attempts`, but only
 while nothing from any engine has reached the client. Once a stream has
 started, an engine that dies (reset, EOF without `[DONE]`, silent for
 `stream_idle_timeout_s`) is replaced by a continuation on another endpoint,
-written into the same response (`router.continuation`); when no faithful
+written into the same response (`router.edge.continuation`); when no faithful
 continuation is possible the stream ends with an SSE error event and
 `[DONE]`. When the replica that died was the last one (every endpoint
 tried), the retry or continuation is held for its replacement, like a cold
-start (`router.replacement`). Every lease is given back exactly once, with
+start (`router.core.replacement`). Every lease is given back exactly once, with
 its verdict for the endpoint's breaker: success, failure (connect error,
 5xx, broken stream) or none (4xx, client gone).
 
@@ -49,29 +49,10 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from caravan.contract import OPENAI_STREAM_TRAITS
-from router.admission_gate import (
-    CONTINUATION_PRIORITY,
-    AdmissionGate,
-    Admitted,
-    Hold,
-    model_label,
-)
-from router.affinity import affinity_key
-from router.balancer import Policy, RequestFeatures
-from router.continuation import (
-    DONE_EVENT,
-    ContinuationRewriter,
-    StreamAccount,
-    StreamKind,
-    Unfaithful,
-    build_continuation,
-    cut_at_engine_stop,
-    error_event,
-    split_complete_events,
-)
-from router.endpoints import CheckStatus, Endpoint
-from router.engine_keys import EngineKeySource
-from router.errors import (
+from router.core.affinity import affinity_key
+from router.core.balancer import Policy, RequestFeatures
+from router.core.endpoints import CheckStatus, Endpoint
+from router.core.errors import (
     AdmissionRejected,
     ModelNotFound,
     NoHealthyEndpoint,
@@ -87,16 +68,41 @@ from router.errors import (
     UpstreamTimeout,
     error_body,
 )
-from router.live_state import Outcome
+from router.core.live_state import Outcome
+from router.core.prefix_index import prompt_shape
+from router.core.replacement import replacement_outcome, waits_for_replacement
+from router.core.routing_state import RoutingState
+from router.edge.admission_gate import (
+    CONTINUATION_PRIORITY,
+    AdmissionGate,
+    Admitted,
+    Hold,
+    model_label,
+)
+from router.edge.continuation import (
+    DONE_EVENT,
+    ContinuationRewriter,
+    StreamAccount,
+    StreamKind,
+    Unfaithful,
+    build_continuation,
+    cut_at_engine_stop,
+    error_event,
+    split_complete_events,
+)
+from router.edge.parsed_request import (
+    PARSED_REQUEST,
+    PRIORITY_HEADER,
+    REQUEST_ID_HEADER,
+    ParsedRequest,
+)
+from router.edge.request_guard import error_response
+from router.feeds.engine_keys import EngineKeySource
 from router.metrics import FailoverOutcome, RequestOutcome, RouterMetrics
-from router.parsed_request import PARSED_REQUEST, PRIORITY_HEADER, REQUEST_ID_HEADER, ParsedRequest
-from router.prefix_index import prompt_shape
-from router.replacement import replacement_outcome, waits_for_replacement
-from router.request_guard import error_response
-from router.routing_state import RoutingState
 from router.settings import RouterSettings
 
-log = logging.getLogger(__name__)
+# Named as before the router's sub-packages: the logger is a field of every log line.
+log = logging.getLogger("router.proxy")
 
 HOLD_COMMENT = b": waiting for a replica\n\n"
 # An SSE event larger than this without a blank line is not SSE.

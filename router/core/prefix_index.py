@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from router.affinity import content_text, stable_hash
+from router.core.affinity import content_text, stable_hash
 
 DEFAULT_BLOCK_CHARS = 128
 DEFAULT_CHARS_PER_TOKEN = 4.0

@@ -1,7 +1,7 @@
 """One client request as the router's edge parsed it: built once, read by every handler.
 
-The request guard (`router.request_guard`) reads the body, checks and parses
-it (`router.request_body.validate_body`), authenticates the key and grants its
+The request guard (`router.edge.request_guard`) reads the body, checks and parses
+it (`router.edge.request_body.validate_body`), authenticates the key and grants its
 priority, and puts the result on the aiohttp request under `PARSED_REQUEST`.
 The proxy takes it from there: nothing downstream reads the body, parses
 JSON or looks at the key or the priority header again.

@@ -38,14 +38,14 @@ from typing import TYPE_CHECKING, Protocol
 from prometheus_client.parser import text_string_to_metric_families
 
 from caravan.engine_metrics import EngineMetricsParseError
-from router.prefix_index import BlockIndex, ShapeConfig
+from router.core.prefix_index import BlockIndex, ShapeConfig
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
     from caravan.engine_metrics import EngineLoad
-    from router.endpoints import Endpoint, EndpointSnapshot
-    from router.prefix_index import PromptShape
+    from router.core.endpoints import Endpoint, EndpointSnapshot
+    from router.core.prefix_index import PromptShape
 
 VLLM_CACHE_CONFIG = "vllm:cache_config_info"
 VLLM_PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
@@ -174,7 +174,7 @@ class CostState:
 
 
 class EndpointView(Protocol):
-    """What the cost model reads of an endpoint's live state (`router.live_state`)."""
+    """What the cost model reads of an endpoint's live state (`router.core.live_state`)."""
 
     @property
     def in_flight(self) -> int: ...
