@@ -104,7 +104,7 @@ class BalancerConfig:
 
 @dataclass(frozen=True, slots=True)
 class RequestFeatures:
-    """What the balancer reads from a request (parsed once by the proxy)."""
+    """What the balancer reads from a request (derived by the proxy from its ParsedRequest)."""
 
     model: str
     affinity_key: int | None = None  # router.core.affinity.affinity_key of the body
