@@ -28,7 +28,7 @@ COPY examples/profiles/ examples/profiles/
 RUN pip install . \
     && site="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
     && rm -rf "$site/devcluster" "$site/caravan_cli/example_profiles_data" /build \
-    && python -c 'import caravan_cli.main, router.app, scheduler.app'
+    && python -c 'import caravan_cli.main, router.wiring.app, scheduler.app'
 
 # A fixed, unprivileged user: the processes need no root and write nothing
 # outside Nomad's task directories.

@@ -868,7 +868,7 @@ def offline_cell(
         StepPlan,
         prompt_block_hashes,
     )
-    from router.balancer import (  # noqa: PLC0415
+    from router.core.balancer import (  # noqa: PLC0415
         BalancerConfig,
         Picked,
         PickerMemory,
@@ -876,24 +876,26 @@ def offline_cell(
         RequestFeatures,
         pick,
     )
-    from router.breaker import BreakerPolicy  # noqa: PLC0415
-    from router.cost_model import CacheFigures  # noqa: PLC0415
-    from router.endpoints import snapshot_from_health  # noqa: PLC0415
-    from router.live_state import (  # noqa: PLC0415
-        Lease,
+    from router.core.breaker import BreakerPolicy  # noqa: PLC0415
+    from router.core.cost_model import (  # noqa: PLC0415
+        CacheFigures,
         Prefill,
         begin_prefill,
         end_prefill,
+        peer_rate_of,
+        record_cache_figures,
+    )
+    from router.core.endpoints import snapshot_from_health  # noqa: PLC0415
+    from router.core.live_state import (  # noqa: PLC0415
+        Lease,
         finish_request,
         own_counts,
-        peer_rate_of,
         reconcile_live_state,
-        record_cache_figures,
         record_load,
         start_request,
     )
-    from router.live_state import Outcome as RouterOutcome  # noqa: PLC0415
-    from router.prefix_index import prompt_shape  # noqa: PLC0415
+    from router.core.live_state import Outcome as RouterOutcome  # noqa: PLC0415
+    from router.core.prefix_index import prompt_shape  # noqa: PLC0415
 
     perf = PerfModel(
         max_num_seqs=fleet.max_num_seqs,

@@ -54,8 +54,8 @@ from devcluster.cluster import DevCluster
 from devcluster.consul.server import ConsulConfig
 from devcluster.llama_server_build import find_llama_server
 from devcluster.nomad.settings import NomadServerSettings, default_nodes
-from router.app import RUNTIME, app_runner, create_app
 from router.settings import RouterSettings
+from router.wiring.app import RUNTIME, app_runner, create_app
 from scheduler.app import SchedulerProcess, build_scheduler
 from scheduler.cluster_config import ClusterConfig, LlamaCppSettings
 from scheduler.profile_policy import ProfilePolicy

@@ -9,9 +9,9 @@ from pydantic import ValidationError
 
 from caravan.consul_api import ConsulSettings
 from caravan.settings_help import print_settings_errors
-from router.balancer import Policy
-from router.server import run
+from router.core.balancer import Policy
 from router.settings import RouterSettings
+from router.wiring.entry import run
 
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -8,8 +8,8 @@ import sys
 from pydantic import ValidationError
 
 from caravan.settings_help import parse_process_args
-from router.server import run
 from router.settings import RouterSettings
+from router.wiring.entry import run
 
 DESCRIPTION = (
     "Run a caravan router: route OpenAI requests to the model replicas Consul reports ready. "

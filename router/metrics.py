@@ -192,7 +192,7 @@ class RouterMetrics:
             ["model", "outcome"],
             registry=registry,
         )
-        # Outcomes: router.replacement.ReplacementOutcome; kind: stream or unary.
+        # Outcomes: router.core.replacement.ReplacementOutcome; kind: stream or unary.
         self.replacement_holds = Counter(
             "caravan_router_replacement_holds_total",
             "Retries and stream continuations held for the replacement of a dead last replica, "
@@ -217,7 +217,7 @@ class RouterMetrics:
             registry=registry,
         )
         # Endpoint verification (docs/security.md): labels are the reason
-        # (router.endpoints.UnverifiedReason) and what was done about it.
+        # (router.core.endpoints.UnverifiedReason) and what was done about it.
         self.unverified_endpoints = Counter(
             "caravan_router_unverified_endpoints_total",
             "Consul service instances tagged caravan that caravan did not place, each counted "

@@ -16,11 +16,11 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from caravan.contract import KVLayout
-from router.admission import AdmissionPolicy
-from router.balancer import BalancerConfig, Policy
-from router.breaker import BreakerPolicy
-from router.cost_model import CostConfig
-from router.prefix_index import ShapeConfig
+from router.core.admission import AdmissionPolicy
+from router.core.balancer import BalancerConfig, Policy
+from router.core.breaker import BreakerPolicy
+from router.core.cost_model import CostConfig
+from router.core.prefix_index import ShapeConfig
 
 MIB = 1024 * 1024
 
@@ -116,12 +116,12 @@ class RouterSettings(BaseSettings):
     log_format: Literal["json", "text"] = "json"
     # Processes serving the one port (SO_REUSEPORT), each with its own event loop,
     # Consul watches, scrapes and admission state; the parent registers in Consul
-    # and serves /health and /metrics for all of them (router/workers.py).
+    # and serves /health and /metrics for all of them (router/wiring/workers.py).
     workers: int = Field(default=1, ge=1, le=256)
 
     # -- hardening (router/README.md, docs/security.md "Router hardening") --------
     # Named keys with a priority ceiling and a rate limit: a YAML/JSON list of
-    # {name, key, max_priority, rps, burst} (router/api_keys.py); adds to api_keys.
+    # {name, key, max_priority, rps, burst} (router/edge/api_keys.py); adds to api_keys.
     api_keys_file: Path | None = None
     # Honour x-caravan-priority from clients when no API key is configured (with
     # keys, each key's max_priority bounds it instead).
@@ -145,15 +145,19 @@ class RouterSettings(BaseSettings):
     admin_host: str = "127.0.0.1"
     admin_port: int | None = Field(default=None, ge=0, le=65535)
 
-    # -- predicted_ttft cost model (router/cost_model.py) ---------------------------
+    # -- predicted_ttft cost model (router/core/cost_model.py) ---------------------------
     # Prompts are cut into blocks of this many characters for the prefix index.
     prefix_block_chars: int = Field(default=128, ge=16)
     # Characters per token when the router estimates a prompt's tokens.
     chars_per_token: float = Field(default=4.0, gt=0)
-    # Prefill rates assumed until the router has learned an endpoint's own.
-    vllm_prefill_tokens_per_s: float = Field(default=20000.0, gt=0)
-    llamacpp_prefill_tokens_per_s: float = Field(default=2000.0, gt=0)
+    # Prefill rate assumed for an endpoint whose Meta declares none (the scheduler
+    # publishes the profile's `prefill_tokens_per_s`, else its engine's default),
+    # until the router has learned the endpoint's own.
     other_prefill_tokens_per_s: float = Field(default=5000.0, gt=0)
+    # Retired: one rate per engine named here; the scheduler publishes each replica's
+    # rate in its Meta now (the router knows no engine). Setting either is an error.
+    vllm_prefill_tokens_per_s: float | None = None
+    llamacpp_prefill_tokens_per_s: float | None = None
     # KV capacity the prefix index assumes for an engine that does not report one.
     default_kv_cache_tokens: int = Field(default=65536, ge=1)
 
@@ -178,6 +182,17 @@ class RouterSettings(BaseSettings):
                 "forward_authorization is retired: clients' Authorization headers are never "
                 "sent to engines; the router sends each engine its model's key "
                 "(engine_api_keys, docs/security.md)"
+            )
+        return value
+
+    @field_validator("vllm_prefill_tokens_per_s", "llamacpp_prefill_tokens_per_s")
+    @classmethod
+    def _engine_rates_retired(cls, value: float | None) -> float | None:
+        if value is not None:
+            raise ValueError(
+                "per-engine prefill rates are retired: each replica's Meta carries its "
+                "rate (the profile's prefill_tokens_per_s, else its engine's default); "
+                "other_prefill_tokens_per_s is the one fallback for a replica without one"
             )
         return value
 
@@ -206,8 +221,6 @@ class RouterSettings(BaseSettings):
                 shape=ShapeConfig(
                     block_chars=self.prefix_block_chars, chars_per_token=self.chars_per_token
                 ),
-                vllm_prefill_tokens_per_s=self.vllm_prefill_tokens_per_s,
-                llamacpp_prefill_tokens_per_s=self.llamacpp_prefill_tokens_per_s,
                 other_prefill_tokens_per_s=self.other_prefill_tokens_per_s,
                 default_kv_cache_tokens=self.default_kv_cache_tokens,
             ),

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
 from router.metrics import RouterMetrics, RouterStateView
-from router.workers import merge_expositions
+from router.wiring.workers import merge_expositions
 from scheduler.metrics import SchedulerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]

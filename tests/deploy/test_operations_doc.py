@@ -28,7 +28,7 @@ from test_grafana_dashboard import (
 from caravan.contract import KVLayout, ModelFailure, ScaleOverride
 from caravan_cli.main import build_parser
 from router.metrics import EndpointGauge, RouterMetrics, RouterStateCollector, RouterStateView
-from router.workers import merge_expositions
+from router.wiring.workers import merge_expositions
 from scheduler.metrics import SchedulerMetrics
 
 OPERATIONS_DOC = ROOT / "docs" / "operations.md"

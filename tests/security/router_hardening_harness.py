@@ -23,9 +23,9 @@ from prometheus_client import CollectorRegistry
 from caravan.consul_api import ConsulClient, ConsulSettings, ServiceRegistration
 from caravan.contract import ServiceMetaKey, model_service_name
 from devcluster.consul.server import ConsulConfig, ConsulServer
-from router.app import RUNTIME, RouterRuntime, app_runner, create_admin_app, create_app
-from router.proxy import RequestLog
+from router.edge.proxy import RequestLog
 from router.settings import RouterSettings
+from router.wiring.app import RUNTIME, RouterRuntime, app_runner, create_admin_app, create_app
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny"

@@ -41,7 +41,7 @@ from devcluster.engine.flags import parse_engine_args
 from devcluster.engine.server import run_engine
 from devcluster.llama_server_build import find_llama_server
 from devcluster.nomad.variables import workload_may_read
-from router.engine_keys import EngineKeys as RouterEngineKeys
+from router.feeds.engine_keys import EngineKeys as RouterEngineKeys
 from router.settings import RouterSettings
 from scheduler.autoscale.scrape import ReplicaTarget, scrape_replicas
 from scheduler.cluster_config import ClusterConfig

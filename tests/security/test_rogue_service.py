@@ -42,7 +42,7 @@ from caravan_cli.local_stack import (
     local_stack,
     running_router,
 )
-from router.balancer import Policy
+from router.core.balancer import Policy
 from router.settings import RouterSettings
 from scheduler.model_store import ModelStore
 from scheduler.profiles import load_profile

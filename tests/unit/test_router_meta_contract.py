@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from caravan.contract import RouterMetaKey, router_metrics_addr, router_metrics_base_url
-from router.app import router_registration
 from router.settings import RouterSettings
+from router.wiring.app import router_registration
 
 
 def test_without_the_meta_key_metrics_are_on_the_public_port() -> None:

@@ -54,8 +54,8 @@ from caravan.contract import (
     replica_job_id,
 )
 from devcluster.consul.server import ConsulConfig, ConsulServer
-from router.app import RUNTIME, RouterRuntime, app_runner, create_app
 from router.settings import RouterSettings
+from router.wiring.app import RUNTIME, RouterRuntime, app_runner, create_app
 from scheduler.engines.registry import Engine as EngineName
 from scheduler.engines.registry import adapter_for
 

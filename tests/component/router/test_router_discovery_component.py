@@ -23,8 +23,8 @@ from router_cluster import (
 
 from caravan.consul_api import ConsulClient, ConsulSettings
 from caravan.contract import replica_job_id
-from router.app import app_runner, create_app
 from router.settings import RouterSettings
+from router.wiring.app import app_runner, create_app
 
 MODEL = "tiny"
 

@@ -26,7 +26,7 @@ def loaded_after(statement: str) -> set[str]:
 @pytest.mark.parametrize(
     "statement",
     [
-        "import router.app, scheduler.app",
+        "import router.wiring.app, scheduler.app",
         "import caravan_cli.main; caravan_cli.main.build_parser()",
     ],
 )

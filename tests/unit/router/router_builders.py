@@ -7,8 +7,8 @@ from typing import Any
 
 from caravan.consul_api import HealthEntry
 from caravan.engine_metrics import EngineLoad
-from router.endpoints import EndpointSnapshot, snapshot_from_health
-from router.live_state import EndpointLiveState, LiveStates, reconcile_live_state
+from router.core.endpoints import EndpointSnapshot, snapshot_from_health
+from router.core.live_state import EndpointLiveState, LiveStates, reconcile_live_state
 
 MODEL = "qwen2.5-7b-instruct"
 SERVICE = "caravan-qwen2-5-7b"

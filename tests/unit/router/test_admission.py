@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from router_builders import endpoint_entry, snapshot_of
 
-from router.admission import (
+from router.core.admission import (
     AdmissionPolicy,
     AdmissionQueues,
     Admit,
@@ -16,8 +16,8 @@ from router.admission import (
     UnknownModel,
     decide_admission,
 )
-from router.balancer import NoEndpointReason, NotPicked, Picked
-from router.errors import NoHealthyEndpoint, QueueFull, QueueTimeout
+from router.core.balancer import NoEndpointReason, NotPicked, Picked
+from router.core.errors import NoHealthyEndpoint, QueueFull, QueueTimeout
 
 POLICY = AdmissionPolicy(
     max_queue_per_model=2,

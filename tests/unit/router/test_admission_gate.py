@@ -11,13 +11,13 @@ from prometheus_client import CollectorRegistry
 from router_builders import MODEL, endpoint_entry, snapshot_of
 
 from caravan.contract import KVLayout
-from router.admission import AdmissionPolicy
-from router.admission_gate import AdmissionGate, DemandSignal
-from router.balancer import BalancerConfig, Policy, RequestFeatures
-from router.errors import ModelNotFound, NoHealthyEndpoint, QueueTimeout
-from router.live_state import Outcome, reconcile_live_state
+from router.core.admission import AdmissionPolicy
+from router.core.balancer import BalancerConfig, Policy, RequestFeatures
+from router.core.errors import ModelNotFound, NoHealthyEndpoint, QueueTimeout
+from router.core.live_state import Outcome, reconcile_live_state
+from router.core.routing_state import KnownModel, RoutingState, RoutingView
+from router.edge.admission_gate import AdmissionGate, DemandSignal
 from router.metrics import RouterMetrics
-from router.routing_state import KnownModel, RoutingState, RoutingView
 
 
 class FakeStore:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from router.api_keys import (
+from router.edge.api_keys import (
     MIN_PRIORITY,
     ApiKey,
     ApiKeyError,

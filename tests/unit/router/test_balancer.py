@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from router_builders import MODEL, endpoint_entry, live_for, loaded, snapshot_of
 
-from router.affinity import load_bound, stable_hash
-from router.balancer import (
+from router.core.affinity import load_bound, stable_hash
+from router.core.balancer import (
     BalancerConfig,
     Candidate,
     NoEndpointReason,
@@ -29,9 +29,9 @@ from router.balancer import (
     pick,
     queue_scores,
 )
-from router.breaker import BreakerPhase, BreakerState, allows_request
-from router.endpoints import CheckStatus, EndpointSnapshot
-from router.live_state import EndpointLiveState, LiveStates
+from router.core.breaker import BreakerPhase, BreakerState, allows_request
+from router.core.endpoints import CheckStatus, EndpointSnapshot
+from router.core.live_state import EndpointLiveState, LiveStates
 
 CONFIG = BalancerConfig()
 NOW = 100.0

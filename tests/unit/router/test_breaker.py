@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.breaker import (
+from router.core.breaker import (
     CLOSED,
     BreakerPhase,
     BreakerPolicy,

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from caravan.contract import StreamTraits
-from router.continuation import (
+from router.edge.continuation import (
     DONE_EVENT,
     ContinuationRewriter,
     StreamAccount,

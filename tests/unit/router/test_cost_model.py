@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from router_builders import MODEL, endpoint_entry, live_for, snapshot_of
 
 from caravan.engine_metrics import EngineLoad, EngineMetricsParseError
-from router.balancer import (
+from router.core.balancer import (
     BalancerConfig,
     NotPicked,
     Picked,
@@ -22,28 +23,30 @@ from router.balancer import (
     RequestFeatures,
     pick,
 )
-from router.cost_model import (
+from router.core.cost_model import (
     CacheFigures,
     CostConfig,
+    CostState,
+    begin_prefill,
     cache_hit_factor,
+    default_rate,
+    end_prefill,
     estimate,
     foreign_queue,
     learned_rate,
     parse_cache_figures,
-)
-from router.endpoints import EndpointSnapshot
-from router.live_state import (
-    EndpointLiveState,
-    LiveStates,
-    begin_prefill,
-    end_prefill,
-    own_counts,
     peer_rate_of,
     record_cache_figures,
+)
+from router.core.endpoints import EndpointSnapshot
+from router.core.live_state import (
+    EndpointLiveState,
+    LiveStates,
+    own_counts,
     record_load,
     start_request,
 )
-from router.prefix_index import PromptShape, ShapeConfig, prompt_shape
+from router.core.prefix_index import PromptShape, ShapeConfig, prompt_shape
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "metrics"
 SHAPE = ShapeConfig(block_chars=32, chars_per_token=4.0)
@@ -100,22 +103,21 @@ class TestEstimate:
         idle = EndpointLiveState()
         cold = estimate(endpoint, idle, shape, NOW, COST, max_age_s=5)
         warm_state = EndpointLiveState()
-        warm_state.prefix.record(shape.blocks, 1000)
+        warm_state.cost.prefix.record(shape.blocks, 1000)
         warm = estimate(endpoint, warm_state, shape, NOW, COST, max_age_s=5)
-        busy = estimate(
-            endpoint, EndpointLiveState(queued_prefill_tokens=4000), shape, NOW, COST, max_age_s=5
-        )
+        busy_state = EndpointLiveState(cost=CostState(queued_prefill_tokens=4000))
+        busy = estimate(endpoint, busy_state, shape, NOW, COST, max_age_s=5)
         assert warm.seconds < cold.seconds < busy.seconds
         assert warm.cached_tokens > 0.9 * shape.tokens
         assert cold.cached_tokens == 0
-        rate = COST.vllm_prefill_tokens_per_s
+        rate = COST.other_prefill_tokens_per_s
         assert cold.seconds == pytest.approx(COST.base_s + shape.tokens / rate)
         assert busy.seconds - cold.seconds == pytest.approx(4000 / rate)
 
     def test_other_routers_queue_shows_through_the_scrape_and_drains_with_age(self) -> None:
         endpoint = four().by_id["e0"]
         shape = PromptShape(blocks=(), tokens=100, ring_key=1)
-        state = EndpointLiveState(mean_prompt_tokens=2000.0)
+        state = EndpointLiveState(cost=CostState(mean_prompt_tokens=2000.0))
         record_live = {"e0": state}
         record_load(record_live, "e0", EngineLoad(running=2, waiting=5, kv_cache_usage=0.5), NOW)
         fresh = estimate(endpoint, state, shape, NOW, COST, max_age_s=5)
@@ -139,9 +141,14 @@ class TestEstimate:
         without = estimate(snapshot.by_id["e0"], live["e0"], shape, NOW, COST, max_age_s=5)
         assert with_scrape.seconds == pytest.approx(without.seconds)
 
-    def test_engines_have_their_own_default_rates(self) -> None:
-        assert COST.default_rate("vllm") > COST.default_rate("llamacpp")
-        assert COST.default_rate("sglang") == COST.other_prefill_tokens_per_s
+    def test_the_default_rate_is_the_endpoints_meta_else_one_fallback_for_any_engine(self) -> None:
+        """The router names no engine: Meta's rate, else `other_prefill_tokens_per_s`."""
+        endpoint = four().by_id["e0"]
+        declared = dataclasses.replace(endpoint, prefill_tokens_per_s=12000)
+        assert default_rate(declared, COST) == 12000.0
+        for engine in ("vllm", "llamacpp", "sglang"):
+            undeclared = dataclasses.replace(endpoint, engine=engine, prefill_tokens_per_s=None)
+            assert default_rate(undeclared, COST) == COST.other_prefill_tokens_per_s
 
 
 class TestLearning:
@@ -174,11 +181,11 @@ class TestLearning:
         start_request(live, "e1", CONFIG.breaker, NOW)
         prefill = begin_prefill(live, snapshot.by_id["e1"], shape, NOW, COST, max_age_s=5)
         assert prefill is not None
-        assert (live["e1"].prefilling, live["e1"].queued_prefill_tokens) == (1, 2000)
+        assert (live["e1"].cost.prefilling, live["e1"].cost.queued_prefill_tokens) == (1, 2000)
         end_prefill(live, prefill, NOW + COST.base_s + 0.5, COST, first_token=True)
         end_prefill(live, prefill, NOW + 9, COST, first_token=True)  # twice: no effect
-        assert (live["e1"].prefilling, live["e1"].queued_prefill_tokens) == (0, 0)
-        assert live["e1"].prefill_rate_tps == pytest.approx(4000)
+        assert (live["e1"].cost.prefilling, live["e1"].cost.queued_prefill_tokens) == (0, 0)
+        assert live["e1"].cost.prefill_rate_tps == pytest.approx(4000)
 
     def test_a_failed_attempt_teaches_nothing(self) -> None:
         snapshot = four()
@@ -188,8 +195,8 @@ class TestLearning:
         prefill = begin_prefill(live, snapshot.by_id["e1"], shape, NOW, COST, max_age_s=5)
         assert prefill is not None
         end_prefill(live, prefill, NOW + 30, COST, first_token=False)
-        assert live["e1"].prefill_rate_tps is None
-        assert live["e1"].queued_prefill_tokens == 0
+        assert live["e1"].cost.prefill_rate_tps is None
+        assert live["e1"].cost.queued_prefill_tokens == 0
 
 
 class TestEngineCacheFigures:
@@ -210,9 +217,9 @@ class TestEngineCacheFigures:
         shape = PromptShape(blocks=tuple(range(100)), tokens=800, ring_key=1)
         start_request(live, "e0", CONFIG.breaker, NOW)
         begin_prefill(live, snapshot.by_id["e0"], shape, NOW, COST, max_age_s=5)
-        assert len(live["e0"].prefix) == 100
+        assert len(live["e0"].cost.prefix) == 100
         record_cache_figures(live, "e0", CacheFigures(32 * 16, None, None), COST)
-        assert len(live["e0"].prefix) * SHAPE.block_tokens <= 32 * 16
+        assert len(live["e0"].cost.prefix) * SHAPE.block_tokens <= 32 * 16
 
     def test_engine_hit_counters_scale_the_belief_down_only(self) -> None:
         assert cache_hit_factor(
@@ -246,8 +253,8 @@ class TestEngineCacheFigures:
             begin_prefill(live, snapshot.by_id["e2"], shape, NOW, COST, max_age_s=5)
         # The engine saw no hit at all: the index is believed less from now on.
         record_cache_figures(live, "e2", CacheFigures(None, 2 * shape.tokens, 0), COST)
-        assert live["e2"].cache_hit_factor < 1.0
-        assert live["e2"].predicted_queries == 0
+        assert live["e2"].cost.cache_hit_factor < 1.0
+        assert live["e2"].cost.predicted_queries == 0
 
 
 class TestPredictedTtftPicker:
@@ -265,8 +272,8 @@ class TestPredictedTtftPicker:
         live = live_for(snapshot)
         home = send(snapshot, live, request_for(3, "first conversation"))
         # Its prefill finished; the prefix is cached there.
-        live[home].queued_prefill_tokens = 0
-        live[home].prefilling = 0
+        live[home].cost.queued_prefill_tokens = 0
+        live[home].cost.prefilling = 0
         for n in range(5):
             assert picked_id(run_pick(snapshot, live, request_for(3, f"other user {n}"))) == home
 
@@ -283,8 +290,8 @@ class TestPredictedTtftPicker:
         request = request_for(4, "q")
         home = send(snapshot, live, request)
         assert request.prompt is not None
-        live[home].queued_prefill_tokens = 20 * request.prompt.tokens
-        live[home].prefill_busy_until = NOW + 20 * request.prompt.tokens / 1000
+        live[home].cost.queued_prefill_tokens = 20 * request.prompt.tokens
+        live[home].cost.prefill_busy_until = NOW + 20 * request.prompt.tokens / 1000
         assert picked_id(run_pick(snapshot, live, request)) != home
 
     def test_unique_prompts_spread_like_rotation(self) -> None:
@@ -362,7 +369,7 @@ def test_index_belief_never_exceeds_engine_capacity(traffic: list[tuple[int, int
     for step, (system, user, _) in enumerate(traffic):
         send(snapshot, live, request_for(system, f"user {user} " * 30), NOW + step)
         for state in live.values():
-            assert len(state.prefix) * SHAPE.block_tokens <= COST.default_kv_cache_tokens
+            assert len(state.cost.prefix) * SHAPE.block_tokens <= COST.default_kv_cache_tokens
 
 
 @settings(max_examples=80, deadline=None)
@@ -394,10 +401,12 @@ def test_never_picks_a_filtered_endpoint(
     states = {}
     for i, (_, draining, _, in_flight, queued, holds) in zip(ids, specs, strict=True):
         state = EndpointLiveState(
-            in_flight=in_flight, draining=draining, queued_prefill_tokens=float(queued)
+            in_flight=in_flight,
+            draining=draining,
+            cost=CostState(queued_prefill_tokens=float(queued)),
         )
         if holds:
-            state.prefix.record(request.prompt.blocks, 10_000)
+            state.cost.prefix.record(request.prompt.blocks, 10_000)
         states[i] = state
     live = live_for(snapshot, states)
     for i, (_, draining, *_rest) in zip(ids, specs, strict=True):
@@ -424,16 +433,16 @@ def test_a_distrusted_index_recovers_when_the_engine_hits_again() -> None:
     live = live_for(snapshot)
     shape = request_for(5, "x").prompt
     assert shape is not None
-    live["e3"].cache_hit_factor = 0.0
+    live["e3"].cost.cache_hit_factor = 0.0
     record_cache_figures(live, "e3", CacheFigures(None, 0, 0), COST)
     for _ in range(2):
         start_request(live, "e3", CONFIG.breaker, NOW)
         begin_prefill(live, snapshot.by_id["e3"], shape, NOW, COST, max_age_s=5)
-    hits = live["e3"].predicted_hits
+    hits = live["e3"].cost.predicted_hits
     assert hits > 0
-    queries = live["e3"].predicted_queries
+    queries = live["e3"].cost.predicted_queries
     record_cache_figures(live, "e3", CacheFigures(None, queries, hits), COST)
-    assert live["e3"].cache_hit_factor == pytest.approx(COST.cache_factor_alpha)
+    assert live["e3"].cost.cache_hit_factor == pytest.approx(COST.cache_factor_alpha)
 
 
 class TestDrainClock:
@@ -444,7 +453,7 @@ class TestDrainClock:
         big = PromptShape(blocks=(), tokens=4000, ring_key=1)
         start_request(live, "e0", CONFIG.breaker, NOW)
         begin_prefill(live, endpoint, big, NOW, COST, max_age_s=5)
-        rate = COST.vllm_prefill_tokens_per_s
+        rate = COST.other_prefill_tokens_per_s
         small = PromptShape(blocks=(), tokens=100, ring_key=2)
         at_send = estimate(endpoint, live["e0"], small, NOW, COST, max_age_s=5)
         later = estimate(endpoint, live["e0"], small, NOW + 3000 / rate, COST, max_age_s=5)
@@ -461,19 +470,19 @@ class TestDrainClock:
             prefills.append(begin_prefill(live, endpoint, shape, NOW, COST, max_age_s=5))
         first = prefills[0]
         assert first is not None
-        expected = live["e0"].prefill_busy_until
+        expected = live["e0"].cost.prefill_busy_until
         assert expected is not None
         end_prefill(live, first, first.expected_at + 1.0, COST, first_token=False)
-        assert live["e0"].prefill_busy_until == expected  # an end without a token says nothing
+        assert live["e0"].cost.prefill_busy_until == expected  # an end without a token says nothing
         second = prefills[1]
         assert second is not None
         start_request(live, "e0", CONFIG.breaker, NOW)
         third = begin_prefill(live, endpoint, shape, NOW, COST, max_age_s=5)
         assert third is not None
         end_prefill(live, second, second.expected_at + 0.5, COST, first_token=True)
-        assert live["e0"].prefill_busy_until == pytest.approx(third.expected_at + 0.5)
+        assert live["e0"].cost.prefill_busy_until == pytest.approx(third.expected_at + 0.5)
         end_prefill(live, third, NOW + 9, COST, first_token=True)
-        assert live["e0"].prefill_busy_until is None
+        assert live["e0"].cost.prefill_busy_until is None
 
 
 def test_an_engine_behind_its_clock_counts_its_queue_whole() -> None:
@@ -484,12 +493,12 @@ def test_an_engine_behind_its_clock_counts_its_queue_whole() -> None:
     big = PromptShape(blocks=(), tokens=4000, ring_key=1)
     start_request(live, "e0", CONFIG.breaker, NOW)
     begin_prefill(live, endpoint, big, NOW, COST, max_age_s=5)
-    busy_until = live["e0"].prefill_busy_until
+    busy_until = live["e0"].cost.prefill_busy_until
     assert busy_until is not None
     small = PromptShape(blocks=(), tokens=100, ring_key=2)
     idle = estimate(endpoint, EndpointLiveState(), small, NOW, COST, max_age_s=5)
     late = estimate(endpoint, live["e0"], small, busy_until + 0.5, COST, max_age_s=5)
-    assert late.seconds - idle.seconds == pytest.approx(4000 / COST.vllm_prefill_tokens_per_s)
+    assert late.seconds - idle.seconds == pytest.approx(4000 / COST.other_prefill_tokens_per_s)
 
 
 def test_a_first_token_during_the_scrape_is_not_another_routers_queue() -> None:
@@ -508,7 +517,7 @@ def test_a_first_token_during_the_scrape_is_not_another_routers_queue() -> None:
     probe = PromptShape(blocks=(), tokens=100, ring_key=2)
     assert foreign_queue(endpoint, live["e0"], NOW + 0.31, COST, 5.0) == (0.0, 0.0)
     naive = live_for(snapshot)
-    naive["e0"].mean_prompt_tokens = 1500.0
+    naive["e0"].cost.mean_prompt_tokens = 1500.0
     record_load(naive, "e0", load, NOW + 0.31)
     assert foreign_queue(endpoint, naive["e0"], NOW + 0.31, COST, 5.0)[0] > 0
     assert estimate(endpoint, live["e0"], probe, NOW + 0.31, COST, max_age_s=5).seconds < (
@@ -521,7 +530,7 @@ def test_a_replica_that_learned_nothing_borrows_its_peers_rate() -> None:
     snapshot = four()
     live = live_for(snapshot)
     for endpoint_id in ("e0", "e1", "e2"):
-        live[endpoint_id].prefill_rate_tps = 5000.0
+        live[endpoint_id].cost.prefill_rate_tps = 5000.0
     chosen = [
         send(snapshot, live, RequestFeatures(MODEL, prompt=PromptShape((), 2000, n)))
         for n in range(4)
@@ -534,7 +543,7 @@ def test_the_drain_clock_of_a_replica_that_learned_nothing_runs_at_its_peers_rat
     snapshot = four()
     live = live_for(snapshot)
     for endpoint_id in ("e0", "e1", "e2"):
-        live[endpoint_id].prefill_rate_tps = 5000.0
+        live[endpoint_id].cost.prefill_rate_tps = 5000.0
     peer = peer_rate_of(snapshot, live, MODEL)
     assert peer == pytest.approx(5000.0)
     endpoint = snapshot.by_id["e3"]
@@ -554,7 +563,7 @@ def fleet_at_5k_with_a_key_ringed_to_e1() -> tuple[Any, Any, int]:
     key = next(k for k in range(0, 2**64, 2**50) if next(ring.walk(k)) == "e1")
     live = live_for(snapshot)
     for state in live.values():
-        state.prefill_rate_tps = 5000.0
+        state.cost.prefill_rate_tps = 5000.0
     return snapshot, live, key
 
 
@@ -582,7 +591,7 @@ def test_near_ties_keep_a_conversation_where_its_history_is() -> None:
     blocks = tuple(range(1, 11))
     cached = len(blocks) * SHAPE.block_tokens
     # e2 holds the history, and has as much queued ahead as the history saves.
-    live["e2"].prefix.record(blocks, 1000)
+    live["e2"].cost.prefix.record(blocks, 1000)
     start_request(live, "e2", CONFIG.breaker, NOW)
     begin_prefill(
         live, snapshot.by_id["e2"], PromptShape((), int(cached), 9), NOW, COST, max_age_s=5.0
@@ -602,7 +611,7 @@ def test_a_cold_prefix_goes_to_its_ring_owner_whatever_the_idle_replicas_learned
     ring = snapshot.models[MODEL].ring
     live = live_for(snapshot)
     for index, state in enumerate(live.values()):
-        state.prefill_rate_tps = 27000.0 if index == 0 else 18000.0
+        state.cost.prefill_rate_tps = 27000.0 if index == 0 else 18000.0
     keys = range(1, 2**64, 2**58)
     picks = {
         key: picked_id(
@@ -634,11 +643,11 @@ def test_a_cold_prefix_skips_a_ring_owner_whose_cache_is_much_fuller() -> None:
     emptiest idle replica goes on along the ring, so hot prefixes spread over the caches."""
     snapshot, live, key = fleet_at_5k_with_a_key_ringed_to_e1()
     capacity = int(COST.default_kv_cache_tokens // SHAPE.block_tokens)
-    live["e1"].prefix.record(tuple(range(1, capacity // 2 + 1)), capacity)
+    live["e1"].cost.prefix.record(tuple(range(1, capacity // 2 + 1)), capacity)
     request = RequestFeatures(MODEL, prompt=PromptShape((), 1000, key))
     half_full = picked_id(run_pick(snapshot, live, request))
-    live["e1"].prefix = type(live["e1"].prefix)()
-    live["e1"].prefix.record(tuple(range(1, capacity // 10 + 1)), capacity)
+    live["e1"].cost.prefix = type(live["e1"].cost.prefix)()
+    live["e1"].cost.prefix.record(tuple(range(1, capacity // 10 + 1)), capacity)
     a_little = picked_id(run_pick(snapshot, live, request))
 
     assert "e1" != half_full

@@ -16,8 +16,8 @@ from caravan.contract import (
     decode_prefill_rate,
     encode_prefill_rate,
 )
-from router.cost_model import CostConfig, prefill_rate
-from router.endpoints import MalformedEntryError, endpoint_from_entry
+from router.core.cost_model import CostConfig, prefill_rate
+from router.core.endpoints import MalformedEntryError, endpoint_from_entry
 
 KEY = ServiceMetaKey.PREFILL_TOKENS_PER_S
 COST = CostConfig()
@@ -49,9 +49,9 @@ def test_the_cost_model_starts_from_it_until_something_is_learned() -> None:
     live = live_for(snapshot)
     declared, undeclared = (snapshot.by_id[i] for i in ("e0", "e1"))
     assert prefill_rate(declared, live["e0"], COST) == 6000.0
-    assert prefill_rate(undeclared, live["e1"], COST) == COST.vllm_prefill_tokens_per_s
+    assert prefill_rate(undeclared, live["e1"], COST) == COST.other_prefill_tokens_per_s
     # What replicas measured wins over what was declared.
     assert prefill_rate(declared, live["e0"], COST, peer_rate=4500.0) == 4500.0
-    live["e0"].prefill_rate_tps = 5100.0
+    live["e0"].cost.prefill_rate_tps = 5100.0
     assert prefill_rate(declared, live["e0"], COST, peer_rate=4500.0) == 5100.0
     assert dataclasses.replace(declared, prefill_tokens_per_s=None).prefill_tokens_per_s is None

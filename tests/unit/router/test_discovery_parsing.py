@@ -8,15 +8,15 @@ from types import MappingProxyType
 from router_builders import service_meta
 
 from caravan.consul_api import HealthCheck, HealthEntry, KVEntry
-from router.discovery import (
+from router.core.endpoints import CheckStatus, snapshot_from_health
+from router.core.routing_state import KnownModel
+from router.feeds.discovery import (
     draining_endpoint_ids,
     entry_job_id,
     keys_under,
     model_services,
     profiles_from_kv,
 )
-from router.endpoints import CheckStatus, snapshot_from_health
-from router.routing_state import KnownModel
 
 
 def entry(service_id: str = "ep-0", status: str = "passing", **meta: str) -> HealthEntry:

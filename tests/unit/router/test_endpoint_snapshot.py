@@ -12,7 +12,7 @@ from router_builders import MODEL, SERVICE, endpoint_entry, health_entry, servic
 
 from caravan.consul_api import HealthCheck, HealthEntry, aggregate_status
 from caravan.engine_metrics import MetricNames
-from router.endpoints import (
+from router.core.endpoints import (
     EMPTY_SNAPSHOT,
     CheckStatus,
     Endpoint,

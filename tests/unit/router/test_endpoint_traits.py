@@ -10,7 +10,7 @@ from caravan.contract import (
     StreamTraits,
     encode_stream_traits,
 )
-from router.endpoints import snapshot_from_health
+from router.core.endpoints import snapshot_from_health
 
 
 def test_traits_come_from_meta_whatever_the_engine_is_called() -> None:

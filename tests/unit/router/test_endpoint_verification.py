@@ -15,8 +15,7 @@ from caravan.contract import (
     encode_placements,
     nomad_service_id,
 )
-from router.discovery import placements_from_kv, trusted_services
-from router.endpoints import (
+from router.core.endpoints import (
     PlacedAddress,
     TrustedService,
     UnverifiedEntry,
@@ -24,7 +23,8 @@ from router.endpoints import (
     snapshot_from_health,
     verify_entries,
 )
-from router.routing_state import KnownModel
+from router.core.routing_state import KnownModel
+from router.feeds.discovery import placements_from_kv, trusted_services
 from router.settings import RouterSettings
 
 NAME = "qwen2-5-7b"

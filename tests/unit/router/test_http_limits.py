@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from router.errors import RequestTimeout, TooManyConnections
-from router.http_limits import (
+from router.core.errors import RequestTimeout, TooManyConnections
+from router.edge.http_limits import (
     AcceptConnection,
     ConnectionView,
     EvictConnection,

@@ -6,8 +6,8 @@ import pytest
 from router_builders import endpoint_entry, snapshot_of
 
 from caravan.engine_metrics import EngineLoad
-from router.breaker import BreakerPhase, BreakerPolicy
-from router.live_state import (
+from router.core.breaker import BreakerPhase, BreakerPolicy
+from router.core.live_state import (
     EndpointLiveState,
     Outcome,
     finish_request,

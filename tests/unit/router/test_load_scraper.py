@@ -13,9 +13,9 @@ from prometheus_client import CollectorRegistry
 from router_builders import SERVICE, health_entry, live_for, snapshot_of
 
 from caravan.engine_metrics import EngineLoad
-from router.load_scraper import LoadScraper
+from router.core.routing_state import RoutingState, RoutingView
+from router.feeds.load_scraper import LoadScraper
 from router.metrics import RouterMetrics
-from router.routing_state import RoutingState, RoutingView
 
 KEY = "sk-engine-secret-5678"
 NOW = 500.0

@@ -11,10 +11,15 @@ from prometheus_client import CollectorRegistry
 from router_builders import MODEL, endpoint_entry, snapshot_of
 
 from caravan.contract import KVLayout
-from router.admission import AdmissionPolicy, Queue, Reject, decide_admission
-from router.admission_gate import AdmissionGate, Admitted, DemandSignal
-from router.balancer import BalancerConfig, NoEndpointReason, NotPicked, Policy, RequestFeatures
-from router.errors import (
+from router.core.admission import AdmissionPolicy, Queue, Reject, decide_admission
+from router.core.balancer import (
+    BalancerConfig,
+    NoEndpointReason,
+    NotPicked,
+    Policy,
+    RequestFeatures,
+)
+from router.core.errors import (
     NoHealthyEndpoint,
     ReplacementTimeout,
     UpstreamConnectError,
@@ -25,15 +30,16 @@ from router.errors import (
     UpstreamTimeout,
     error_body,
 )
-from router.live_state import reconcile_live_state
-from router.metrics import RouterMetrics
-from router.replacement import (
+from router.core.live_state import reconcile_live_state
+from router.core.replacement import (
     ReplacementOutcome,
     replacement_outcome,
     still_excluded,
     waits_for_replacement,
 )
-from router.routing_state import KnownModel, RoutingState, RoutingView
+from router.core.routing_state import KnownModel, RoutingState, RoutingView
+from router.edge.admission_gate import AdmissionGate, Admitted, DemandSignal
+from router.metrics import RouterMetrics
 
 POLICY = AdmissionPolicy(max_queue_per_model=2, cold_start_hold_s=300.0)
 NOW = 1_000.0

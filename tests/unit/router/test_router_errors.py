@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from router.errors import (
+from router.core.errors import (
     HeadersTooLarge,
     InvalidField,
     InvalidRequest,

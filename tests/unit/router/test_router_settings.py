@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from router.balancer import Policy
+from router.core.balancer import Policy
 from router.settings import RouterSettings
 
 
@@ -57,3 +57,10 @@ def test_settings_build_the_core_policies() -> None:
         settings.admission_policy().max_queue_per_model,
         settings.admission_policy().cold_start_hold_s,
     )
+
+
+@pytest.mark.parametrize("name", ["vllm_prefill_tokens_per_s", "llamacpp_prefill_tokens_per_s"])
+def test_per_engine_prefill_rates_are_retired(name: str) -> None:
+    """A rate per named engine is refused at startup, naming the one fallback left."""
+    with pytest.raises(ValidationError, match="other_prefill_tokens_per_s"):
+        RouterSettings(**{name: 20000.0})

@@ -1,4 +1,4 @@
-"""`caravan router --workers N`: the pure parts of the supervisor (router/workers.py)."""
+"""`caravan router --workers N`: the pure parts of the supervisor (router/wiring/workers.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pydantic import ValidationError
 
 from caravan.log_format import BufferedLineHandler, JsonLineFormatter
 from caravan_cli.router_command import add_commands, run_router
-from router.server import WorkerRole, _fast_request_log
 from router.settings import RouterSettings
-from router.workers import (
+from router.wiring.server import WorkerRole, _fast_request_log
+from router.wiring.workers import (
     WorkerHealth,
     combined_health,
     exposition,

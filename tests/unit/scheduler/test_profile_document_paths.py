@@ -22,7 +22,7 @@ from caravan.contract import (
     decode_model_view,
     decode_profile_document,
 )
-from router.discovery import profiles_from_kv
+from router.feeds.discovery import profiles_from_kv
 from scheduler.model_store import parse_desired_state
 from scheduler.profiles import ProfileError, load_profile, parse_profile_text
 

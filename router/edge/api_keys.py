@@ -13,7 +13,7 @@ the time of the answer says nothing about which key (or how much of one)
 matched. Keys are never logged; a key's `name` (bounded, `[A-Za-z0-9_.-]`)
 may label metrics and the canonical log line.
 
-Priority: a lower number goes first (`router.admission`). A key's
+Priority: a lower number goes first (`router.core.admission`). A key's
 `max_priority` is the most urgent number it may ask for; a header asking for
 more is served at `max_priority`. Without any key configured the header is
 ignored (everyone gets the default) unless the operator trusts it
@@ -34,7 +34,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
-# Below every client: continuations of broken streams go first (router.admission_gate).
+# Below every client: continuations of broken streams go first (router.edge.admission_gate).
 MIN_PRIORITY = -(2**31) + 1
 MAX_PRIORITY = 2**31 - 1
 KEY_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"

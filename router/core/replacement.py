@@ -23,8 +23,8 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from router.endpoints import CheckStatus
-from router.errors import (
+from router.core.endpoints import CheckStatus
+from router.core.errors import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamFirstByteTimeout,
@@ -32,7 +32,7 @@ from router.errors import (
 )
 
 if TYPE_CHECKING:
-    from router.endpoints import ModelEndpoints
+    from router.core.endpoints import ModelEndpoints
 
 
 class ReplacementOutcome(StrEnum):

@@ -34,7 +34,8 @@ from caravan.contract import (
 from caravan.errors import HashiError
 from caravan.nomad_api import QueryResult, Variable, VariableMetadata
 
-log = logging.getLogger(__name__)
+# Named as before the router's sub-packages: the logger is a field of every log line.
+log = logging.getLogger("router.engine_keys")
 
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0

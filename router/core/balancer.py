@@ -22,7 +22,7 @@ queue and KV-cache usage from the last scrape. A scrape older than
 candidate is unknown on a dimension, that dimension is neutral (fail open).
 
 `predicted_ttft` scores each candidate by its predicted time to first token
-(`router.cost_model.estimate`: queued prefill tokens, the request's uncached
+(`router.core.cost_model.estimate`: queued prefill tokens, the request's uncached
 tokens by the endpoint's prefix index, over the learned prefill rate, plus
 decode interference) and picks the minimum. Estimates within a small band of
 the best are a tie, decided by the hash ring walked from the prompt's prefix
@@ -37,18 +37,18 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, assert_never
 
-from router.affinity import DEFAULT_LOAD_FACTOR, load_bound, within_load_bound
-from router.breaker import BreakerPhase, BreakerPolicy, allows_request
-from router.cost_model import CostConfig, Estimate, estimate, index_fill, peer_rate
-from router.endpoints import CheckStatus, Endpoint
-from router.live_state import EndpointLiveState
+from router.core.affinity import DEFAULT_LOAD_FACTOR, load_bound, within_load_bound
+from router.core.breaker import BreakerPhase, BreakerPolicy, allows_request
+from router.core.cost_model import CostConfig, Estimate, estimate, index_fill, peer_rate
+from router.core.endpoints import CheckStatus, Endpoint
+from router.core.live_state import EndpointLiveState
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from router.endpoints import EndpointSnapshot, ModelEndpoints
-    from router.live_state import LiveStates
-    from router.prefix_index import PromptShape
+    from router.core.endpoints import EndpointSnapshot, ModelEndpoints
+    from router.core.live_state import LiveStates
+    from router.core.prefix_index import PromptShape
 
 
 class Policy(StrEnum):
@@ -57,7 +57,7 @@ class Policy(StrEnum):
     POWER_OF_TWO = "power_of_two"
     LOAD_AWARE = "load_aware"
     PREFIX_AFFINITY = "prefix_affinity"  # falls back to LOAD_AWARE
-    PREDICTED_TTFT = "predicted_ttft"  # the cost model (router.cost_model)
+    PREDICTED_TTFT = "predicted_ttft"  # the cost model (router.core.cost_model)
 
 
 class NoEndpointReason(StrEnum):
@@ -104,12 +104,12 @@ class BalancerConfig:
 
 @dataclass(frozen=True, slots=True)
 class RequestFeatures:
-    """What the balancer reads from a request (parsed once by the proxy)."""
+    """What the balancer reads from a request (derived by the proxy from its ParsedRequest)."""
 
     model: str
-    affinity_key: int | None = None  # router.affinity.affinity_key of the body
+    affinity_key: int | None = None  # router.core.affinity.affinity_key of the body
     exclude: frozenset[str] = frozenset()  # endpoint ids already tried by this request
-    prompt: PromptShape | None = None  # router.prefix_index.prompt_shape of the body
+    prompt: PromptShape | None = None  # router.core.prefix_index.prompt_shape of the body
 
 
 @dataclass(slots=True)

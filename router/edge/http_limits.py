@@ -18,7 +18,7 @@ implements), overriding only the asyncio protocol callbacks and
    connection (Go's ReadHeaderTimeout). Bytes arriving do not extend it, so a
    trickle cannot. On expiry it gets a 408 and is closed, counted as
    `header_timeout`. The body's own timeout is the request middleware's
-   (`router.request_guard`), because only a handler knows a body is expected.
+   (`router.edge.request_guard`), because only a handler knows a body is expected.
 2. An IDLE connection is closed by aiohttp's keep-alive timer
    (`keepalive_timeout_s`).
 3. At most `max_connections` are open. A connection over the cap evicts the
@@ -57,7 +57,7 @@ from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from router.errors import (
+from router.core.errors import (
     HeadersTooLarge,
     InvalidRequest,
     RequestTimeout,
@@ -69,7 +69,8 @@ from router.errors import (
 )
 from router.metrics import RouterMetrics
 
-log = logging.getLogger(__name__)
+# Named as before the router's sub-packages: the logger is a field of every log line.
+log = logging.getLogger("router.http_limits")
 
 SERVER_HEADER = "caravan"
 # Descriptors kept for everything but client connections: the listeners,

@@ -2,39 +2,39 @@
 
 For every request, before any handler:
 
-1. tell the connection (`router.http_limits`) its headers are in (it stops
+1. tell the connection (`router.edge.http_limits`) its headers are in (it stops
    the header deadline; the connection notes the end of the response itself);
-2. on `/v1/` routes: authenticate the key (`router.api_keys`, 401), apply its
-   rate limit (429 + Retry-After), and rewrite `x-caravan-priority` to what
-   the key is granted (`grant_priority`), so the proxy downstream only ever
-   sees granted priorities;
+2. on `/v1/` routes: authenticate the key (`router.edge.api_keys`, 401), apply its
+   rate limit (429 + Retry-After), and grant `x-caravan-priority` as far as
+   the key may go (`grant_priority`);
 3. on POST: read the body within `body_read_timeout_s` (408 and close on
    expiry: a trickling body cannot hold a connection), within
-   `max_body_bytes` (413), and check it (`router.request_body.validate_body`:
-   nesting depth, strict JSON, an object, the types of `model`, `stream`,
-   `messages`; 400 naming the problem). The handler then reads the same
-   bytes from aiohttp's cache;
+   `max_body_bytes` (413), and check and parse it, once
+   (`router.edge.request_body.validate_body`: nesting depth, strict JSON, an
+   object, the types of `model`, `stream`, `messages`; 400 naming the
+   problem). The handler gets the result as a `ParsedRequest` (body, payload,
+   key name, granted priority, request id) under `PARSED_REQUEST`, and never
+   reads or parses the body again;
 4. turn aiohttp's own HTTP errors (404, 405, 413...) into OpenAI JSON.
 
-The key's name is put in a context variable for the canonical log line
-(`current_key_name`). Refusals are counted by reason, never logged one by one
-(a client could fill the log), and never with a key, header or body.
+Refusals are counted by reason, never logged one by one (a client could fill
+the log), and never with a key, header or body.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
+import itertools
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
+from types import MappingProxyType
 
 from aiohttp import web
-from multidict import CIMultiDict
 
-from router.api_keys import ApiKey, KeyRing, RateLimits, grant_priority
-from router.errors import (
+from router.core.errors import (
     InvalidRequest,
     MethodNotAllowed,
     RateLimited,
@@ -46,18 +46,22 @@ from router.errors import (
     error_body,
     retry_after_s,
 )
-from router.http_limits import SERVER_HEADER, GuardedRequestHandler
-from router.metrics import RouterMetrics
-from router.request_body import validate_body
-
-log = logging.getLogger(__name__)
-
-PRIORITY_HEADER = "x-caravan-priority"
-_MAX_PRIORITY_CHARS = 20
-# The name of the API key of the request being handled (None: open router).
-current_key_name: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "caravan_router_key_name", default=None
+from router.edge.api_keys import ApiKey, KeyRing, RateLimits, grant_priority
+from router.edge.http_limits import SERVER_HEADER, GuardedRequestHandler
+from router.edge.parsed_request import (
+    MAX_REQUEST_ID_CHARS,
+    PARSED_REQUEST,
+    PRIORITY_HEADER,
+    REQUEST_ID_HEADER,
+    ParsedRequest,
 )
+from router.edge.request_body import validate_body
+from router.metrics import RouterMetrics
+
+# Named as before the router's sub-packages: the logger is a field of every log line.
+log = logging.getLogger("router.request_guard")
+
+_MAX_PRIORITY_CHARS = 20
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -139,6 +143,10 @@ class RequestGuard:
         self._max_json_depth = max_json_depth
         self._clock = clock
         self._rate_limits = RateLimits()
+        # Request ids: a random prefix per process and a counter, unique across
+        # routers and cheaper than a uuid4 per request.
+        self._id_prefix = secrets.token_hex(6)
+        self._id_counter = itertools.count()
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -183,18 +191,25 @@ class RequestGuard:
             default=self._default_priority,
             trust_header=self._trust_priority_header,
         )
-        if requested is not None and granted != requested:
-            headers = CIMultiDict(request.headers)
-            headers[PRIORITY_HEADER] = str(granted)
-            request = request.clone(headers=headers)
         if request.method == "POST":
             body = await self._read_body(request)
-            validate_body(body, max_depth=self._max_json_depth)
-        token = current_key_name.set(key.name if key is not None else None)
-        try:
-            return await handler(request)
-        finally:
-            current_key_name.reset(token)
+            payload = validate_body(body, max_depth=self._max_json_depth)
+            request[PARSED_REQUEST] = ParsedRequest(
+                body=body,
+                payload=MappingProxyType(payload),
+                model=payload["model"],
+                stream=payload.get("stream") is True,
+                key_name=None if key is None else key.name,
+                priority=granted,
+                request_id=self._request_id(request),
+            )
+        return await handler(request)
+
+    def _request_id(self, request: web.Request) -> str:
+        given = request.headers.get(REQUEST_ID_HEADER)
+        if given:
+            return given[:MAX_REQUEST_ID_CHARS]
+        return f"{self._id_prefix}-{next(self._id_counter):x}"
 
     def _authenticate(self, request: web.Request) -> ApiKey | None:
         if not self._keys.enabled:

@@ -17,7 +17,7 @@ comment every `cold_start_keepalive_s` through the `hold` callback.
 
 A retry or continuation whose replica died (`admit(..., replacement=True)`)
 and that finds every endpoint already tried is held the same way, for the
-replacement the scheduler rebuilds (`router.replacement`): while it waits, a
+replacement the scheduler rebuilds (`router.core.replacement`): while it waits, a
 tried endpoint that Consul reports critical or that left the catalog stops
 being excluded, so a replica restarted in place is taken again once it passes.
 
@@ -40,7 +40,7 @@ from typing import Protocol, assert_never
 
 from caravan.contract import DemandRecord, KVLayout, encode_demand
 from caravan.errors import HashiError
-from router.admission import (
+from router.core.admission import (
     AdmissionPolicy,
     AdmissionQueues,
     Admit,
@@ -50,7 +50,7 @@ from router.admission import (
     UnknownModel,
     decide_admission,
 )
-from router.balancer import (
+from router.core.balancer import (
     BalancerConfig,
     NoEndpointReason,
     NotPicked,
@@ -61,21 +61,23 @@ from router.balancer import (
     RequestFeatures,
     pick,
 )
-from router.endpoints import Endpoint
-from router.errors import (
+from router.core.cost_model import Prefill, begin_prefill, end_prefill, peer_rate_of
+from router.core.endpoints import Endpoint
+from router.core.errors import (
     ModelNotFound,
     ModelUnavailable,
     NoHealthyEndpoint,
     QueueTimeout,
     ReplacementTimeout,
 )
-from router.live_state import Lease, Outcome, finish_request, start_request
+from router.core.live_state import Lease, Outcome, finish_request, start_request
+from router.core.replacement import still_excluded
+from router.core.routing_state import KnownModel, RoutingState
+from router.feeds.model_failures import ModelFailures
 from router.metrics import OTHER_MODEL, RouterMetrics
-from router.model_failures import ModelFailures
-from router.replacement import still_excluded
-from router.routing_state import KnownModel, RoutingState
 
-log = logging.getLogger(__name__)
+# Named as before the router's sub-packages: the logger is a field of every log line.
+log = logging.getLogger("router.admission_gate")
 
 Hold = Callable[[], Awaitable[None]]
 # Priority of a continuation after a mid-stream failure: its client is already
@@ -92,6 +94,8 @@ class Admitted:
 
     endpoint: Endpoint
     lease: Lease
+    # Its prompt as the cost model counts it there, until its first byte or its end.
+    prefill: Prefill | None = None
 
 
 @dataclass(slots=True)
@@ -99,7 +103,7 @@ class _Waiter:
     ticket: Ticket
     features: RequestFeatures
     future: asyncio.Future[Admitted]
-    # Held for the replacement of a dead replica (router.replacement).
+    # Held for the replacement of a dead replica (router.core.replacement).
     replacement: bool = False
 
 
@@ -215,7 +219,7 @@ class AdmissionGate:
         `hold` is awaited when a cold-start wait begins and every keep-alive
         interval during it (streams use it to send SSE comments).
         `replacement`: the request's replica died in a way that a rebuilt one
-        can make good (`router.replacement.waits_for_replacement`); when every
+        can make good (`router.core.replacement.waits_for_replacement`); when every
         endpoint was already tried, wait for one up to the cold-start deadline.
         """
         now = self._clock()
@@ -229,7 +233,7 @@ class AdmissionGate:
         if isinstance(result, Picked):
             if not self._queues.depth(model):
                 self._metrics.for_model(model).wait.observe(0.0)
-                return self._lease(result.endpoint, now)
+                return self._lease(result.endpoint, features, now)
             # Capacity exists but others were first: wait behind them.
             result = NotPicked(NoEndpointReason.AT_CAPACITY)
         declared = model in state.view.profiles
@@ -250,7 +254,7 @@ class AdmissionGate:
         )
         match decision:
             case Admit(endpoint=endpoint):
-                return self._lease(endpoint, now)
+                return self._lease(endpoint, features, now)
             case UnknownModel():
                 raise ModelNotFound(model)
             case Reject():
@@ -268,8 +272,28 @@ class AdmissionGate:
             case _:
                 assert_never(decision)
 
+    def first_byte(self, admitted: Admitted) -> None:
+        """The endpoint's answer reached the client: its prefill is over (the cost model learns)."""
+        if admitted.prefill is not None:
+            end_prefill(
+                self._state.live,
+                admitted.prefill,
+                self._clock(),
+                self._balancer.cost,
+                first_token=True,
+            )
+
     def finish(self, admitted: Admitted, outcome: Outcome) -> None:
         """Give the lease back with what it said about the endpoint; wakes waiters."""
+        if admitted.prefill is not None:
+            # Ended without a first byte (or after it: then this does nothing).
+            end_prefill(
+                self._state.live,
+                admitted.prefill,
+                self._clock(),
+                self._balancer.cost,
+                first_token=False,
+            )
         finish_request(
             self._state.live, admitted.lease, outcome, self._balancer.breaker, self._clock()
         )
@@ -349,9 +373,22 @@ class AdmissionGate:
             memory=self._memory,
         )
 
-    def _lease(self, endpoint: Endpoint, now: float) -> Admitted:
-        lease = start_request(self._state.live, endpoint.id, self._balancer.breaker, now)
-        return Admitted(endpoint, lease)
+    def _lease(self, endpoint: Endpoint, features: RequestFeatures, now: float) -> Admitted:
+        """Count the request on the endpoint, and its prompt for the cost model."""
+        live = self._state.live
+        lease = start_request(live, endpoint.id, self._balancer.breaker, now)
+        if features.prompt is None:
+            return Admitted(endpoint, lease)
+        prefill = begin_prefill(
+            live,
+            endpoint,
+            features.prompt,
+            now,
+            self._balancer.cost,
+            max_age_s=self._balancer.load_max_age_s,
+            peer=peer_rate_of(self._state.view.snapshot, live, features.model),
+        )
+        return Admitted(endpoint, lease, prefill)
 
     async def _wait(
         self,
@@ -452,7 +489,7 @@ class AdmissionGate:
                     waiter.features = replace(waiter.features, exclude=exclude)
             result = self._pick(waiter.features, now)
             if isinstance(result, Picked):
-                waiter.future.set_result(self._lease(result.endpoint, now))
+                waiter.future.set_result(self._lease(result.endpoint, waiter.features, now))
                 continue
             if result.reason is NoEndpointReason.ALL_EXCLUDED and not (
                 waiter.replacement and ticket.cold_start
@@ -463,11 +500,6 @@ class AdmissionGate:
                 continue
             self._queues.requeue(ticket)
             return
-
-
-def continuation_features(features: RequestFeatures, tried: frozenset[str]) -> RequestFeatures:
-    """The features of a retry or continuation: the same request, minus what it tried."""
-    return replace(features, exclude=tried)
 
 
 def model_label(state: RoutingState, model: str) -> str:

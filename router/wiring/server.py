@@ -29,19 +29,27 @@ from caravan.consul_api import ConsulClient, ConsulSettings
 from caravan.errors import HashiError
 from caravan.log_format import BufferedLineHandler, configure_logging
 from caravan.nomad_api import NomadClient, NomadSettings
-from router.api_keys import ApiKeyError
-from router.app import RUNTIME, RouterRuntime, app_runner, create_admin_app, create_app, key_ring
-from router.proxy import RequestLog, log_request
+from router.edge.api_keys import ApiKeyError
+from router.edge.proxy import RequestLog, log_request
 from router.settings import RouterSettings
+from router.wiring.app import (
+    RUNTIME,
+    RouterRuntime,
+    app_runner,
+    create_admin_app,
+    create_app,
+    key_ring,
+)
 
-log = logging.getLogger(__name__)
+# Named as before the router's sub-packages: the logger is a field of every log line.
+log = logging.getLogger("router.server")
 
 _REGISTER_RETRY_S = (1.0, 2.0, 5.0, 10.0)
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerRole:
-    """How a worker of `caravan router --workers N` (router/workers.py) serves.
+    """How a worker of `caravan router --workers N` (router/wiring/workers.py) serves.
 
     It binds the shared public port with SO_REUSEPORT, prints nothing, never
     registers in Consul, stops on SIGTERM (or when its parent is gone, through
@@ -224,18 +232,25 @@ def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] |
     return factory
 
 
-def run(
-    settings: RouterSettings, environ: Mapping[str, str], worker: WorkerRole | None = None
-) -> int:
-    """The process entry point shared by `python -m router` and `caravan router`.
+@dataclass(frozen=True, slots=True)
+class Startup:
+    """What a router process reads from its environment before it serves."""
 
-    With `settings.workers` above 1 this process becomes the supervisor of that
-    many worker processes (router/workers.py); `worker` is set in each of them.
+    consul_settings: ConsulSettings
+    # The engines' keys are read with the router's own Nomad token (NOMAD_* variables).
+    nomad_settings: NomadSettings | None
+    log_handler: BufferedLineHandler
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None
+
+
+def start_up(settings: RouterSettings, environ: Mapping[str, str]) -> Startup | int:
+    """Logging, Consul and Nomad settings, the key file, the event loop; or the exit code.
+
+    A bad setting is one line on stderr and exit code 2, never a traceback.
     """
     handler = configure_logging(settings.log_level, settings.log_format)
     try:
         consul_settings = ConsulSettings.from_env(environ)
-        # The engines' keys are read with the router's own Nomad token (NOMAD_* variables).
         nomad_settings = NomadSettings.from_env(environ) if settings.engine_api_keys else None
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)  # noqa: T201
@@ -251,14 +266,38 @@ def run(
     except ModuleNotFoundError:
         print("error: event_loop is uvloop but uvloop is not installed", file=sys.stderr)  # noqa: T201
         return 2
-    if settings.workers > 1 and worker is None:
-        from router.workers import supervise  # noqa: PLC0415 - only the supervisor needs it
+    return Startup(consul_settings, nomad_settings, handler, loop_factory)
 
-        return supervise(settings, consul_settings, handler, loop_factory)
+
+def run(
+    settings: RouterSettings, environ: Mapping[str, str], worker: WorkerRole | None = None
+) -> int:
+    """Serve as one router (or as `worker`, one of a supervisor's) until stopped; the exit code.
+
+    `router.wiring.entry.run` is the process entry point: it comes here unless
+    `settings.workers` asks for a supervisor (router/wiring/workers.py).
+    """
+    startup = start_up(settings, environ)
+    if isinstance(startup, int):
+        return startup
+    return serve_started(settings, startup, worker)
+
+
+def serve_started(settings: RouterSettings, startup: Startup, worker: WorkerRole | None) -> int:
+    """Serve with what `start_up` read, until stopped; the exit code."""
+    loop_factory = startup.loop_factory
     log.info("event_loop_chosen", extra={"event_loop": "uvloop" if loop_factory else "asyncio"})
     try:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            runner.run(serve(settings, consul_settings, handler, nomad_settings, worker))
+            runner.run(
+                serve(
+                    settings,
+                    startup.consul_settings,
+                    startup.log_handler,
+                    startup.nomad_settings,
+                    worker,
+                )
+            )
     except OSError as exc:
         # A taken port or an address that is not ours.
         print(f"error: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)  # noqa: T201

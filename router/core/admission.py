@@ -21,11 +21,11 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, assert_never
 
-from router.balancer import NoEndpointReason, NotPicked, Picked, PickResult
-from router.errors import NoHealthyEndpoint, QueueFull, QueueTimeout, RouterError
+from router.core.balancer import NoEndpointReason, NotPicked, Picked, PickResult
+from router.core.errors import NoHealthyEndpoint, QueueFull, QueueTimeout, RouterError
 
 if TYPE_CHECKING:
-    from router.endpoints import Endpoint
+    from router.core.endpoints import Endpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +102,7 @@ def decide_admission(
        capacity frees up or Nomad replaces the replica within seconds.
     4. The request already tried every endpoint: 503, no queue (the proxy's
        retry loop ends there), unless it waits for the `replacement` of a
-       replica that died (`router.replacement`) and a profile declares the
+       replica that died (`router.core.replacement`) and a profile declares the
        model: then it is held like a cold start, for the rebuilt replica.
     5. A full queue rejects: 429 when the model is at capacity (back off), 503
        when it is unavailable.

@@ -26,7 +26,7 @@ import itertools
 import json
 from typing import Any
 
-from router.errors import InvalidField, InvalidRequest
+from router.core.errors import InvalidField, InvalidRequest
 
 _STEP = [0] * 256
 _STEP[ord("[")] = _STEP[ord("{")] = 1

@@ -3,7 +3,7 @@
 Discovery is the only writer. It builds a new `RoutingView` from Consul and
 swaps it in with one assignment (`state.view = new`), together with the live
 state reconciled for it; readers on the same event loop never see half an
-update and never lock. The live state (`router.live_state`) is the one mutable
+update and never lock. The live state (`router.core.live_state`) is the one mutable
 part: per-endpoint counters that outlive the swaps.
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from router.endpoints import EMPTY_SNAPSHOT, EndpointSnapshot
-from router.live_state import LiveStates
+from router.core.endpoints import EMPTY_SNAPSHOT, EndpointSnapshot
+from router.core.live_state import LiveStates
 
 
 @dataclass(frozen=True, slots=True)

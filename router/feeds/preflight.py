@@ -20,7 +20,7 @@ from typing import Protocol
 from caravan.consul_api import KVEntry
 from caravan.contract import ENGINE_KEY_PREFIX, KVLayout, engine_key_path
 from caravan.preflight import IMPOSSIBLE_CAS_INDEX, PROBE_NAME, Capability
-from router.engine_keys import VariableReader
+from router.feeds.engine_keys import VariableReader
 
 
 class PreflightConsul(Protocol):

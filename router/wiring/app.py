@@ -1,7 +1,7 @@
 """Wiring: build the router's objects, its aiohttp app, and own its background tasks.
 
     app = create_app(settings, consul=consul, registry=CollectorRegistry())
-    runner = app_runner(app, settings)          # guarded connections (router.http_limits)
+    runner = app_runner(app, settings)          # guarded connections (router.edge.http_limits)
     await runner.setup(); await web.TCPSite(runner, host, port).start()
     # optional: app_runner(create_admin_app(app[RUNTIME]), settings, listener="admin")
     await app[RUNTIME].register(bound_port)      # Consul service `caravan-router`
@@ -15,9 +15,10 @@ from `cleanup_ctx` and cancelled when the app is cleaned up, after in-flight
 requests had their `shutdown_timeout_s`; the shared `aiohttp.ClientSession`
 closes last.
 
-Every request passes the request guard (`router.request_guard`: keys, rate
+Every request passes the request guard (`router.edge.request_guard`: keys, rate
 limits, priority grants, body limits, OpenAI-shaped errors) before its
-handler; the proxy itself no longer checks keys.
+handler; the guard parses each body once and hands the proxy the result
+(`router.edge.parsed_request`).
 """
 
 from __future__ import annotations
@@ -37,23 +38,24 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from caravan.consul_api import HttpCheck, ServiceRegistration
 from caravan.contract import ROUTER_SERVICE, RouterMetaKey, router_metrics_addr
 from caravan.preflight import Preflight
-from router.admission_gate import AdmissionGate, DemandSignal, DemandStore
-from router.api_keys import KeyRing, build_key_ring, load_key_file
-from router.breaker import phase_at
-from router.discovery import Discovery, DiscoveryConsul
-from router.endpoints import CheckStatus
-from router.engine_keys import EngineKeys, VariableReader
-from router.http_limits import ConnectionGuard, GuardedAppRunner, default_connection_limit
-from router.load_scraper import LoadScraper
+from router.core.breaker import phase_at
+from router.core.endpoints import CheckStatus
+from router.core.routing_state import RoutingState
+from router.edge.admission_gate import AdmissionGate, DemandSignal, DemandStore
+from router.edge.api_keys import KeyRing, build_key_ring, load_key_file
+from router.edge.http_limits import ConnectionGuard, GuardedAppRunner, default_connection_limit
+from router.edge.proxy import Proxy, RequestLog, log_request
+from router.edge.request_guard import RequestGuard
+from router.feeds.discovery import Discovery, DiscoveryConsul
+from router.feeds.engine_keys import EngineKeys, VariableReader
+from router.feeds.load_scraper import LoadScraper
+from router.feeds.model_failures import ModelFailures, watch_failures
+from router.feeds.preflight import PreflightConsul, router_capabilities
 from router.metrics import EndpointGauge, RouterMetrics, RouterStateView
-from router.model_failures import ModelFailures, watch_failures
-from router.preflight import PreflightConsul, router_capabilities
-from router.proxy import Proxy, RequestLog, log_request
-from router.request_guard import RequestGuard, current_key_name
-from router.routing_state import RoutingState
 from router.settings import RouterSettings
 
-log = logging.getLogger(__name__)
+# Named as before the router's sub-packages: the logger is a field of every log line.
+log = logging.getLogger("router.app")
 
 # Routers are control-plane services, not model replicas: never tag them `caravan`.
 ROUTER_TAG = "caravan-control"
@@ -152,7 +154,7 @@ class RouterRuntime:
             if nomad is not None and settings.engine_api_keys
             else None
         )
-        # Do the tokens hold every grant the router needs? (router/preflight.py)
+        # Do the tokens hold every grant the router needs? (router/feeds/preflight.py)
         self.preflight = Preflight(
             "router",
             router_capabilities(
@@ -209,15 +211,14 @@ class RouterRuntime:
         # The port /health is checked on: the admin listener's when there is one.
         self.admin_port: int | None = None
         self.proxy = Proxy(
-            # Keys are checked once, by the request guard, for every route.
-            settings.model_copy(update={"api_keys": ()}),
+            settings,
             state=self.state,
             gate=self.gate,
             session=self.session,
             metrics=self.metrics,
             clock=clock,
             wall_clock=wall_clock,
-            request_log=_with_key_name(request_log or log_request),
+            request_log=request_log or log_request,
             engine_keys=self.engine_keys,
         )
         self.metrics.add_state_collector(self.state_view)
@@ -318,7 +319,7 @@ class RouterRuntime:
         A router that lost Consul keeps routing from its last view, so it stays
         200 and says `stale`; only a router that never synced (it knows no
         endpoint), that is shutting down, or whose tokens lack a grant it needs
-        (`misconfigured`, with the `missing` grants: router/preflight.py)
+        (`misconfigured`, with the `missing` grants: router/feeds/preflight.py)
         answers 503.
         """
         state = self.state
@@ -396,18 +397,6 @@ def key_ring(settings: RouterSettings) -> KeyRing:
     return build_key_ring(settings.api_keys, entries, default_priority=settings.default_priority)
 
 
-def _with_key_name(write: RequestLog) -> RequestLog:
-    """The canonical line, with the name of the request's API key when it has one."""
-
-    def write_with_key(fields: dict[str, object]) -> None:
-        key_name = current_key_name.get()
-        if key_name is not None:
-            fields["key"] = key_name
-        write(fields)
-
-    return write_with_key
-
-
 def create_app(
     settings: RouterSettings,
     *,
@@ -421,7 +410,7 @@ def create_app(
     """The router's aiohttp application; `consul` must be open for the app's lifetime.
 
     `request_log` writes the canonical line of each request (default: stdlib
-    logging on `router.proxy`). `nomad` (open for the app's lifetime too) is
+    logging on `router.edge.proxy`). `nomad` (open for the app's lifetime too) is
     where the engines' API keys are read from when `engine_api_keys` is on;
     without it no key is sent upstream.
     """
@@ -472,7 +461,7 @@ def _admin_routes(runtime: RouterRuntime) -> list[web.RouteDef]:
 def app_runner(
     app: web.Application, settings: RouterSettings, *, listener: str = "public"
 ) -> web.AppRunner:
-    """The runner to serve the app with (`router.http_limits`: header timeout, connection cap).
+    """The runner to serve the app with (`router.edge.http_limits`: header timeout, connection cap).
 
     Client disconnects cancel handlers (logged as 499).
     """

@@ -21,7 +21,8 @@ from caravan.consul_api import KVEntry
 from caravan.contract import ContractDecodeError, KVLayout, ModelFailure
 from caravan.watch import BlockingWatch
 
-log = logging.getLogger(__name__)
+# Named as before the router's sub-packages: the logger is a field of every log line.
+log = logging.getLogger("router.model_failures")
 
 
 class FailureKV(Protocol):

@@ -2,10 +2,14 @@
 
 Per request:
 
-1. check the API key (constant time), read the body once (413 over the
-   limit), `json.loads` it once, take `model`, `stream` and the affinity key;
+1. take the `ParsedRequest` the request guard built (`router.edge.parsed_request`:
+   the body read and parsed once, the key's name, the granted priority, the
+   request id) and derive the balancer's features (affinity key, prompt shape);
 2. `AdmissionGate.admit` gives an endpoint and a lease (or queues, holds for a
-   cold start, or raises the 404/429/503 to answer);
+   cold start, or raises the 404/429/503 to answer); the lease also counts the
+   prompt for the cost model, and the proxy only tells the gate when the
+   first byte reached the client (`first_byte`) and when the attempt is over
+   (`finish`);
 3. send the same body bytes to the engine (never re-encoded) over the one
    shared `aiohttp.ClientSession`;
 4. non-streaming: read the whole answer, pass it through unchanged;
@@ -18,11 +22,11 @@ another endpoint (the tried ones excluded), up to `max_attempts`, but only
 while nothing from any engine has reached the client. Once a stream has
 started, an engine that dies (reset, EOF without `[DONE]`, silent for
 `stream_idle_timeout_s`) is replaced by a continuation on another endpoint,
-written into the same response (`router.continuation`); when no faithful
+written into the same response (`router.edge.continuation`); when no faithful
 continuation is possible the stream ends with an SSE error event and
 `[DONE]`. When the replica that died was the last one (every endpoint
 tried), the retry or continuation is held for its replacement, like a cold
-start (`router.replacement`). Every lease is given back exactly once, with
+start (`router.core.replacement`). Every lease is given back exactly once, with
 its verdict for the endpoint's breaker: success, failure (connect error,
 5xx, broken stream) or none (4xx, client gone).
 
@@ -33,11 +37,8 @@ attempts, failovers, ttfb, duration), never bodies, headers or keys.
 from __future__ import annotations
 
 import asyncio
-import hmac
-import itertools
 import json
 import logging
-import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -48,16 +49,37 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from caravan.contract import OPENAI_STREAM_TRAITS
-from router.admission_gate import (
+from router.core.affinity import affinity_key
+from router.core.balancer import Policy, RequestFeatures
+from router.core.endpoints import CheckStatus, Endpoint
+from router.core.errors import (
+    AdmissionRejected,
+    ModelNotFound,
+    NoHealthyEndpoint,
+    ReplacementTimeout,
+    RouterError,
+    StreamInterrupted,
+    UpstreamAborted,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamFirstByteTimeout,
+    UpstreamProtocolError,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    error_body,
+)
+from router.core.live_state import Outcome
+from router.core.prefix_index import prompt_shape
+from router.core.replacement import replacement_outcome, waits_for_replacement
+from router.core.routing_state import RoutingState
+from router.edge.admission_gate import (
     CONTINUATION_PRIORITY,
     AdmissionGate,
     Admitted,
     Hold,
     model_label,
 )
-from router.affinity import affinity_key
-from router.balancer import Policy, RequestFeatures
-from router.continuation import (
+from router.edge.continuation import (
     DONE_EVENT,
     ContinuationRewriter,
     StreamAccount,
@@ -68,39 +90,20 @@ from router.continuation import (
     error_event,
     split_complete_events,
 )
-from router.endpoints import CheckStatus, Endpoint
-from router.engine_keys import EngineKeySource
-from router.errors import (
-    AdmissionRejected,
-    InvalidRequest,
-    ModelNotFound,
-    NoHealthyEndpoint,
-    ReplacementTimeout,
-    RequestTooLarge,
-    RouterError,
-    StreamInterrupted,
-    Unauthorized,
-    UpstreamAborted,
-    UpstreamConnectError,
-    UpstreamError,
-    UpstreamFirstByteTimeout,
-    UpstreamProtocolError,
-    UpstreamStatusError,
-    UpstreamTimeout,
-    error_body,
-    retry_after_s,
+from router.edge.parsed_request import (
+    PARSED_REQUEST,
+    PRIORITY_HEADER,
+    REQUEST_ID_HEADER,
+    ParsedRequest,
 )
-from router.live_state import Outcome, Prefill, begin_prefill, end_prefill, peer_rate_of
-from router.metrics import OTHER_MODEL, FailoverOutcome, RequestOutcome, RouterMetrics
-from router.prefix_index import prompt_shape
-from router.replacement import replacement_outcome, waits_for_replacement
-from router.routing_state import RoutingState
+from router.edge.request_guard import error_response
+from router.feeds.engine_keys import EngineKeySource
+from router.metrics import FailoverOutcome, RequestOutcome, RouterMetrics
 from router.settings import RouterSettings
 
-log = logging.getLogger(__name__)
+# Named as before the router's sub-packages: the logger is a field of every log line.
+log = logging.getLogger("router.proxy")
 
-PRIORITY_HEADER = "x-caravan-priority"
-REQUEST_ID_HEADER = "x-request-id"
 HOLD_COMMENT = b": waiting for a replica\n\n"
 # An SSE event larger than this without a blank line is not SSE.
 _MAX_EVENT_BYTES = 8 * 1024 * 1024
@@ -158,49 +161,61 @@ class ClientGone(Exception):
 
 
 @dataclass(slots=True)
-class Exchange:
-    """One client request as it goes through the proxy (for the log line and metrics)."""
+class Attempts:
+    """What one request's attempts on endpoints came to so far."""
 
-    request: web.Request
-    path: str
-    kind: StreamKind | None  # None: embeddings, never streamed
-    started: float
-    request_id: str
-    model: str = "-"
-    label: str = "-"
-    stream: bool = False
-    attempts: int = 0
+    # Attempts made (retries and continuations included) and continuations among them.
+    count: int = 0
     failovers: int = 0
+    # Endpoints tried (excluded from later attempts) and the one of the latest attempt.
+    tried: set[str] = field(default_factory=set)
     endpoint_id: str | None = None
+    # The attempt in progress: its lease (and the prompt the cost model counts on it).
+    current: Admitted | None = None
+    # Held for the replacement of its dead replica at least once; and whether that hold timed out.
+    replacement_held: bool = False
+    replacement_timed_out: bool = False
+
+
+@dataclass(slots=True)
+class ClientReply:
+    """What went, or goes, back to the client."""
+
     status: int = 0
-    ttfb_s: float | None = None
     outcome: RequestOutcome = RequestOutcome.OK
+    ttfb_s: float | None = None
     # The client response once its headers went out (streams, cold-start holds).
     response: web.StreamResponse | None = None
     # Some byte of an engine's answer reached the client: no more plain retries.
     forwarded: bool = False
     # Headers of the engine whose stream opens the client response.
-    reply_headers: Headers | None = None
-    tried: set[str] = field(default_factory=set)
-    # Held for the replacement of its dead replica at least once; and whether that hold timed out.
-    replacement_held: bool = False
-    replacement_timed_out: bool = False
-    # The parsed request, set once the body has been read.
-    body: bytes = b""
-    payload: dict[str, Any] = field(default_factory=dict)
-    features: RequestFeatures | None = None
-    priority: int = 0
-    headers: Headers = field(default_factory=list)
-    # The current attempt's prefill, counted until its first token (cost model).
-    prefill: Prefill | None = None
+    headers: Headers | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """One client request as it goes through the proxy: what it is, its attempts, its reply."""
+
+    request: web.Request
+    parsed: ParsedRequest
+    path: str
+    kind: StreamKind | None  # None: embeddings, never streamed
+    started: float
+    # The `model` label of its metrics (`model_label`).
+    label: str
+    stream: bool
+    features: RequestFeatures
+    # The headers sent to engines (the client's, less hop-by-hop and the router's own).
+    headers: Headers
+    attempts: Attempts = field(default_factory=Attempts)
+    reply: ClientReply = field(default_factory=ClientReply)
 
     def retry_features(self) -> RequestFeatures:
         """The balancer's view of this request, minus the endpoints it already tried."""
-        if self.features is None:  # pragma: no cover - set before any admission
-            raise RuntimeError("request not parsed")
-        if not self.tried:
+        tried = self.attempts.tried
+        if not tried:
             return self.features
-        return replace(self.features, exclude=frozenset(self.tried))
+        return replace(self.features, exclude=frozenset(tried))
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,15 +264,9 @@ class Proxy:
         self._metrics = metrics
         self._clock = clock
         self._wall_clock = wall_clock
-        # Request ids: a random prefix per process and a counter, unique across
-        # routers and cheaper than a uuid4 per request.
-        self._id_prefix = secrets.token_hex(6)
-        self._id_counter = itertools.count()
-        self._api_keys = tuple(key.get_secret_value().encode() for key in settings.api_keys)
         self._use_affinity = settings.policy is Policy.PREFIX_AFFINITY
         self._use_cost = settings.policy is Policy.PREDICTED_TTFT
-        self._cost = settings.balancer_config().cost
-        self._load_max_age_s = settings.load_max_age_s
+        self._shape = settings.balancer_config().cost.shape
         self._unary_timeout = aiohttp.ClientTimeout(
             total=None,
             sock_connect=settings.connect_timeout_s,
@@ -270,9 +279,6 @@ class Proxy:
         )
         self._not_forwarded = _NOT_FORWARDED
 
-    def _new_request_id(self) -> str:
-        return f"{self._id_prefix}-{next(self._id_counter):x}"
-
     # -- routes ------------------------------------------------------------------------
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -284,12 +290,8 @@ class Proxy:
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, "/v1/embeddings", None)
 
-    async def models(self, request: web.Request) -> web.StreamResponse:
+    async def models(self, _request: web.Request) -> web.StreamResponse:
         """`GET /v1/models`: served models with a routable endpoint, and declared ones."""
-        try:
-            self._check_key(request)
-        except RouterError as exc:
-            return _error_response(exc)
         view = self._state.view
         live = self._state.live
         names: set[str] = set(view.profiles)
@@ -312,56 +314,57 @@ class Proxy:
     async def _handle(
         self, request: web.Request, path: str, kind: StreamKind | None
     ) -> web.StreamResponse:
-        exchange = Exchange(
-            request=request,
-            path=path,
-            kind=kind,
-            started=self._clock(),
-            # A client's id is kept for correlation, cut to a sane length.
-            request_id=(request.headers.get(REQUEST_ID_HEADER) or self._new_request_id())[:128],
-        )
+        parsed = request.get(PARSED_REQUEST)
+        if parsed is None:  # pragma: no cover - the request guard parses every POST
+            log.error("request_not_parsed", extra={"path": path})
+            return error_response(RouterError("Internal router error."))
+        exchange = self._exchange(request, parsed, path, kind)
+        reply = exchange.reply
         try:
             response = await self._serve(exchange)
         except RouterError as exc:
             response = await self._answer_error(exchange, exc)
         except ClientGone:
-            exchange.status, exchange.outcome = 499, RequestOutcome.CLIENT_CLOSED
-            response = exchange.response or web.Response(status=499)
+            reply.status, reply.outcome = 499, RequestOutcome.CLIENT_CLOSED
+            response = reply.response or web.Response(status=499)
         except asyncio.CancelledError:
             # aiohttp cancels the handler when the client disconnects.
-            exchange.status, exchange.outcome = 499, RequestOutcome.CLIENT_CLOSED
+            reply.status, reply.outcome = 499, RequestOutcome.CLIENT_CLOSED
             self._record(exchange)
             raise
         except Exception:
             # The request's boundary: a bug must cost one request, answered in
             # OpenAI's shape, never the router (leases were given back in finally).
-            log.exception("request_failed", extra={"request_id": exchange.request_id})
+            log.exception("request_failed", extra={"request_id": parsed.request_id})
             response = await self._answer_error(exchange, RouterError("Internal router error."))
         self._record(exchange)
         return response
 
-    async def _serve(self, exchange: Exchange) -> web.StreamResponse:
-        request = exchange.request
-        self._check_key(request)
-        exchange.body = await self._read_body(request)
-        payload = exchange.payload = _parse_payload(exchange.body)
-        model = payload.get("model")
-        if not isinstance(model, str) or not model:
-            raise InvalidRequest("`model` is required and must be a non-empty string.")
-        exchange.model = model
-        exchange.label = model_label(self._state, model)
-        exchange.stream = exchange.kind is not None and payload.get("stream") is True
-        exchange.features = RequestFeatures(
-            model=model,
-            affinity_key=(
-                affinity_key(payload, self._settings.affinity_prefix_chars)
-                if self._use_affinity
-                else None
+    def _exchange(
+        self, request: web.Request, parsed: ParsedRequest, path: str, kind: StreamKind | None
+    ) -> Exchange:
+        payload = parsed.payload
+        return Exchange(
+            request=request,
+            parsed=parsed,
+            path=path,
+            kind=kind,
+            started=self._clock(),
+            label=model_label(self._state, parsed.model),
+            stream=kind is not None and parsed.stream,
+            features=RequestFeatures(
+                model=parsed.model,
+                affinity_key=(
+                    affinity_key(payload, self._settings.affinity_prefix_chars)
+                    if self._use_affinity
+                    else None
+                ),
+                prompt=prompt_shape(payload, self._shape) if self._use_cost else None,
             ),
-            prompt=prompt_shape(payload, self._cost.shape) if self._use_cost else None,
+            headers=self._upstream_headers(request, parsed.request_id),
         )
-        exchange.priority = self._priority(request)
-        exchange.headers = self._upstream_headers(request, exchange.request_id)
+
+    async def _serve(self, exchange: Exchange) -> web.StreamResponse:
         if exchange.stream and exchange.kind is not None:
             return await self._serve_stream(exchange, exchange.kind)
         return await self._serve_unary(exchange)
@@ -385,7 +388,7 @@ class Proxy:
             try:
                 async with self._session().post(
                     endpoint.base_url + exchange.path,
-                    data=exchange.body,
+                    data=exchange.parsed.body,
                     headers=self._engine_headers(exchange.headers, endpoint),
                     timeout=self._unary_timeout,
                 ) as upstream:
@@ -399,17 +402,16 @@ class Proxy:
             if status in UpstreamStatusError.RETRYABLE_STATUSES or status == ENGINE_KEY_REFUSED:
                 return _Failed(UpstreamStatusError(endpoint.id, status))
             outcome = _verdict(status)
-            exchange.status = status
-            exchange.ttfb_s = self._clock() - exchange.started
-            exchange.outcome = _outcome_of(status)
-            response_headers = _response_headers(upstream_headers, exchange.request_id)
+            exchange.reply.status = status
+            exchange.reply.ttfb_s = self._clock() - exchange.started
+            exchange.reply.outcome = _outcome_of(status)
+            response_headers = _response_headers(upstream_headers, exchange.parsed.request_id)
             return _Done(web.Response(status=status, body=data, headers=response_headers))
         except asyncio.CancelledError:
             outcome = Outcome.NO_VERDICT
             raise
         finally:
-            self._end_prefill(exchange, first_token=False)
-            self._gate.finish(admitted, outcome)
+            self._finish(exchange, admitted, outcome)
 
     # -- streaming ---------------------------------------------------------------------
 
@@ -423,14 +425,16 @@ class Proxy:
         replacement = False
         while True:
             admitted = await self._admit(exchange, hold=hold, replacement=replacement)
-            result = await self._stream_once(exchange, admitted, exchange.body, account, None)
+            result = await self._stream_once(
+                exchange, admitted, exchange.parsed.body, account, None
+            )
             if isinstance(result, _Done):
                 return result.response
             if isinstance(result, _Failed):
                 self._retry_or_raise(exchange, admitted, result.error)
                 replacement = self._waits_for_replacement(result.error, mid_stream=False)
                 continue
-            exchange.tried.add(admitted.endpoint.id)
+            exchange.attempts.tried.add(admitted.endpoint.id)
             return await self._fail_over(exchange, account, hold, result.error)
 
     async def _fail_over(
@@ -441,8 +445,8 @@ class Proxy:
             log.warning(
                 "stream_broken",
                 extra={
-                    "model": exchange.model,
-                    "endpoint": exchange.endpoint_id,
+                    "model": exchange.parsed.model,
+                    "endpoint": exchange.attempts.endpoint_id,
                     "error": str(broken),
                     "tokens_sent": account.sent_tokens,
                 },
@@ -452,9 +456,10 @@ class Proxy:
                 if not account.done:
                     await self._write(exchange, DONE_EVENT, forwarded=True)
                 return await self._end_stream(exchange)
-            if exchange.failovers >= self._settings.max_failovers:
+            if exchange.attempts.failovers >= self._settings.max_failovers:
                 error = StreamInterrupted(
-                    exchange.endpoint_id or "-", f"the stream broke and failover gave up: {broken}"
+                    exchange.attempts.endpoint_id or "-",
+                    f"the stream broke and failover gave up: {broken}",
                 )
                 return await self._end_stream_with_error(exchange, error, FailoverOutcome.FAILED)
             step = await self._continue(exchange, account, hold, broken)
@@ -473,18 +478,18 @@ class Proxy:
         through `hold` meanwhile), up to the cold-start deadline.
         """
         children = self._metrics.for_model(exchange.label)
-        payload = exchange.payload
+        payload = exchange.parsed.payload
         # Whether any engine could continue; the strictest traits (the OpenAI defaults).
         probe = build_continuation(payload, account, OPENAI_STREAM_TRAITS)
         if isinstance(probe, Unfaithful):
             error = StreamInterrupted(
-                exchange.endpoint_id or "-",
+                exchange.attempts.endpoint_id or "-",
                 f"the stream broke and cannot be continued faithfully: {probe.reason}",
             )
             return _Done(
                 await self._end_stream_with_error(exchange, error, FailoverOutcome.IMPOSSIBLE)
             )
-        exchange.failovers += 1
+        exchange.attempts.failovers += 1
         try:
             admitted = await self._admit(
                 exchange,
@@ -496,7 +501,7 @@ class Proxy:
             return _Done(await self._end_stream_with_error(exchange, exc, FailoverOutcome.FAILED))
         continuation = build_continuation(payload, account, admitted.endpoint.traits)
         if isinstance(continuation, Unfaithful):  # pragma: no cover - the probe said yes
-            self._gate.finish(admitted, Outcome.NO_VERDICT)
+            self._finish(exchange, admitted, Outcome.NO_VERDICT)
             error = StreamInterrupted(admitted.endpoint.id, continuation.reason)
             return _Done(
                 await self._end_stream_with_error(exchange, error, FailoverOutcome.IMPOSSIBLE)
@@ -509,14 +514,14 @@ class Proxy:
         )
         result = await self._stream_once(exchange, admitted, body, account, rewriter)
         if isinstance(result, _Done):
-            if exchange.outcome is RequestOutcome.OK:
+            if exchange.reply.outcome is RequestOutcome.OK:
                 children.failovers[FailoverOutcome.RESUMED].inc()
                 log.info(
                     "stream_resumed",
-                    extra={"model": exchange.model, "endpoint": admitted.endpoint.id},
+                    extra={"model": exchange.parsed.model, "endpoint": admitted.endpoint.id},
                 )
             return result
-        exchange.tried.add(admitted.endpoint.id)
+        exchange.attempts.tried.add(admitted.endpoint.id)
         return result.error
 
     async def _stream_once(
@@ -528,7 +533,7 @@ class Proxy:
         rewriter: ContinuationRewriter | None,
     ) -> _Done | _Failed | _Broken:
         endpoint = admitted.endpoint
-        exchange.endpoint_id = endpoint.id
+        exchange.attempts.endpoint_id = endpoint.id
         outcome = Outcome.FAILURE
         upstream: aiohttp.ClientResponse | None = None
         clean = False
@@ -550,8 +555,10 @@ class Proxy:
                     outcome = _verdict(upstream.status)
                     clean = True
                 return result
-            if exchange.response is None:
-                exchange.reply_headers = _response_headers(upstream.headers, exchange.request_id)
+            if exchange.reply.response is None:
+                exchange.reply.headers = _response_headers(
+                    upstream.headers, exchange.parsed.request_id
+                )
             relayed = await self._relay(exchange, upstream, account, rewriter)
             if relayed is None:
                 outcome, clean = Outcome.SUCCESS, True
@@ -570,14 +577,13 @@ class Proxy:
                 else:
                     # Closing the connection tells the engine to stop generating.
                     upstream.close()
-            self._end_prefill(exchange, first_token=False)
-            self._gate.finish(admitted, outcome)
+            self._finish(exchange, admitted, outcome)
 
     async def _stream_refused(
         self, exchange: Exchange, upstream: aiohttp.ClientResponse, continuing: bool
     ) -> _Done | _Failed | _Broken:
         """The engine answered a stream request with an error (or not with SSE)."""
-        endpoint_id = exchange.endpoint_id or "-"
+        endpoint_id = exchange.attempts.endpoint_id or "-"
         try:
             data = await asyncio.wait_for(upstream.read(), self._settings.first_byte_timeout_s)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
@@ -585,12 +591,12 @@ class Proxy:
         status = upstream.status
         if status in UpstreamStatusError.RETRYABLE_STATUSES or status == ENGINE_KEY_REFUSED:
             return self._failed_or_broken(exchange, UpstreamStatusError(endpoint_id, status))
-        if exchange.response is None and not continuing:
+        if exchange.reply.response is None and not continuing:
             # Nothing sent yet: the engine's answer goes through as it is.
-            exchange.status = status
-            exchange.ttfb_s = self._clock() - exchange.started
-            exchange.outcome = _outcome_of(status)
-            headers = _response_headers(upstream.headers, exchange.request_id)
+            exchange.reply.status = status
+            exchange.reply.ttfb_s = self._clock() - exchange.started
+            exchange.reply.outcome = _outcome_of(status)
+            headers = _response_headers(upstream.headers, exchange.parsed.request_id)
             return _Done(web.Response(status=status, body=data, headers=headers))
         # Headers already went out: the engine's refusal becomes the stream's error event.
         detail = f"answered HTTP {status}"
@@ -605,7 +611,7 @@ class Proxy:
         rewriter: ContinuationRewriter | None,
     ) -> UpstreamError | None:
         """Forward complete events until `[DONE]`; the error if the engine failed first."""
-        endpoint_id = exchange.endpoint_id or "-"
+        endpoint_id = exchange.attempts.endpoint_id or "-"
         loop = asyncio.get_running_loop()
         idle_s = self._settings.stream_idle_timeout_s
         content = upstream.content
@@ -669,21 +675,21 @@ class Proxy:
             await self._write(exchange, out, forwarded=True)
 
     def _failed_or_broken(self, exchange: Exchange, error: UpstreamError) -> _Failed | _Broken:
-        if exchange.forwarded:
+        if exchange.reply.forwarded:
             return _Broken(error)
         return _Failed(error)
 
     # -- writing to the client -------------------------------------------------------------
 
     async def _prepare(self, exchange: Exchange) -> web.StreamResponse:
-        response = exchange.response
+        response = exchange.reply.response
         if response is None:
-            headers = CIMultiDict(exchange.reply_headers or ())
+            headers = CIMultiDict(exchange.reply.headers or ())
             headers.update(_SSE_HEADERS)
-            headers.setdefault(REQUEST_ID_HEADER, exchange.request_id)
+            headers.setdefault(REQUEST_ID_HEADER, exchange.parsed.request_id)
             response = web.StreamResponse(status=200, headers=headers)
-            exchange.response = response
-            exchange.status = 200
+            exchange.reply.response = response
+            exchange.reply.status = 200
             try:
                 await response.prepare(exchange.request)
             except (ConnectionError, aiohttp.ClientConnectionError) as exc:
@@ -691,18 +697,20 @@ class Proxy:
         return response
 
     async def _write(self, exchange: Exchange, data: bytes, *, forwarded: bool) -> None:
-        response = exchange.response or await self._prepare(exchange)
-        if forwarded and not exchange.forwarded:
-            exchange.forwarded = True
-            exchange.ttfb_s = self._clock() - exchange.started
-            self._end_prefill(exchange, first_token=True)
+        response = exchange.reply.response or await self._prepare(exchange)
+        if forwarded and not exchange.reply.forwarded:
+            exchange.reply.forwarded = True
+            exchange.reply.ttfb_s = self._clock() - exchange.started
+            current = exchange.attempts.current
+            if current is not None:
+                self._gate.first_byte(current)
         try:
             await response.write(data)
         except (ConnectionError, aiohttp.ClientConnectionError) as exc:
             raise ClientGone from exc
 
     async def _end_stream(self, exchange: Exchange) -> web.StreamResponse:
-        response = exchange.response or await self._prepare(exchange)
+        response = exchange.reply.response or await self._prepare(exchange)
         try:
             await response.write_eof()
         except (ConnectionError, aiohttp.ClientConnectionError) as exc:
@@ -728,25 +736,29 @@ class Proxy:
                 decoded = None
             if isinstance(decoded, dict) and "error" in decoded:
                 body = decoded
-        exchange.outcome = RequestOutcome.STREAM_ERROR
+        exchange.reply.outcome = RequestOutcome.STREAM_ERROR
         log.warning(
             "stream_ended_with_error",
-            extra={"model": exchange.model, "endpoint": exchange.endpoint_id, "error": str(error)},
+            extra={
+                "model": exchange.parsed.model,
+                "endpoint": exchange.attempts.endpoint_id,
+                "error": str(error),
+            },
         )
         await self._write(exchange, error_event(body), forwarded=True)
         return await self._end_stream(exchange)
 
     async def _answer_error(self, exchange: Exchange, error: RouterError) -> web.StreamResponse:
-        exchange.outcome = _error_outcome(error)
-        if exchange.response is not None:
+        exchange.reply.outcome = _error_outcome(error)
+        if exchange.reply.response is not None:
             # A held stream already has its headers: the error goes as an event.
             try:
                 return await self._end_stream_with_error(exchange, error, None)
             except ClientGone:
-                exchange.status, exchange.outcome = 499, RequestOutcome.CLIENT_CLOSED
-                return exchange.response
-        exchange.status = error.status
-        return _error_response(error)
+                exchange.reply.status, exchange.reply.outcome = 499, RequestOutcome.CLIENT_CLOSED
+                return exchange.reply.response
+        exchange.reply.status = error.status
+        return error_response(error)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -764,88 +776,41 @@ class Proxy:
         try:
             admitted = await self._gate.admit(
                 exchange.retry_features(),
-                priority=exchange.priority if priority is None else priority,
+                priority=exchange.parsed.priority if priority is None else priority,
                 hold=hold,
                 replacement=replacement,
             )
         except ReplacementTimeout:
-            exchange.replacement_timed_out = True
+            exchange.attempts.replacement_timed_out = True
             raise
-        exchange.attempts += 1
-        exchange.endpoint_id = admitted.endpoint.id
-        features = exchange.features
-        if features is not None and features.prompt is not None:
-            exchange.prefill = begin_prefill(
-                self._state.live,
-                admitted.endpoint,
-                features.prompt,
-                self._clock(),
-                self._cost,
-                max_age_s=self._load_max_age_s,
-                peer=peer_rate_of(self._state.view.snapshot, self._state.live, features.model),
-            )
+        exchange.attempts.count += 1
+        exchange.attempts.endpoint_id = admitted.endpoint.id
+        exchange.attempts.current = admitted
         return admitted
+
+    def _finish(self, exchange: Exchange, admitted: Admitted, outcome: Outcome) -> None:
+        """The attempt is over: its lease goes back with the endpoint's verdict."""
+        exchange.attempts.current = None
+        self._gate.finish(admitted, outcome)
 
     def _waits_for_replacement(self, error: UpstreamError, *, mid_stream: bool) -> bool:
         return self._settings.hold_for_replacement and waits_for_replacement(
             error, mid_stream=mid_stream
         )
 
-    def _end_prefill(self, exchange: Exchange, *, first_token: bool) -> None:
-        """The attempt's first token came (it teaches the endpoint's rate) or it ended."""
-        if exchange.prefill is not None:
-            end_prefill(
-                self._state.live,
-                exchange.prefill,
-                self._clock(),
-                self._cost,
-                first_token=first_token,
-            )
-            exchange.prefill = None
-
     def _retry_or_raise(self, exchange: Exchange, admitted: Admitted, error: UpstreamError) -> None:
-        exchange.tried.add(admitted.endpoint.id)
-        if not error.retryable or exchange.attempts >= self._settings.max_attempts:
+        exchange.attempts.tried.add(admitted.endpoint.id)
+        if not error.retryable or exchange.attempts.count >= self._settings.max_attempts:
             raise error
         self._metrics.for_model(exchange.label).retries.inc()
         log.info(
             "request_retried",
-            extra={"model": exchange.model, "endpoint": admitted.endpoint.id, "error": str(error)},
+            extra={
+                "model": exchange.parsed.model,
+                "endpoint": admitted.endpoint.id,
+                "error": str(error),
+            },
         )
-
-    def _check_key(self, request: web.Request) -> None:
-        if not self._api_keys:
-            return
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        presented = token.strip().encode()
-        # Compare with every key, always, so the time says nothing about which matched.
-        matched = False
-        for key in self._api_keys:
-            matched |= hmac.compare_digest(presented, key)
-        if scheme.lower() != "bearer" or not presented or not matched:
-            raise Unauthorized
-
-    async def _read_body(self, request: web.Request) -> bytes:
-        limit = self._settings.max_body_bytes
-        length = request.content_length
-        if length is not None and length > limit:
-            raise RequestTooLarge(limit)
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            raise RequestTooLarge(limit) from exc
-
-    def _priority(self, request: web.Request) -> int:
-        raw = request.headers.get(PRIORITY_HEADER)
-        if raw is None:
-            return self._settings.default_priority
-        try:
-            return int(raw.strip())
-        except ValueError:
-            raise InvalidRequest(
-                f"Header {PRIORITY_HEADER} must be an integer, got {raw[:40]!r}."
-            ) from None
 
     def _engine_headers(self, headers: Headers, endpoint: Endpoint) -> Headers:
         """The request's headers plus the engine key of the endpoint's model, if known."""
@@ -871,58 +836,52 @@ class Proxy:
 
     def _record(self, exchange: Exchange) -> None:
         duration = self._clock() - exchange.started
-        label = exchange.label if exchange.model != "-" else OTHER_MODEL
+        label, parsed, attempts, reply = (
+            exchange.label,
+            exchange.parsed,
+            exchange.attempts,
+            exchange.reply,
+        )
         children = self._metrics.for_model(label)
-        children.requests[exchange.outcome].inc()
-        children.duration[exchange.outcome].observe(duration)
-        if exchange.ttfb_s is not None:
-            children.ttfb.observe(exchange.ttfb_s)
-        if exchange.replacement_held:
+        children.requests[reply.outcome].inc()
+        children.duration[reply.outcome].observe(duration)
+        if reply.ttfb_s is not None:
+            children.ttfb.observe(reply.ttfb_s)
+        if attempts.replacement_held:
             outcome = replacement_outcome(
-                ok=exchange.outcome is RequestOutcome.OK,
-                timed_out=exchange.replacement_timed_out,
-                client_closed=exchange.outcome is RequestOutcome.CLIENT_CLOSED,
+                ok=reply.outcome is RequestOutcome.OK,
+                timed_out=attempts.replacement_timed_out,
+                client_closed=reply.outcome is RequestOutcome.CLIENT_CLOSED,
             )
             kind = "stream" if exchange.stream else "unary"
             self._metrics.replacement_holds.labels(label, kind, outcome.value).inc()
         if log.isEnabledFor(logging.INFO):
-            self._request_log(
-                {
-                    "request_id": exchange.request_id,
-                    "path": exchange.path,
-                    "model": exchange.model,
-                    "endpoint": exchange.endpoint_id,
-                    "status": exchange.status,
-                    "outcome": exchange.outcome.value,
-                    "stream": exchange.stream,
-                    "attempts": exchange.attempts,
-                    "failovers": exchange.failovers,
-                    "ttfb_s": None if exchange.ttfb_s is None else round(exchange.ttfb_s, 6),
-                    "duration_s": round(duration, 6),
-                }
-            )
+            fields: dict[str, Any] = {
+                "request_id": parsed.request_id,
+                "path": exchange.path,
+                "model": parsed.model,
+                "endpoint": attempts.endpoint_id,
+                "status": reply.status,
+                "outcome": reply.outcome.value,
+                "stream": exchange.stream,
+                "attempts": attempts.count,
+                "failovers": attempts.failovers,
+                "ttfb_s": None if reply.ttfb_s is None else round(reply.ttfb_s, 6),
+                "duration_s": round(duration, 6),
+            }
+            if parsed.key_name is not None:
+                fields["key"] = parsed.key_name
+            self._request_log(fields)
 
 
 # -- pure helpers ----------------------------------------------------------------------------
-
-
-def _parse_payload(body: bytes) -> dict[str, Any]:
-    if not body:
-        raise InvalidRequest("The request body is empty; send a JSON object.")
-    try:
-        payload = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
-    if not isinstance(payload, dict):
-        raise InvalidRequest("The request body must be a JSON object.")
-    return payload
 
 
 def _marking_hold(exchange: Exchange, hold: Hold | None) -> Hold:
     """`hold`, noting on the exchange that it was held (the gate calls it when a hold begins)."""
 
     async def marked() -> None:
-        exchange.replacement_held = True
+        exchange.attempts.replacement_held = True
         if hold is not None:
             await hold()
 
@@ -973,11 +932,3 @@ def _response_headers(upstream: Mapping[str, str], request_id: str) -> Headers:
     if REQUEST_ID_HEADER not in upstream:
         headers.append((REQUEST_ID_HEADER, request_id))
     return headers
-
-
-def _error_response(error: RouterError) -> web.Response:
-    headers = {}
-    retry_after = retry_after_s(error)
-    if retry_after is not None:
-        headers["Retry-After"] = str(retry_after)
-    return web.json_response(error_body(error), status=error.status, headers=headers)

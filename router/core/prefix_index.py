@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from router.affinity import stable_hash
+from router.core.affinity import content_text, stable_hash
 
 DEFAULT_BLOCK_CHARS = 128
 DEFAULT_CHARS_PER_TOKEN = 4.0
@@ -133,21 +133,9 @@ def _chat_text(messages: Sequence[Any]) -> str:
         role = message.get("role")
         parts.append(
             f"{role if isinstance(role, str) else ''}{_ROLE_SEPARATOR}"
-            f"{_content_text(message.get('content'))}{_MESSAGE_END}"
+            f"{content_text(message.get('content'))}{_MESSAGE_END}"
         )
     return "".join(parts)
-
-
-def _content_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(
-            part["text"]
-            for part in content
-            if isinstance(part, Mapping) and isinstance(part.get("text"), str)
-        )
-    return ""
 
 
 class BlockIndex:

@@ -130,9 +130,9 @@ def _chat_prefix(messages: list[Any], prefix_chars: int) -> str | None:
             continue
         role = message.get("role")
         if role in {"system", "developer"}:
-            system_parts.append(_content_text(message.get("content"))[:prefix_chars])
+            system_parts.append(content_text(message.get("content"))[:prefix_chars])
         elif role == "user":
-            user = _content_text(message.get("content"))[:prefix_chars]
+            user = content_text(message.get("content"))[:prefix_chars]
             if not user and not any(system_parts):
                 return None
             # Separators keep ("ab", "c") and ("a", "bc") apart.
@@ -140,7 +140,7 @@ def _chat_prefix(messages: list[Any], prefix_chars: int) -> str | None:
     return None
 
 
-def _content_text(content: Any) -> str:
+def content_text(content: Any) -> str:
     """The text of a message's content: a string, or the text parts of a list of parts."""
     if isinstance(content, str):
         return content

@@ -42,7 +42,7 @@ from caravan.contract import (
     decode_stream_traits,
 )
 from caravan.engine_metrics import MetricNames
-from router.affinity import DEFAULT_VIRTUAL_NODES, HashRing
+from router.core.affinity import DEFAULT_VIRTUAL_NODES, HashRing
 
 DEFAULT_METRICS_PATH = "/metrics"
 

@@ -36,18 +36,24 @@ from caravan.engine_scrape import (
     fetch_metrics_text,
     relevant_lines,
 )
-from router.cost_model import CACHE_FIGURE_NAMES, CostConfig, parse_cache_figures
-from router.endpoints import CheckStatus, Endpoint
-from router.engine_keys import EngineKeySource
-from router.live_state import forget_load, own_counts, record_cache_figures, record_load
+from router.core.cost_model import (
+    CACHE_FIGURE_NAMES,
+    CostConfig,
+    parse_cache_figures,
+    record_cache_figures,
+)
+from router.core.endpoints import CheckStatus, Endpoint
+from router.core.live_state import forget_load, own_counts, record_load
+from router.core.routing_state import RoutingState
+from router.feeds.engine_keys import EngineKeySource
 from router.metrics import RouterMetrics
-from router.routing_state import RoutingState
 
-log = logging.getLogger(__name__)
+# Named as before the router's sub-packages: the logger is a field of every log line.
+log = logging.getLogger("router.load_scraper")
 
 
 def _cache_lines(text: str) -> str:
-    """The lines that can carry the cost model's cache figures (router.cost_model)."""
+    """The lines that can carry the cost model's cache figures (router.core.cost_model)."""
     return (
         "\n".join(line for line in text.splitlines() if line.startswith(CACHE_FIGURE_NAMES)) + "\n"
     )

@@ -6,7 +6,7 @@ The supervisor (this process) never serves a request. It
    listening, so port 0 resolves to one port every worker then binds, and the
    port stays ours while workers come and go;
 2. starts N workers (multiprocessing, spawn start method), each a whole router
-   (`router.server.run` with a `WorkerRole`): its own event loop, Consul watches,
+   (`router.wiring.server.run` with a `WorkerRole`): its own event loop, Consul watches,
    engine scrapes, admission queues and rate-limit buckets; the kernel spreads
    new connections over their listeners. Each worker also serves /health and
    /metrics on a private admin listener on 127.0.0.1 and an ephemeral port;
@@ -57,16 +57,17 @@ from prometheus_client.samples import Sample
 from caravan.consul_api import ConsulClient, ConsulSettings, ServiceRegistration
 from caravan.errors import HashiError
 from caravan.log_format import BufferedLineHandler
-from router.app import router_registration
-from router.http_limits import ConnectionGuard, GuardedAppRunner
+from router.edge.http_limits import ConnectionGuard, GuardedAppRunner
 from router.metrics import RouterMetrics
-from router.server import WorkerRole, flush_logs_periodically, run
 from router.settings import RouterSettings
+from router.wiring.app import router_registration
+from router.wiring.server import WorkerRole, flush_logs_periodically, run
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
-log = logging.getLogger(__name__)
+# Named as before the router's sub-packages: the logger is a field of every log line.
+log = logging.getLogger("router.workers")
 
 WORKER_LABEL = "worker"
 # How long a worker may take from its start to both listeners up.
@@ -125,7 +126,8 @@ def combined_health(workers: list[WorkerHealth], *, shutting_down: bool) -> tupl
     ]
     if shutting_down:
         return 503, {"status": "shutting_down", "workers": listed}
-    # The workers share the router's tokens: a grant one lacks, all lack (router/preflight.py).
+    # The workers share the router's tokens: a grant one lacks, all lack
+    # (router/feeds/preflight.py).
     missing = sorted(
         {
             str(grant)
@@ -493,7 +495,7 @@ class _Supervisor:
     # -- the supervisor's admin listener -------------------------------------------------------
 
     def _admin_runner(self) -> web.AppRunner:
-        """The admin listener, hardened as a single router's is (router.http_limits: header
+        """The admin listener, hardened as a single router's is (router.edge.http_limits: header
         deadline, connection cap); its own connection counts are not exported."""
         settings = self.settings
         guard = ConnectionGuard(

@@ -52,7 +52,7 @@ from caravan.contract import (
     served_name_owners,
 )
 from caravan.watch import BlockingWatch, Fetch
-from router.endpoints import (
+from router.core.endpoints import (
     PlacedAddress,
     SkippedEntry,
     TrustedService,
@@ -61,11 +61,12 @@ from router.endpoints import (
     snapshot_from_health,
     verify_entries,
 )
-from router.live_state import reconcile_live_state
+from router.core.live_state import reconcile_live_state
+from router.core.routing_state import KnownModel, RoutingState, RoutingView
 from router.metrics import RouterMetrics
-from router.routing_state import KnownModel, RoutingState, RoutingView
 
-log = logging.getLogger(__name__)
+# Named as before the router's sub-packages: the logger is a field of every log line.
+log = logging.getLogger("router.discovery")
 
 # An instance is logged and counted as unverified once it has been so for this
 # long: the scheduler publishes a new replica's allocation on the reconcile

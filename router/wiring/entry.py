@@ -1,0 +1,26 @@
+"""The router process's entry point (`python -m router`, `caravan router`).
+
+One router serves by itself (`router.wiring.server.run`); with `settings.workers`
+above 1 the process becomes the supervisor of that many workers
+(`router.wiring.workers.supervise`), each of which serves through `router.wiring.server`.
+Kept apart from both so that they import one way: workers -> server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from router.settings import RouterSettings
+from router.wiring.server import run as serve_one
+from router.wiring.server import start_up
+from router.wiring.workers import supervise
+
+
+def run(settings: RouterSettings, environ: Mapping[str, str]) -> int:
+    """Run the router the settings describe until it is stopped; the process exit code."""
+    if settings.workers <= 1:
+        return serve_one(settings, environ)
+    startup = start_up(settings, environ)
+    if isinstance(startup, int):
+        return startup
+    return supervise(settings, startup.consul_settings, startup.log_handler, startup.loop_factory)
