@@ -60,7 +60,7 @@ def circles(graph: grimp.ImportGraph) -> Iterator[frozenset[str]]:
 
 def test_the_scheduler_has_no_import_circle_at_runtime() -> None:
     """What Python imports when the scheduler starts is a line, never a circle."""
-    graph = grimp.build_graph("scheduler", exclude_type_checking_imports=True)
+    graph = grimp.build_graph("scheduler", exclude_type_checking_imports=True, cache_dir=None)
     assert [] == list(circles(graph))
 
 
@@ -71,10 +71,10 @@ def test_type_only_imports_close_no_circle_either() -> None:
     typed against the profile (issue 22): adapters now read a profile through
     `EngineProfile`, and the schema of `weights:` sits below both.
     """
-    graph = grimp.build_graph("scheduler")
+    graph = grimp.build_graph("scheduler", cache_dir=None)
     assert [] == list(circles(graph))
 
 
 def test_the_shared_package_has_no_import_circle() -> None:
     """`caravan/`, which both processes import, is a line too, type-only imports counted."""
-    assert [] == list(circles(grimp.build_graph("caravan")))
+    assert [] == list(circles(grimp.build_graph("caravan", cache_dir=None)))
