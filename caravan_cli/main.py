@@ -34,7 +34,16 @@ class CommandModule(Protocol):
 # names equal to what each module registers.
 COMMAND_MODULES: dict[str, tuple[str, ...]] = {
     "caravan_cli.profile_commands": ("validate", "render"),
-    "caravan_cli.model_commands": ("submit", "list", "status", "delete", "scale"),
+    "caravan_cli.model_commands": (
+        "submit",
+        "list",
+        "status",
+        "delete",
+        "scale",
+        "plan",
+        "history",
+        "revert",
+    ),
     "caravan_cli.scheduler_command": ("scheduler",),
     "caravan_cli.router_command": ("router",),
     "caravan_cli.demo": ("demo",),

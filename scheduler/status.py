@@ -14,17 +14,18 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from caravan.contract import ModelFailure, ScaleOverride
 from caravan.nomad_api import Allocation
 from scheduler.assess import Assessment, ReplicaAssessment, assess
 from scheduler.cluster_config import ClusterConfig
+from scheduler.model_history import ModelHistory, stored_document
 from scheduler.model_store import DesiredState, ModelStore, UnknownModelError
 from scheduler.nomad_time import NS_PER_S
 from scheduler.observe import HealthSource, NomadReads, observe, read_nomad
-from scheduler.profiles import ModelProfile
+from scheduler.profiles import ModelProfile, profile_to_json
 from scheduler.weights import NO_PREFETCH, PrefetchGate, prefetch_job_id
 from scheduler.world import Observation, ObservedReplica
 
@@ -70,6 +71,9 @@ class ModelStatus:
     failure: Mapping[str, Any] | None = None
     # The prefetch job in words ("running for 30 s", "complete", "failed: ..."); None: none.
     prefetch: str | None = None
+    # The profile's version in its history (`caravan history`); None when it
+    # was written around caravan.
+    version: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -237,6 +241,16 @@ def model_status(
     )
 
 
+def with_version(
+    status: ModelStatus, state: DesiredState, history: ModelHistory | None
+) -> ModelStatus:
+    """The status with the version of the model's stored profile in its history (pure)."""
+    if history is None:
+        return status
+    stored = stored_document(profile_to_json(state.profiles[status.name]))
+    return replace(status, version=history.current_version(stored))
+
+
 @dataclass(slots=True)
 class StatusReader:
     """Gathers status from KV, Nomad and Consul for the CLI and the HTTP API."""
@@ -276,13 +290,19 @@ class StatusReader:
                 )
             raise UnknownModelError(name)
         observation, assessment, now = await self._assess(state, {name})
-        return model_status(name, state, observation, assessment, now)
+        history = await self.store.history(name)
+        return with_version(model_status(name, state, observation, assessment, now), state, history)
 
     async def models(self) -> list[ModelStatus]:
         state = await self.store.read()
         observation, assessment, now = await self._assess(state, set(state.profiles))
+        histories = await self.store.histories()
         result = [
-            model_status(name, state, observation, assessment, now)
+            with_version(
+                model_status(name, state, observation, assessment, now),
+                state,
+                histories.get(name),
+            )
             for name in sorted(state.profiles)
         ]
         result.extend(
