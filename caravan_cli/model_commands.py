@@ -25,6 +25,7 @@ import aiohttp
 
 from caravan.contract import KVLayout
 from caravan.errors import HashiError, HashiPermissionDenied
+from caravan_cli.nomad_flags import add_nomad_flags, nomad_environ
 from caravan_cli.output import emit, fail, progress
 from caravan_cli.rollout import Outcome, Rollout, judge_rollout
 from scheduler.app import scheduler_clients
@@ -99,6 +100,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     common.add_argument("--config", help="cluster config YAML used to validate profiles")
     common.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_nomad_flags(common)
 
     submit = subparsers.add_parser(
         "submit", parents=[common], help="validate profiles and submit them"
@@ -357,7 +359,7 @@ async def _models(args: argparse.Namespace) -> AsyncIterator[Models]:
         ) as session:
             yield RemoteModels(session, base_url, token_set=bool(headers))
         return
-    async with scheduler_clients(os.environ) as (consul, nomad):
+    async with scheduler_clients(nomad_environ(args)) as (consul, nomad):
         store = ModelStore(consul, KVLayout(args.kv_prefix))
         service = ModelService(
             store=store,

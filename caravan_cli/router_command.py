@@ -9,6 +9,7 @@ import sys
 from pydantic import ValidationError
 
 from caravan.consul_api import ConsulSettings
+from caravan_cli.output import fail
 from router.balancer import Policy
 from router.server import run
 from router.settings import RouterSettings
@@ -48,6 +49,11 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         type=int,
         help="processes serving the one port (SO_REUSEPORT), sharing nothing (default 1)",
     )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="settings errors as one JSON document (log lines are JSON by default)",
+    )
     parser.set_defaults(handler=run_router)
 
 
@@ -61,13 +67,21 @@ def run_router(args: argparse.Namespace) -> int:
         "admin_host": args.admin_host,
         "admin_port": args.admin_port,
         "workers": args.workers,
+        "log_format": "json" if args.json else None,
     }
     try:
         settings = RouterSettings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
-        for error in exc.errors():
-            field = ".".join(str(part) for part in error["loc"]) or "settings"
-            print(f"error: {field}: {error['msg']}", file=sys.stderr)
+        problems = [
+            f"{'.'.join(str(part) for part in error['loc']) or 'settings'}: {error['msg']}"
+            for error in exc.errors()
+        ]
+        if args.json:
+            return fail(
+                args, "invalid settings", kind="invalid_settings", problems=problems, code=2
+            )
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr)
         return 2
     # A bad CONSUL_* TLS file raises SettingsError here: one line and exit 1 from main.
     ConsulSettings.from_env(os.environ)
