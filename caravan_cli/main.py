@@ -101,7 +101,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     # The subcommands' parsers are CaravanParsers too (argparse makes them of the parent's class).
     subparsers = cast(
-        "argparse._SubParsersAction[argparse.ArgumentParser]",
+        "argparse._SubParsersAction[argparse.ArgumentParser]",  # noqa: SLF001 - argparse types it so
         parser.add_subparsers(dest="command", metavar="COMMAND"),
     )
     subparsers.required = True
