@@ -170,7 +170,7 @@ async def test_plan_history_and_revert_round_trip(stack: LocalStack, tmp_path: P
 
 
 async def test_logs_of_a_replica_through_nomad(stack: LocalStack, tmp_path: Path):
-    """`caravan logs` prints the engine's log of the replica, plain or as JSON lines, and follows it."""
+    """`caravan logs` prints a replica engine log, plain or as JSON lines, and follows it."""
     good = profile_file(tmp_path, "good.yaml", GOOD)
     assert 0 == (await caravan(stack, "submit", good, "--wait", "--timeout", "90"))[0]
 
