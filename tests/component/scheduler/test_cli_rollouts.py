@@ -256,3 +256,21 @@ async def test_every_command_prints_parseable_json(stack: LocalStack, tmp_path: 
         ("submit", 1, True),
         ("validate", 2, True),
     ] == seen
+
+
+async def test_plan_history_and_revert_through_the_schedulers_api(
+    stack: LocalStack, tmp_path: Path
+):
+    """With --scheduler the same commands go through the API and answer the same."""
+    base = f"http://127.0.0.1:{stack.scheduler.bound_port}"
+    good = profile_file(tmp_path, "good.yaml", GOOD)
+    longer = profile_file(tmp_path, "longer.yaml", GOOD + "context_length: 2048\n")
+    code, out, _ = await caravan(stack, "submit", good, "--scheduler", base, "--json")
+    assert (0, {NAME: 0}) == (code, json.loads(out)["versions"])
+    code, out, _ = await caravan(stack, "plan", longer, "--scheduler", base, "--json")
+    assert (1, "update") == (code, json.loads(out)["models"][0]["change"])
+    assert 0 == (await caravan(stack, "submit", longer, "--scheduler", base))[0]
+    code, out, _ = await caravan(stack, "revert", NAME, "0", "--scheduler", base, "--json")
+    assert (0, 2) == (code, json.loads(out)["version"])
+    code, out, _ = await caravan(stack, "history", NAME, "--scheduler", base, "--json")
+    assert [2, 1, 0] == [v["version"] for v in json.loads(out)["versions"]]
