@@ -57,12 +57,17 @@ COMMAND_MODULES: dict[str, tuple[str, ...]] = {
 }
 
 
-class UsageError(Exception):
-    """A command line argparse refuses; raised instead of printing and exiting."""
+# argparse's exit status for a command line it refuses.
+USAGE_EXIT = 2
+
+
+class UsageError(SystemExit):
+    """A command line argparse refuses; raised instead of printing, still a SystemExit(2)."""
 
     def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
         self.parser = parser
-        super().__init__(message)
+        self.message = message
+        super().__init__(USAGE_EXIT)
 
 
 class CaravanParser(argparse.ArgumentParser):
@@ -128,9 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(arguments)
     except UsageError as exc:
         if wants_json:
-            return fail(as_json, f"{exc.parser.prog}: {exc}", kind="usage", code=USAGE_EXIT)
+            return fail(as_json, f"{exc.parser.prog}: {exc.message}", kind="usage", code=USAGE_EXIT)
         exc.parser.print_usage(sys.stderr)
-        print(f"{exc.parser.prog}: error: {exc}", file=sys.stderr)
+        print(f"{exc.parser.prog}: error: {exc.message}", file=sys.stderr)
         return USAGE_EXIT
     handler = args.handler
     try:
@@ -148,10 +153,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         return fail(as_json, str(exc), kind="invalid_settings")
     return code
-
-
-# argparse's exit status for a command line it refuses.
-USAGE_EXIT = 2
 
 
 if __name__ == "__main__":
