@@ -549,9 +549,9 @@ def format_status(model: dict[str, Any], now: float) -> str:
 async def _submit(args: argparse.Namespace, models: Models) -> int:
     documents = _read_documents(args.files)
     versions = await models.submit(documents)
-    for name, version in versions.items():
-        shown = "" if version is None else f" (version {version})"
-        progress(args, f"submitted {name}{shown}")
+    for name in versions:
+        # The versions are in the --json document and `caravan history`.
+        progress(args, f"submitted {name}")
     document: dict[str, Any] = {"submitted": list(versions), "versions": versions}
     if not args.wait:
         emit(args, document, "")
