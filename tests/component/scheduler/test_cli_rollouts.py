@@ -56,7 +56,7 @@ def profile_file(tmp_path: Path, name: str, text: str) -> str:
     return str(path)
 
 
-async def caravan(stack: LocalStack, *args: str, timeout_s: float = 150) -> tuple[int, str, str]:
+async def caravan(stack: LocalStack, *args: str, timeout_s: float = 200) -> tuple[int, str, str]:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -221,7 +221,7 @@ async def test_every_command_prints_parseable_json(stack: LocalStack, tmp_path: 
         ("validate", good),
         ("render", good),
         ("plan", good),
-        ("submit", good, "--wait", "--timeout", "90"),
+        ("submit", good, "--wait", "--timeout", "150"),
         ("list",),
         ("status", NAME),
         ("scale", NAME, "2"),
