@@ -129,6 +129,7 @@ async def test_a_broken_update_fails_the_wait_with_the_reason(stack: LocalStack,
     assert ["ready"] == [r["state"] for r in replicas if not r["current"]]
 
 
+@pytest.mark.timeout(300)
 async def test_plan_history_and_revert_round_trip(stack: LocalStack, tmp_path: Path):
     """plan shows the update's changed engine argument; revert brings version 0 back as 2."""
     good = profile_file(tmp_path, "good.yaml", GOOD)
@@ -169,6 +170,7 @@ async def test_plan_history_and_revert_round_trip(stack: LocalStack, tmp_path: P
     assert (1, "not_found") == (code, json.loads(out)["error"]["type"])
 
 
+@pytest.mark.timeout(240)
 async def test_logs_of_a_replica_through_nomad(stack: LocalStack, tmp_path: Path):
     """`caravan logs` prints a replica engine log, plain or as JSON lines, and follows it."""
     good = profile_file(tmp_path, "good.yaml", GOOD)
@@ -214,6 +216,7 @@ async def test_logs_of_a_replica_through_nomad(stack: LocalStack, tmp_path: Path
         await process.wait()
 
 
+@pytest.mark.timeout(360)
 async def test_every_command_prints_parseable_json(stack: LocalStack, tmp_path: Path):
     """With --json each command's stdout is one JSON document, on success and on error."""
     good = profile_file(tmp_path, "good.yaml", GOOD)
