@@ -236,6 +236,24 @@ class KVLayout:
         """Why every replica of a model failed for good (JSON `ModelFailure`; scheduler-written)."""
         return f"{self.failures}{name}"
 
+    @property
+    def history(self) -> str:
+        """Earlier versions of every model's profile: `<prefix>-history/<name>/<version>`.
+
+        Beside the prefix, not under it: the scheduler watches the whole prefix
+        with one blocking query, which would otherwise carry every model's
+        kept versions on each wake-up. With the default prefix `caravan/`
+        this is `caravan-history/`.
+        """
+        return f"{self.prefix[:-1]}-history/"
+
+    def history_prefix(self, name: str) -> str:
+        """The versions of one model's profile (JSON `ProfileVersion` each)."""
+        return f"{self.history}{name}/"
+
+    def history_key(self, name: str, version: int) -> str:
+        return f"{self.history_prefix(name)}{version}"
+
 
 # -- placements (contract 5): what the scheduler placed, so routers can verify endpoints ----
 

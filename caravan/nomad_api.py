@@ -28,11 +28,12 @@ appears in logs or messages.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import ssl
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
 from typing import Any, Generic, Self, TypeVar
@@ -686,3 +687,119 @@ class NomadClient:
         """`DELETE /v1/var/:path` (no error when absent); `cas` as for `put_variable`."""
         params = {"cas": cas} if cas is not None else None
         await self._call("DELETE", _var_path(path), params=params, redact=True)
+
+    # -- allocation logs ------------------------------------------------------
+
+    async def stream_logs(
+        self,
+        alloc_id: str,
+        task: str,
+        *,
+        log_type: str = "stdout",
+        follow: bool = False,
+        origin: str = "start",
+        offset: int = 0,
+    ) -> AsyncIterator[LogFrame]:
+        """`GET /v1/client/fs/logs/:alloc_id`: a task's log as Nomad frames it.
+
+        Yields each frame with data (heartbeats are skipped); without `follow`
+        it ends at the end of the log. Needs `read-logs` (or `read-fs`) in
+        the allocation's namespace.
+        """
+        path = f"/v1/client/fs/logs/{alloc_id}"
+        params = {
+            "task": task,
+            "type": log_type,
+            "follow": follow,
+            "origin": origin,
+            "offset": offset,
+            "plain": False,
+        }
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=self.settings.request_timeout_s, sock_read=None
+        )
+        try:
+            async with self.session.get(
+                f"{self.settings.address}{path}",
+                params=self._params(params),
+                headers=self._headers(),
+                timeout=timeout,
+            ) as response:
+                if response.status >= 300:
+                    raise self._error("GET", path, response.status, await response.text())
+                frames = LogFrameDecoder()
+                async for chunk in response.content.iter_any():
+                    for found in frames.feed(chunk):
+                        if found.data:
+                            yield found
+                frames.close()
+        except HashiError:
+            raise
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise HashiUnavailable(
+                f"Nomad GET {path} at {self.settings.address} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class LogFrame:
+    """One `StreamFrame` of a log stream: bytes of `file`, ending at `offset`."""
+
+    data: bytes
+    file: str = ""
+    offset: int = 0
+    file_event: str = ""
+
+
+class LogFrameDecoder:
+    """Nomad's log stream is JSON frames one after another; this splits and decodes them."""
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._decoder = json.JSONDecoder()
+        self._bytes = b""
+
+    def feed(self, chunk: bytes) -> list[LogFrame]:
+        self._bytes += chunk
+        try:
+            text = self._bytes.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            # A multi-byte character split across chunks: keep its start for the next one.
+            text = self._bytes[: exc.start].decode("utf-8")
+            self._bytes = self._bytes[exc.start :]
+        else:
+            self._bytes = b""
+        self._buffer += text
+        frames: list[LogFrame] = []
+        while True:
+            stripped = self._buffer.lstrip()
+            if not stripped:
+                self._buffer = ""
+                return frames
+            try:
+                document, end = self._decoder.raw_decode(stripped)
+            except ValueError:
+                self._buffer = stripped
+                return frames
+            self._buffer = stripped[end:]
+            frames.append(_log_frame(document))
+
+    def close(self) -> None:
+        if self._buffer.strip() or self._bytes:
+            raise HashiUnavailable("Nomad log stream: it ended inside a frame")
+
+
+def _log_frame(document: Any) -> LogFrame:
+    if not isinstance(document, dict):
+        raise HashiUnavailable("Nomad log stream: a frame is not a JSON object")
+    raw = document.get("Data") or ""
+    try:
+        data = base64.b64decode(raw, validate=True) if raw else b""
+    except (ValueError, TypeError):
+        raise HashiUnavailable("Nomad log stream: a frame's Data is not base64") from None
+    return LogFrame(
+        data=data,
+        file=str(document.get("File") or ""),
+        offset=int(document.get("Offset") or 0),
+        file_event=str(document.get("FileEvent") or ""),
+    )

@@ -8,18 +8,24 @@ an unknown command load them all.
 A setting that cannot be used (a missing CA file, a bad client certificate,
 an invalid API token file: `caravan.errors.SettingsError`) ends any
 subcommand with one `error:` line naming the variable and the file, exit 1.
+
+Every subcommand takes `--json`: its result, and any error (a usage error
+included, exit 2), is then one JSON document on stdout
+(`caravan_cli/output.py`). `caravan --version` prints the package's version.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, NoReturn, Protocol, cast
 
 from caravan.errors import SettingsError
+from caravan_cli.output import fail, print_json
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -34,11 +40,55 @@ class CommandModule(Protocol):
 # names equal to what each module registers.
 COMMAND_MODULES: dict[str, tuple[str, ...]] = {
     "caravan_cli.profile_commands": ("validate", "render"),
-    "caravan_cli.model_commands": ("submit", "list", "status", "delete", "scale"),
+    "caravan_cli.model_commands": (
+        "submit",
+        "list",
+        "status",
+        "delete",
+        "scale",
+        "plan",
+        "history",
+        "revert",
+    ),
+    "caravan_cli.logs_command": ("logs",),
     "caravan_cli.scheduler_command": ("scheduler",),
     "caravan_cli.router_command": ("router",),
     "caravan_cli.demo": ("demo",),
 }
+
+
+# argparse's exit status for a command line it refuses.
+USAGE_EXIT = 2
+
+
+class UsageError(SystemExit):
+    """A command line argparse refuses; raised instead of printing, still a SystemExit(2)."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        self.parser = parser
+        self.message = message
+        super().__init__(USAGE_EXIT)
+
+
+class CaravanParser(argparse.ArgumentParser):
+    """argparse, with usage errors raised so that `--json` can report them as JSON.
+
+    Subcommand parsers are made of the same class (argparse uses the parent's).
+    """
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(self, message)
+
+
+def package_version() -> str:
+    """The installed distribution's version of the package that holds the CLI."""
+    names = importlib.metadata.packages_distributions().get("caravan_cli") or []
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown (not installed)"
 
 
 def command_module(name: str) -> CommandModule:
@@ -47,11 +97,18 @@ def command_module(name: str) -> CommandModule:
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; with `command`, only that command's module is loaded (if it names one)."""
-    parser = argparse.ArgumentParser(
+    parser = CaravanParser(
         prog="caravan",
         description="Run LLM inference replicas on Nomad, discover them through Consul.",
     )
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument(
+        "--version", action="store_true", help="print the version of caravan and exit"
+    )
+    # The subcommands' parsers are CaravanParsers too (argparse makes them of the parent's class).
+    subparsers = cast(
+        "argparse._SubParsersAction[argparse.ArgumentParser]",  # noqa: SLF001 - argparse types it so
+        parser.add_subparsers(dest="command", metavar="COMMAND"),
+    )
     subparsers.required = True
     wanted = [name for name, commands in COMMAND_MODULES.items() if command in commands]
     for name in wanted or COMMAND_MODULES:
@@ -62,8 +119,24 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     first = next((word for word in arguments if not word.startswith("-")), None)
-    parser = build_parser(first if arguments and arguments[0] == first else None)
-    args = parser.parse_args(arguments)
+    wants_json = "--json" in arguments
+    if first is None and ("--version" in arguments or "-version" in arguments):
+        version = package_version()
+        if wants_json:
+            print_json({"name": "caravan", "version": version})
+        else:
+            print(f"caravan {version}")
+        return 0
+    as_json = argparse.Namespace(json=wants_json)
+    try:
+        parser = build_parser(first if arguments and arguments[0] == first else None)
+        args = parser.parse_args(arguments)
+    except UsageError as exc:
+        if wants_json:
+            return fail(as_json, f"{exc.parser.prog}: {exc.message}", kind="usage", code=USAGE_EXIT)
+        exc.parser.print_usage(sys.stderr)
+        print(f"{exc.parser.prog}: error: {exc.message}", file=sys.stderr)
+        return USAGE_EXIT
     handler = args.handler
     try:
         code: int = handler(args)
@@ -78,8 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except SettingsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return fail(as_json, str(exc), kind="invalid_settings")
     return code
 
 

@@ -16,7 +16,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Protocol
@@ -25,9 +25,17 @@ import aiohttp
 
 from caravan.contract import KVLayout
 from caravan.errors import HashiError, HashiPermissionDenied
+from caravan_cli.nomad_flags import add_nomad_flags, nomad_environ
+from caravan_cli.output import emit, fail, progress
+from caravan_cli.rollout import Outcome, Rollout, judge_rollout
 from scheduler.app import scheduler_clients
 from scheduler.cluster_config import ClusterConfigError, load_cluster_config
-from scheduler.model_service import ModelService, SubmissionRejectedError
+from scheduler.model_service import (
+    ModelService,
+    NothingToRevertError,
+    SubmissionRejectedError,
+    UnknownVersionError,
+)
 from scheduler.model_store import (
     DEFAULT_OVERRIDE_S,
     MAX_OVERRIDE_S,
@@ -42,7 +50,14 @@ from scheduler.status import InvalidStoredProfileError, StatusReader
 
 
 class CommandError(Exception):
-    """A failure to report on stderr as one line, with exit code 1."""
+    """A failure to report as one line (or one JSON error document), with exit code 1.
+
+    `kind` is the error's `type` in JSON, as the scheduler's API names its errors.
+    """
+
+    def __init__(self, message: str, *, kind: str = "error") -> None:
+        self.kind = kind
+        super().__init__(message)
 
 
 class RemoteRejectedError(CommandError):
@@ -85,6 +100,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     common.add_argument("--config", help="cluster config YAML used to validate profiles")
     common.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_nomad_flags(common)
 
     submit = subparsers.add_parser(
         "submit", parents=[common], help="validate profiles and submit them"
@@ -134,11 +150,62 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     scale.set_defaults(handler=_runner(_scale))
 
+    plan = subparsers.add_parser(
+        "plan",
+        parents=[common],
+        help="show what submitting profiles would change, without writing anything",
+        description=(
+            "A dry run of `caravan submit`, like `nomad job plan`: validate the profiles as a "
+            "submission does, then show each replica job that would be created, updated "
+            "(with the fields that change) or stopped. Nothing is written. Exit status: 0 "
+            "when no job would change, 1 when some would, 255 on an error (an invalid "
+            "profile included)."
+        ),
+    )
+    plan.add_argument("files", nargs="+", metavar="FILE")
+    plan.add_argument(
+        "--verbose", action="store_true", help="also list the jobs that would not change"
+    )
+    plan.set_defaults(handler=_runner(_plan, error_code=PLAN_ERROR))
+
+    history = subparsers.add_parser(
+        "history",
+        parents=[common],
+        help="list the kept versions of a model's profile",
+        description=(
+            "List the kept versions of a model's profile, newest first, like `nomad job "
+            "history`. Every caravan submission that changes a profile makes a new version; "
+            "the newest 10 are kept. With --version, print that version's profile."
+        ),
+    )
+    history.add_argument("name")
+    history.add_argument("--version", type=int, help="print this version's profile")
+    history.set_defaults(handler=_runner(_history))
+
+    revert = subparsers.add_parser(
+        "revert",
+        parents=[common],
+        help="submit an earlier version of a model's profile again",
+        description=(
+            "Submit a kept version of a model's profile again, like `nomad job revert`: it "
+            "is validated as any submission (the cluster's current policy included) and "
+            "becomes the newest version."
+        ),
+    )
+    revert.add_argument("name")
+    revert.add_argument("version", type=int, metavar="VERSION")
+    revert.add_argument("--wait", action="store_true", help="wait until the replicas are ready")
+    revert.add_argument("--timeout", type=float, default=600.0, help="--wait limit in seconds")
+    revert.set_defaults(handler=_runner(_revert))
+
 
 class Models(Protocol):
     """The model operations, whichever way they are reached."""
 
-    async def submit(self, documents: list[tuple[str, str]]) -> list[str]: ...
+    async def submit(self, documents: list[tuple[str, str]]) -> dict[str, int | None]:
+        """Submit all or none; returns each model's version (None: the scheduler did not say)."""
+        ...
+
     async def list(self) -> list[dict[str, Any]]: ...
     async def describe(self, name: str) -> dict[str, Any]: ...
     async def delete(self, name: str) -> None: ...
@@ -147,6 +214,12 @@ class Models(Protocol):
         ...
 
     async def release(self, name: str) -> None: ...
+    async def history(self, name: str) -> dict[str, Any]: ...
+    async def revert(self, name: str, version: int) -> int:
+        """Submit a kept version again; returns the new version."""
+        ...
+
+    async def plan(self, documents: Sequence[tuple[str, str]]) -> dict[str, Any]: ...
 
 
 class DirectModels:
@@ -155,8 +228,9 @@ class DirectModels:
     def __init__(self, service: ModelService) -> None:
         self.service = service
 
-    async def submit(self, documents: list[tuple[str, str]]) -> list[str]:
-        return [p.name for p in await self.service.submit(documents)]
+    async def submit(self, documents: list[tuple[str, str]]) -> dict[str, int | None]:
+        submitted = await self.service.submit_versioned(documents)
+        return {s.profile.name: s.version for s in submitted}
 
     async def list(self) -> list[dict[str, Any]]:
         return [m.to_json() for m in await self.service.list()]
@@ -173,6 +247,15 @@ class DirectModels:
 
     async def release(self, name: str) -> None:
         await self.service.release(name)
+
+    async def history(self, name: str) -> dict[str, Any]:
+        return (await self.service.history(name)).to_json()
+
+    async def revert(self, name: str, version: int) -> int:
+        return (await self.service.revert(name, version)).version
+
+    async def plan(self, documents: Sequence[tuple[str, str]]) -> dict[str, Any]:
+        return (await self.service.plan(list(documents))).to_json()
 
 
 class RemoteModels:
@@ -192,34 +275,42 @@ class RemoteModels:
                 refused = response.status in {401, 403}
                 body = None if refused else await response.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            raise CommandError(f"scheduler at {self.base_url} unreachable: {exc}") from None
+            raise CommandError(
+                f"scheduler at {self.base_url} unreachable: {exc}", kind="backend_unavailable"
+            ) from None
         if response.status == 401:
             if not self.token_set:
                 raise CommandError(
-                    f"the scheduler at {self.base_url} needs a token: set {API_TOKEN_ENV}"
+                    f"the scheduler at {self.base_url} needs a token: set {API_TOKEN_ENV}",
+                    kind="unauthorized",
                 )
             raise CommandError(
-                f"the scheduler at {self.base_url} refused {API_TOKEN_ENV} as malformed"
+                f"the scheduler at {self.base_url} refused {API_TOKEN_ENV} as malformed",
+                kind="unauthorized",
             )
         if response.status == 403:
             raise CommandError(
                 f"the scheduler at {self.base_url} refused {API_TOKEN_ENV}: "
-                "it is not one of the scheduler's API tokens"
+                "it is not one of the scheduler's API tokens",
+                kind="forbidden",
             )
         if response.status >= 400:
             error = body.get("error", {}) if isinstance(body, dict) else {}
             problems = [str(p) for p in error.get("problems") or []]
             if problems:
                 raise RemoteRejectedError(problems)
-            raise CommandError(str(error.get("message") or body))
+            raise CommandError(
+                str(error.get("message") or body), kind=str(error.get("type") or "error")
+            )
         return body
 
-    async def submit(self, documents: list[tuple[str, str]]) -> list[str]:
+    async def submit(self, documents: list[tuple[str, str]]) -> dict[str, int | None]:
         # One request for the whole set, so the scheduler validates all of it
         # and writes all of it in one transaction, or none.
         payload = {"documents": [{"source": source, "text": text} for source, text in documents]}
         body = await self._call("POST", "/v1/models", json=payload)
-        return [str(name) for name in body["submitted"]]
+        versions = body.get("versions") or {}
+        return {str(name): versions.get(name) for name in body["submitted"]}
 
     async def list(self) -> list[dict[str, Any]]:
         body = await self._call("GET", "/v1/models")
@@ -243,6 +334,19 @@ class RemoteModels:
     async def release(self, name: str) -> None:
         await self._call("POST", f"/v1/models/{name}/scale", json={"auto": True})
 
+    async def history(self, name: str) -> dict[str, Any]:
+        body: dict[str, Any] = await self._call("GET", f"/v1/models/{name}/history")
+        return body
+
+    async def revert(self, name: str, version: int) -> int:
+        body = await self._call("POST", f"/v1/models/{name}/revert", json={"version": version})
+        return int(body["version"])
+
+    async def plan(self, documents: Sequence[tuple[str, str]]) -> dict[str, Any]:
+        payload = {"documents": [{"source": source, "text": text} for source, text in documents]}
+        body: dict[str, Any] = await self._call("POST", "/v1/plan", json=payload)
+        return body
+
 
 @asynccontextmanager
 async def _models(args: argparse.Namespace) -> AsyncIterator[Models]:
@@ -255,7 +359,7 @@ async def _models(args: argparse.Namespace) -> AsyncIterator[Models]:
         ) as session:
             yield RemoteModels(session, base_url, token_set=bool(headers))
         return
-    async with scheduler_clients(os.environ) as (consul, nomad):
+    async with scheduler_clients(nomad_environ(args)) as (consul, nomad):
         store = ModelStore(consul, KVLayout(args.kv_prefix))
         service = ModelService(
             store=store,
@@ -268,7 +372,7 @@ async def _models(args: argparse.Namespace) -> AsyncIterator[Models]:
 Command = Callable[[argparse.Namespace, Models], Coroutine[Any, Any, int]]
 
 
-def _runner(command: Command) -> Callable[[argparse.Namespace], int]:
+def _runner(command: Command, *, error_code: int = 1) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         async def main() -> int:
             async with _models(args) as models:
@@ -276,32 +380,45 @@ def _runner(command: Command) -> Callable[[argparse.Namespace], int]:
 
         try:
             return asyncio.run(main())
-        except (SubmissionRejectedError, RemoteRejectedError) as exc:
-            for problem in exc.problems:
-                print(problem, file=sys.stderr)
-            print("nothing was submitted", file=sys.stderr)
-        except (
-            CommandError,
-            UnknownModelError,
-            InvalidStoredProfileError,
-            ScaleOutOfBoundsError,
-            ClusterConfigError,
-            WriteConflictError,
-            ProfileError,
-        ) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-        except HashiPermissionDenied as exc:
-            print(f"error: {exc} (check CONSUL_HTTP_TOKEN and NOMAD_TOKEN)", file=sys.stderr)
-        except HashiError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            if exc.retryable:
-                print(
-                    "hint: check NOMAD_ADDR / CONSUL_HTTP_ADDR and that both answer",
-                    file=sys.stderr,
-                )
-        return 1
+        except Exception as exc:
+            return report_error(args, exc, code=error_code)
 
     return run
+
+
+def report_error(args: argparse.Namespace, exc: Exception, *, code: int = 1) -> int:
+    """Say why a model command failed, as text or JSON; returns `code`. Unknown errors re-raise."""
+    if isinstance(exc, SubmissionRejectedError | RemoteRejectedError):
+        problems = [str(p) for p in exc.problems]
+        return fail(
+            args, "nothing was submitted", kind="invalid_profile", problems=problems, code=code
+        )
+    if isinstance(exc, UnknownModelError | UnknownVersionError):
+        return fail(args, str(exc), kind="not_found", code=code)
+    if isinstance(exc, InvalidStoredProfileError | ProfileError):
+        return fail(args, str(exc), kind="invalid_stored_profile", code=code)
+    if isinstance(exc, ScaleOutOfBoundsError):
+        return fail(args, str(exc), kind="out_of_bounds", code=code)
+    if isinstance(exc, WriteConflictError):
+        return fail(args, str(exc), kind="conflict", code=code)
+    if isinstance(exc, NothingToRevertError):
+        return fail(args, str(exc), kind="nothing_to_revert", code=code)
+    if isinstance(exc, ClusterConfigError):
+        return fail(args, str(exc), kind="invalid_config", code=code)
+    if isinstance(exc, CommandError):
+        return fail(args, str(exc), kind=exc.kind, code=code)
+    if isinstance(exc, HashiPermissionDenied):
+        return fail(
+            args,
+            f"{exc} (check CONSUL_HTTP_TOKEN and NOMAD_TOKEN)",
+            kind="permission_denied",
+            code=code,
+        )
+    if isinstance(exc, HashiError):
+        hint = "check NOMAD_ADDR / CONSUL_HTTP_ADDR and that both answer" if exc.retryable else None
+        kind = "backend_unavailable" if exc.retryable else "backend_error"
+        return fail(args, str(exc), kind=kind, hint=hint, code=code)
+    raise exc
 
 
 def _read_documents(files: list[str]) -> list[tuple[str, str]]:
@@ -435,79 +552,99 @@ def control_plane_lines(model: dict[str, Any]) -> list[str]:
     return [f"control plane: {problem}" for problem in model.get("control_plane") or ()]
 
 
-def _emit(args: argparse.Namespace, document: Any, text: str) -> None:
-    print(json.dumps(document, indent=2) if args.json else text)
-
-
 async def _submit(args: argparse.Namespace, models: Models) -> int:
     documents = _read_documents(args.files)
-    names = await models.submit(documents)
-    for name in names:
-        print(f"submitted {name}")
+    versions = await models.submit(documents)
+    for name in versions:
+        # The versions are in the --json document and `caravan history`.
+        progress(args, f"submitted {name}")
+    document: dict[str, Any] = {"submitted": list(versions), "versions": versions}
     if not args.wait:
+        emit(args, document, "")
         return 0
-    return await _wait_ready(models, names, args.timeout)
+    code, rollouts = await wait_for_rollouts(models, versions, args.timeout, args=args)
+    document["wait"] = {
+        "outcome": "ready" if code == 0 else "failed",
+        "models": [r.to_json() for r in rollouts],
+    }
+    emit(args, document, "")
+    return code
 
 
-async def _wait_ready(models: Models, names: list[str], timeout_s: float) -> int:
+async def _wait_ready(models: Models, names: Sequence[str], timeout_s: float) -> int:
+    code, _ = await wait_for_rollouts(models, names, timeout_s)
+    return code
+
+
+async def wait_for_rollouts(
+    models: Models,
+    names: Sequence[str] | Mapping[str, int | None],
+    timeout_s: float,
+    *,
+    args: object = None,
+    interval_s: float = 1.0,
+) -> tuple[int, list[Rollout]]:
+    """Wait until the submitted revision of every model is ready (0) or has failed (1).
+
+    Judged by `caravan_cli.rollout.judge_rollout`: the state of the previous
+    revision never decides. On a timeout every model says what it waits for.
+    """
+    versions = dict(names) if isinstance(names, Mapping) else dict.fromkeys(names)
     deadline = time.monotonic() + timeout_s
     last: dict[str, str] = {}
     while True:
-        done = True
-        latest: dict[str, dict[str, Any]] = {}
-        for name in names:
+        rollouts: list[Rollout] = []
+        described: dict[str, dict[str, Any]] = {}
+        for name, version in versions.items():
             model = await models.describe(name)
-            latest[name] = model
-            states = ", ".join(f"r{r['replica']} {r['state']}" for r in model["replicas"])
-            line = f"{name}: {model['ready']}/{model['desired']} ready ({states or 'no replicas'})"
+            described[name] = model
+            rollout = judge_rollout(model, version)
+            rollouts.append(rollout)
+            line = rollout.progress_line(model.get("replicas") or [])
             if last.get(name) != line:
-                print(line, flush=True)
+                progress(args, line)
                 last[name] = line
-            if model["status"] != "ready" or model["ready"] < model["desired"]:
-                done = False
-            failure = model.get("failure")
-            if failure:
-                # Waiting on longer cannot help: it takes a change (caravan status says which).
-                print(f"{name} failed: {failure['reason']}", file=sys.stderr)
-                return 1
-        if done:
-            print("all replicas ready")
-            return 0
+        failed = [r for r in rollouts if r.outcome is Outcome.FAILED]
+        if failed:
+            # Waiting on longer cannot help: it takes a change (caravan status says which).
+            for rollout in failed:
+                for reason in rollout.reasons:
+                    print(f"{rollout.name} failed: {reason}", file=sys.stderr)
+            return 1, rollouts
+        if all(r.outcome is Outcome.READY for r in rollouts):
+            progress(args, "all replicas ready")
+            return 0, rollouts
         if time.monotonic() > deadline:
             print(f"timed out after {timeout_s:.0f}s waiting for replicas:", file=sys.stderr)
-            for name, model in latest.items():
-                for line in control_plane_lines(model):
-                    print(f"  {name}: {line}", file=sys.stderr)
-                reasons = [r for r in model["replicas"] if r.get("pending_reason")]
-                for replica in reasons:
-                    print(
-                        f"  {name} replica {replica['replica']}: {replica['pending_reason']}",
-                        file=sys.stderr,
-                    )
-                if not model["replicas"]:
-                    print(
-                        f"  {name}: no replica job exists yet; is `caravan scheduler` running?",
-                        file=sys.stderr,
-                    )
-            return 1
-        await asyncio.sleep(1.0)
+            for rollout in rollouts:
+                for line in control_plane_lines(described[rollout.name]):
+                    print(f"  {rollout.name}: {line}", file=sys.stderr)
+                if rollout.outcome is Outcome.WAITING:
+                    for reason in rollout.reasons or ("not ready",):
+                        print(f"  {rollout.name}: {reason}", file=sys.stderr)
+            return 1, rollouts
+        await asyncio.sleep(interval_s)
 
 
 async def _list(args: argparse.Namespace, models: Models) -> int:
     found = await models.list()
-    _emit(args, found, format_list(found))
+    emit(args, found, format_list(found))
     return 0
 
 
 async def _status(args: argparse.Namespace, models: Models) -> int:
     model = await models.describe(args.name)
-    _emit(args, model, format_status(model, time.time()))
+    emit(args, model, format_status(model, time.time()))
     return 0
 
 
 async def _delete(args: argparse.Namespace, models: Models) -> int:
     await models.delete(args.name)
-    print(f"deleted {args.name}: its replicas drain and stop")
+    emit(
+        args,
+        {"name": args.name, "deleted": True},
+        f"deleted {args.name}: its replicas drain and stop",
+    )
     return 0
 
 
@@ -545,19 +682,136 @@ def _when(at: float) -> str:
 async def _scale(args: argparse.Namespace, models: Models) -> int:
     if args.auto:
         if args.replicas is not None or args.hold is not None:
-            raise CommandError("--auto takes no replica count and no --for")
+            raise CommandError("--auto takes no replica count and no --for", kind="invalid_request")
         await models.release(args.name)
-        print(f"{args.name}: the autoscaler decides the count again")
+        emit(
+            args,
+            {"name": args.name, "auto": True},
+            f"{args.name}: the autoscaler decides the count again",
+        )
         return 0
     if args.replicas is None:
-        raise CommandError("give a replica count (caravan scale NAME N) or --auto")
+        raise CommandError(
+            "give a replica count (caravan scale NAME N) or --auto", kind="invalid_request"
+        )
     hold_s = parse_duration(args.hold) if args.hold is not None else None
     held = await models.scale(args.name, args.replicas, hold_s)
-    print(f"scaled {args.name} to {args.replicas} replicas")
+    lines = [f"scaled {args.name} to {args.replicas} replicas"]
     if held is not None:
-        print(
+        lines.append(
             f"held against the autoscaler for {_duration_words(held)} "
             f"(until about {_when(time.time() + held)}); "
             f"`caravan scale {args.name} --auto` ends it sooner"
         )
+    emit(args, {"name": args.name, "replicas": args.replicas, "hold_s": held}, "\n".join(lines))
     return 0
+
+
+PLAN_ERROR = 255
+
+
+async def _plan(args: argparse.Namespace, models: Models) -> int:
+    document = await models.plan(_read_documents(args.files))
+    emit(args, document, format_plan(document, verbose=args.verbose))
+    return 1 if document["changes"] else 0
+
+
+def format_plan(plan: Mapping[str, Any], *, verbose: bool = False) -> str:
+    """The plan in `nomad job plan`'s words: markers, jobs, then the fields that change."""
+    marks = {"create": "+", "update": "+/-", "stop": "-", "none": " "}
+    lines: list[str] = []
+    for model in plan["models"]:
+        lines.append(
+            f"{marks[model['change']]} Model: {model['name']!r} "
+            f"({model['change']}, {model['desired']} replica(s) desired)"
+        )
+        for job in model["jobs"]:
+            if job["change"] == "none" and not verbose:
+                continue
+            words = {
+                "create": "create",
+                "update": f"update: spec {job['old_spec_hash']} => {job['new_spec_hash']}",
+                "stop": "stop: drained, then deregistered",
+                "none": "no change",
+            }[job["change"]]
+            lines.append(f"  {marks[job['change']]} Job: {job['job_id']!r} ({words})")
+            for field in job["fields"]:
+                old, new = json.dumps(field["old"]), json.dumps(field["new"])
+                text = {"+": new, "-": old}.get(field["mark"], f"{old} => {new}")
+                lines.append(f"      {field['mark']} {field['path']}: {text}")
+    lines.append("")
+    lines.append(
+        "applying this submission would change the jobs above (exit 1)"
+        if plan["changes"]
+        else "no job would change (exit 0)"
+    )
+    return "\n".join(lines)
+
+
+def format_history(history: Mapping[str, Any], now: float) -> str:
+    """`caravan history NAME`: one line per kept version, newest first, like `nomad job history`."""
+    name = history["name"]
+    lines: list[str] = []
+    if not history.get("exists", True):
+        lines.append(f"{name} is deleted; `caravan revert {name} VERSION` brings a version back")
+    elif history.get("current") is None:
+        lines.append(
+            f"{name}'s current profile was written around caravan (consul kv put, Terraform): "
+            "it is none of these versions"
+        )
+    rows = [["VERSION", "SUBMITTED", "AGE", "NOTE"]]
+    for version in history.get("versions") or []:
+        notes = []
+        if version["version"] == history.get("current"):
+            notes.append("current")
+        if version.get("reverted_from") is not None:
+            notes.append(f"revert to {version['reverted_from']}")
+        rows.append(
+            [
+                str(version["version"]),
+                _when(float(version["submitted_at"])),
+                _age(max(now - float(version["submitted_at"]), 0.0)),
+                ", ".join(notes) or "-",
+            ]
+        )
+    if len(rows) == 1:
+        lines.append(f"{name} has no kept versions")
+    else:
+        lines.append(_table(rows))
+    lines.extend(f"unreadable: {problem}" for problem in history.get("unreadable") or [])
+    return "\n".join(lines)
+
+
+def _history_version(history: Mapping[str, Any], number: int) -> Mapping[str, Any] | None:
+    return next((v for v in history.get("versions") or [] if v["version"] == number), None)
+
+
+async def _history(args: argparse.Namespace, models: Models) -> int:
+    history = await models.history(args.name)
+    if args.version is not None:
+        chosen = _history_version(history, args.version)
+        if chosen is None:
+            kept = ", ".join(str(v["version"]) for v in history.get("versions") or []) or "none"
+            raise CommandError(
+                f"{args.name}: no version {args.version} is kept (kept: {kept})", kind="not_found"
+            )
+        emit(args, chosen, json.dumps(chosen["profile"], indent=2))
+        return 0
+    emit(args, history, format_history(history, time.time()))
+    return 0
+
+
+async def _revert(args: argparse.Namespace, models: Models) -> int:
+    version = await models.revert(args.name, args.version)
+    progress(args, f"reverted {args.name} to version {args.version}: it is now version {version}")
+    document: dict[str, Any] = {"name": args.name, "reverted_to": args.version, "version": version}
+    if not args.wait:
+        emit(args, document, "")
+        return 0
+    code, rollouts = await wait_for_rollouts(models, {args.name: version}, args.timeout, args=args)
+    document["wait"] = {
+        "outcome": "ready" if code == 0 else "failed",
+        "models": [r.to_json() for r in rollouts],
+    }
+    emit(args, document, "")
+    return code

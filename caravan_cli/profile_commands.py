@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from caravan_cli.output import emit, fail, wants_json
 from scheduler.cluster_config import ClusterConfigError, load_cluster_config
 from scheduler.profiles import ProfileError, load_profile
 from scheduler.render import PlacementHints, RenderError, render, secret_templates
@@ -25,6 +25,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     validate.add_argument("files", nargs="+", metavar="FILE")
     validate.add_argument("--config", help="cluster config YAML (GPU classes, images)")
+    validate.add_argument("--json", action="store_true", help="print the result as JSON")
     validate.set_defaults(handler=run_validate)
 
     render_parser = subparsers.add_parser(
@@ -47,11 +48,10 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         action="store_true",
         help="print the model's weights prefetch job instead of a replica",
     )
+    render_parser.add_argument(
+        "--json", action="store_true", help="errors as JSON too (the job is JSON already)"
+    )
     render_parser.set_defaults(handler=run_render)
-
-
-def _error(line: str) -> None:
-    print(line, file=sys.stderr)
 
 
 def run_validate(args: argparse.Namespace) -> int:
@@ -71,41 +71,44 @@ def run_validate(args: argparse.Namespace) -> int:
     try:
         config = load_cluster_config(args.config)
     except ClusterConfigError as exc:
-        _error(str(exc))
-        return 1
-    problems = 0
+        return fail(args, str(exc), kind="invalid_config")
+    problems: list[str] = []
     seen: dict[str, str] = {}
     valid: list[tuple[str, bytes, ModelProfile]] = []
     for path in args.files:
         try:
             raw = Path(path).read_bytes()
         except OSError as exc:
-            _error(f"{path}: cannot read file: {exc.strerror or exc}")
-            problems += 1
+            problems.append(f"{path}: cannot read file: {exc.strerror or exc}")
             continue
         try:
             (profile,) = validate_submission([(path, raw)], config)
         except SubmissionRejectedError as exc:
-            for problem in exc.problems:
-                _error(str(problem))
-            problems += len(exc.problems)
+            problems.extend(str(problem) for problem in exc.problems)
             continue
         if profile.name in seen:
-            _error(f"{path}: name: {profile.name!r} is already used by {seen[profile.name]}")
-            problems += 1
+            problems.append(
+                f"{path}: name: {profile.name!r} is already used by {seen[profile.name]}"
+            )
             continue
         seen[profile.name] = path
         valid.append((path, raw, profile))
     try:
         validate_submission([(path, raw) for path, raw, _ in valid], config)
     except SubmissionRejectedError as exc:
-        for problem in exc.problems:
-            _error(str(problem))
-        problems += len(exc.problems)
-        return 1
-    for path, _, profile in valid:
-        print(f"{path}: ok ({profile.name}, {profile.engine.value})")
-    return 1 if problems else 0
+        problems.extend(str(problem) for problem in exc.problems)
+        valid = []
+    if problems:
+        noun = "problem" if len(problems) == 1 else "problems"
+        message = f"{len(problems)} {noun}" if wants_json(args) else ""
+        return fail(args, message, kind="invalid_profile", problems=problems)
+    files = [
+        {"file": path, "name": profile.name, "engine": profile.engine.value}
+        for path, _, profile in valid
+    ]
+    text = "\n".join(f"{f['file']}: ok ({f['name']}, {f['engine']})" for f in files)
+    emit(args, {"valid": files}, text)
+    return 0
 
 
 def run_render(args: argparse.Namespace) -> int:
@@ -121,15 +124,17 @@ def run_render(args: argparse.Namespace) -> int:
         if args.prefetch:
             prefetch = render_prefetch(profile, config, secret_templates(profile))
             if prefetch is None:
-                _error(f"{args.file}: weights.prefetch: this profile has no prefetch job")
-                return 1
+                return fail(
+                    args,
+                    f"{args.file}: weights.prefetch: this profile has no prefetch job",
+                    kind="not_found",
+                )
             body = prefetch
     except ProfileError as exc:
-        for problem in exc.problems:
-            _error(f"{args.file}: {problem}")
-        return 1
+        problems = [f"{args.file}: {problem}" for problem in exc.problems]
+        message = "the profile is invalid" if wants_json(args) else ""
+        return fail(args, message, kind="invalid_profile", problems=problems)
     except (RenderError, ClusterConfigError) as exc:
-        _error(f"{args.file}: {exc}")
-        return 1
+        return fail(args, f"{args.file}: {exc}", kind="invalid_profile")
     print(json.dumps(body, indent=2))
     return 0

@@ -8,7 +8,8 @@ import os
 from pydantic import ValidationError
 
 from caravan.consul_api import ConsulSettings
-from caravan.settings_help import print_settings_errors
+from caravan.settings_help import print_settings_errors, settings_error_lines
+from caravan_cli.output import fail
 from router.core.balancer import Policy
 from router.settings import RouterSettings
 from router.wiring.entry import run
@@ -48,6 +49,11 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         type=int,
         help="processes serving the one port (SO_REUSEPORT), sharing nothing (default 1)",
     )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="settings errors as one JSON document (log lines are JSON by default)",
+    )
     parser.set_defaults(handler=run_router)
 
 
@@ -61,11 +67,17 @@ def run_router(args: argparse.Namespace) -> int:
         "admin_host": args.admin_host,
         "admin_port": args.admin_port,
         "workers": args.workers,
+        "log_format": "json" if args.json else None,
     }
     given = {k: v for k, v in overrides.items() if v is not None}
     try:
         settings = RouterSettings(**given)
     except ValidationError as exc:
+        if args.json:
+            problems = settings_error_lines(RouterSettings, exc, from_flags=given)
+            return fail(
+                args, "invalid settings", kind="invalid_settings", problems=problems, code=2
+            )
         return print_settings_errors(RouterSettings, exc, from_flags=given)
     # A bad CONSUL_* TLS file raises SettingsError here: one line and exit 1 from main.
     ConsulSettings.from_env(os.environ)

@@ -12,7 +12,8 @@ import os
 
 from pydantic import ValidationError
 
-from caravan.settings_help import print_settings_errors
+from caravan.settings_help import print_settings_errors, settings_error_lines
+from caravan_cli.output import fail
 from scheduler.api_auth import TOKENS_ENV, TOKENS_FILE_ENV
 from scheduler.server import run
 from scheduler.settings import SchedulerSettings
@@ -67,6 +68,11 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", choices=["json", "text"], help="log lines on stderr")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="JSON log lines (--log-format json) and settings errors as one JSON document",
+    )
     parser.set_defaults(handler=run_scheduler)
 
 
@@ -82,11 +88,16 @@ def run_scheduler(args: argparse.Namespace) -> int:
         "leader_ttl_s": args.leader_ttl_s,
         "leader_lock_delay_s": args.leader_lock_delay_s,
         "log_level": args.log_level,
-        "log_format": args.log_format,
+        "log_format": "json" if args.json else args.log_format,
     }
     given = {k: v for k, v in overrides.items() if v is not None}
     try:
         settings = SchedulerSettings(**given)
     except ValidationError as exc:
+        if args.json:
+            problems = settings_error_lines(SchedulerSettings, exc, from_flags=given)
+            return fail(
+                args, "invalid settings", kind="invalid_settings", problems=problems, code=2
+            )
         return print_settings_errors(SchedulerSettings, exc, from_flags=given)
     return run(settings, os.environ)

@@ -183,10 +183,13 @@ job "caravan-router" {
         CARAVAN_ROUTER_SHUTDOWN_TIMEOUT_S = "100"
       }
 
-      # The Consul token, optional API keys (comma-separated) and an optional
-      # Consul CA certificate from the Nomad Variable `nomad/jobs/caravan-router`.
-      # Keys: consul_token, api_keys, consul_cacert, nomad_token (reads the engines'
-      # API keys); each one is optional.
+      # The Consul token, optional API keys (comma-separated), CA certificates
+      # (TLS) and client certificates and keys (mutual TLS) from the Nomad
+      # Variable `nomad/jobs/caravan-router`. Keys: consul_token, api_keys,
+      # nomad_token (reads the engines' API keys), consul_cacert, nomad_cacert,
+      # nomad_client_cert, nomad_client_key, consul_client_cert,
+      # consul_client_key; each one is optional (a client certificate goes
+      # with its key).
       template {
         destination = "secrets/caravan.env"
         env         = true
@@ -198,6 +201,11 @@ job "caravan-router" {
         {{ with .api_keys.Value }}CARAVAN_ROUTER_API_KEYS={{ . }}{{ end }}
         {{ with .nomad_token.Value }}NOMAD_TOKEN={{ . }}{{ end }}
         {{ with .consul_cacert.Value }}CONSUL_CACERT={{ env "NOMAD_SECRETS_DIR" }}/consul-ca.pem{{ end }}
+        {{ with .nomad_cacert.Value }}NOMAD_CACERT={{ env "NOMAD_SECRETS_DIR" }}/nomad-ca.pem{{ end }}
+        {{ with .nomad_client_cert.Value }}NOMAD_CLIENT_CERT={{ env "NOMAD_SECRETS_DIR" }}/nomad-client.pem{{ end }}
+        {{ with .nomad_client_key.Value }}NOMAD_CLIENT_KEY={{ env "NOMAD_SECRETS_DIR" }}/nomad-client-key.pem{{ end }}
+        {{ with .consul_client_cert.Value }}CONSUL_CLIENT_CERT={{ env "NOMAD_SECRETS_DIR" }}/consul-client.pem{{ end }}
+        {{ with .consul_client_key.Value }}CONSUL_CLIENT_KEY={{ env "NOMAD_SECRETS_DIR" }}/consul-client-key.pem{{ end }}
         {{- end }}
         {{- end }}
         EOT
@@ -208,6 +216,48 @@ job "caravan-router" {
         change_mode = "restart"
         data        = <<-EOT
         {{ if nomadVarExists "nomad/jobs/caravan-router" }}{{ with nomadVar "nomad/jobs/caravan-router" }}{{ .consul_cacert.Value }}{{ end }}{{ end }}
+        EOT
+      }
+
+      template {
+        destination = "secrets/nomad-ca.pem"
+        change_mode = "restart"
+        data        = <<-EOT
+        {{ if nomadVarExists "nomad/jobs/caravan-router" }}{{ with nomadVar "nomad/jobs/caravan-router" }}{{ .nomad_cacert.Value }}{{ end }}{{ end }}
+        EOT
+      }
+
+      template {
+        destination = "secrets/nomad-client.pem"
+        change_mode = "restart"
+        data        = <<-EOT
+        {{ if nomadVarExists "nomad/jobs/caravan-router" }}{{ with nomadVar "nomad/jobs/caravan-router" }}{{ .nomad_client_cert.Value }}{{ end }}{{ end }}
+        EOT
+      }
+
+      template {
+        destination = "secrets/nomad-client-key.pem"
+        change_mode = "restart"
+        perms       = "0400"
+        data        = <<-EOT
+        {{ if nomadVarExists "nomad/jobs/caravan-router" }}{{ with nomadVar "nomad/jobs/caravan-router" }}{{ .nomad_client_key.Value }}{{ end }}{{ end }}
+        EOT
+      }
+
+      template {
+        destination = "secrets/consul-client.pem"
+        change_mode = "restart"
+        data        = <<-EOT
+        {{ if nomadVarExists "nomad/jobs/caravan-router" }}{{ with nomadVar "nomad/jobs/caravan-router" }}{{ .consul_client_cert.Value }}{{ end }}{{ end }}
+        EOT
+      }
+
+      template {
+        destination = "secrets/consul-client-key.pem"
+        change_mode = "restart"
+        perms       = "0400"
+        data        = <<-EOT
+        {{ if nomadVarExists "nomad/jobs/caravan-router" }}{{ with nomadVar "nomad/jobs/caravan-router" }}{{ .consul_client_key.Value }}{{ end }}{{ end }}
         EOT
       }
 

@@ -174,9 +174,12 @@ job "caravan-scheduler" {
         CONSUL_HTTP_ADDR = var.consul_addr
       }
 
-      # Tokens (and CA certificates, for TLS) from the Nomad Variable
-      # `nomad/jobs/caravan-scheduler`. Keys: nomad_token, consul_token,
-      # nomad_cacert, consul_cacert, api_tokens; each one is optional, but
+      # Tokens (and CA certificates, for TLS; client certificates and keys,
+      # for mutual TLS) from the Nomad Variable `nomad/jobs/caravan-scheduler`.
+      # Keys: nomad_token, consul_token, nomad_cacert, consul_cacert,
+      # nomad_client_cert, nomad_client_key, consul_client_cert,
+      # consul_client_key, api_tokens; each one is optional (a client
+      # certificate goes with its key), but
       # without api_tokens the scheduler's API listens on 127.0.0.1 only (and
       # the health check on the node address fails): see docs/security.md.
       template {
@@ -190,6 +193,10 @@ job "caravan-scheduler" {
         {{ with .consul_token.Value }}CONSUL_HTTP_TOKEN={{ . }}{{ end }}
         {{ with .nomad_cacert.Value }}NOMAD_CACERT={{ env "NOMAD_SECRETS_DIR" }}/nomad-ca.pem{{ end }}
         {{ with .consul_cacert.Value }}CONSUL_CACERT={{ env "NOMAD_SECRETS_DIR" }}/consul-ca.pem{{ end }}
+        {{ with .nomad_client_cert.Value }}NOMAD_CLIENT_CERT={{ env "NOMAD_SECRETS_DIR" }}/nomad-client.pem{{ end }}
+        {{ with .nomad_client_key.Value }}NOMAD_CLIENT_KEY={{ env "NOMAD_SECRETS_DIR" }}/nomad-client-key.pem{{ end }}
+        {{ with .consul_client_cert.Value }}CONSUL_CLIENT_CERT={{ env "NOMAD_SECRETS_DIR" }}/consul-client.pem{{ end }}
+        {{ with .consul_client_key.Value }}CONSUL_CLIENT_KEY={{ env "NOMAD_SECRETS_DIR" }}/consul-client-key.pem{{ end }}
         {{ with .api_tokens.Value }}CARAVAN_SCHEDULER_API_TOKENS_FILE={{ env "NOMAD_SECRETS_DIR" }}/api-tokens{{ end }}
         {{- end }}
         {{- end }}
@@ -220,6 +227,41 @@ job "caravan-scheduler" {
         change_mode = "restart"
         data        = <<-EOT
         {{ if nomadVarExists "nomad/jobs/caravan-scheduler" }}{{ with nomadVar "nomad/jobs/caravan-scheduler" }}{{ .consul_cacert.Value }}{{ end }}{{ end }}
+        EOT
+      }
+
+      # Client certificates and keys for clusters that verify clients (mTLS).
+      template {
+        destination = "secrets/nomad-client.pem"
+        change_mode = "restart"
+        data        = <<-EOT
+        {{ if nomadVarExists "nomad/jobs/caravan-scheduler" }}{{ with nomadVar "nomad/jobs/caravan-scheduler" }}{{ .nomad_client_cert.Value }}{{ end }}{{ end }}
+        EOT
+      }
+
+      template {
+        destination = "secrets/nomad-client-key.pem"
+        change_mode = "restart"
+        perms       = "0400"
+        data        = <<-EOT
+        {{ if nomadVarExists "nomad/jobs/caravan-scheduler" }}{{ with nomadVar "nomad/jobs/caravan-scheduler" }}{{ .nomad_client_key.Value }}{{ end }}{{ end }}
+        EOT
+      }
+
+      template {
+        destination = "secrets/consul-client.pem"
+        change_mode = "restart"
+        data        = <<-EOT
+        {{ if nomadVarExists "nomad/jobs/caravan-scheduler" }}{{ with nomadVar "nomad/jobs/caravan-scheduler" }}{{ .consul_client_cert.Value }}{{ end }}{{ end }}
+        EOT
+      }
+
+      template {
+        destination = "secrets/consul-client-key.pem"
+        change_mode = "restart"
+        perms       = "0400"
+        data        = <<-EOT
+        {{ if nomadVarExists "nomad/jobs/caravan-scheduler" }}{{ with nomadVar "nomad/jobs/caravan-scheduler" }}{{ .consul_client_key.Value }}{{ end }}{{ end }}
         EOT
       }
 

@@ -10,6 +10,10 @@
                                       autoscaled model also hold it against the
                                       autoscaler for "hold_s" seconds (default 3600);
                                       {"auto": true}: end the hold
+    GET    /v1/models/{name}/history  the kept versions of its profile, newest first
+    POST   /v1/models/{name}/revert   {"version": N}: submit version N again (validated)
+    POST   /v1/plan                   {"documents": [...]}: what a submission would change,
+                                      job by job; nothing is written
     GET    /health                    200 while the process runs; says if it leads;
                                       503 "misconfigured" with the "missing" grants
                                       when its tokens lack one (scheduler/preflight.py)
@@ -36,7 +40,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 
 from caravan.errors import HashiError
 from scheduler.api_auth import AuthOutcome, TokenSource, check_authorization
-from scheduler.model_service import ModelService, SubmissionRejectedError
+from scheduler.model_service import (
+    ModelService,
+    NothingToRevertError,
+    SubmissionRejectedError,
+    UnknownVersionError,
+)
 from scheduler.model_store import (
     ScaleOutOfBoundsError,
     UnknownModelError,
@@ -100,8 +109,10 @@ async def _errors_as_json(
 ) -> web.StreamResponse:
     try:
         response: web.StreamResponse = await handler(request)
-    except UnknownModelError as exc:
+    except (UnknownModelError, UnknownVersionError) as exc:
         return _error(404, str(exc), "not_found")
+    except NothingToRevertError as exc:
+        return _error(409, str(exc), "nothing_to_revert")
     except InvalidStoredProfileError as exc:
         return _error(409, str(exc), "invalid_stored_profile")
     except SubmissionRejectedError as exc:
@@ -140,8 +151,10 @@ async def put_model(request: web.Request) -> web.Response:
         return _error(413, "profile larger than 1 MiB", "too_large")
     text = await request.text()
     # The name in the path is checked with everything else, before anything is written.
-    await request.app[SERVICE_KEY].submit([(f"PUT /v1/models/{name}", text)], expected_name=name)
-    return web.json_response({"name": name, "submitted": True})
+    (submitted,) = await request.app[SERVICE_KEY].submit_versioned(
+        [(f"PUT /v1/models/{name}", text)], expected_name=name
+    )
+    return web.json_response({"name": name, "submitted": True, "version": submitted.version})
 
 
 def _documents(body: Any) -> list[tuple[str, str]] | None:
@@ -176,8 +189,49 @@ async def post_models(request: web.Request) -> web.Response:
             'body must be JSON like {"documents": [{"source": "a.yaml", "text": "<profile>"}]}',
             "invalid_request",
         )
-    profiles = await request.app[SERVICE_KEY].submit(documents)
-    return web.json_response({"submitted": [p.name for p in profiles]})
+    submitted = await request.app[SERVICE_KEY].submit_versioned(documents)
+    return web.json_response(
+        {
+            "submitted": [s.profile.name for s in submitted],
+            "versions": {s.profile.name: s.version for s in submitted},
+        }
+    )
+
+
+async def plan_models(request: web.Request) -> web.Response:
+    if request.content_length is not None and request.content_length > MAX_PROFILE_BYTES:
+        return _error(413, "submission larger than 1 MiB", "too_large")
+    try:
+        body = await request.json()
+    except (ValueError, RecursionError):
+        body = None
+    documents = _documents(body)
+    if documents is None:
+        return _error(
+            400,
+            'body must be JSON like {"documents": [{"source": "a.yaml", "text": "<profile>"}]}',
+            "invalid_request",
+        )
+    plan = await request.app[SERVICE_KEY].plan(documents)
+    return web.json_response(plan.to_json())
+
+
+async def model_history(request: web.Request) -> web.Response:
+    history = await request.app[SERVICE_KEY].history(request.match_info["name"])
+    return web.json_response(history.to_json())
+
+
+async def revert_model(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    try:
+        body = await request.json()
+    except (ValueError, RecursionError):
+        body = None
+    version = body.get("version") if isinstance(body, dict) and set(body) == {"version"} else None
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        return _error(400, 'body must be JSON like {"version": 3}', "invalid_request")
+    submitted = await request.app[SERVICE_KEY].revert(name, version)
+    return web.json_response({"name": name, "reverted_to": version, "version": submitted.version})
 
 
 async def delete_model(request: web.Request) -> web.Response:
@@ -272,6 +326,9 @@ def create_api(
     app.router.add_put("/v1/models/{name}", put_model)
     app.router.add_delete("/v1/models/{name}", delete_model)
     app.router.add_post("/v1/models/{name}/scale", scale_model)
+    app.router.add_post("/v1/plan", plan_models)
+    app.router.add_get("/v1/models/{name}/history", model_history)
+    app.router.add_post("/v1/models/{name}/revert", revert_model)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app

@@ -11,17 +11,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from caravan.consul_api import TxnConflictError
+from caravan.contract import JOB_PREFIX
 from scheduler.cluster_config import ClusterConfig
+from scheduler.dry_run import SubmissionPlan, plan_submission
+from scheduler.model_history import ModelHistory, ProfileVersion
 from scheduler.model_store import (
     MAX_PROFILES_PER_SUBMISSION,
     WRITE_ATTEMPTS,
     ModelStore,
+    UnknownModelError,
     WriteConflictError,
 )
 from scheduler.profile_policy import policy_problems
 from scheduler.profiles import ModelProfile, ProfileError, parse_profile_text
 from scheduler.render import RenderError, render
 from scheduler.status import ModelStatus, StatusReader
+from scheduler.world import ObservedReplica, replica_from_job_stub
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +46,57 @@ class SubmissionRejectedError(ValueError):
     def __init__(self, problems: list[SubmissionProblem]) -> None:
         self.problems = problems
         super().__init__("\n".join(str(p) for p in problems))
+
+
+@dataclass(frozen=True, slots=True)
+class SubmittedProfile:
+    """A profile as written, with the version it is in its model's history."""
+
+    profile: ModelProfile
+    version: int
+
+
+class UnknownVersionError(KeyError):
+    """The model's history keeps no such version."""
+
+    def __init__(self, name: str, version: int, history: ModelHistory) -> None:
+        self.name = name
+        self.version = version
+        self.kept = tuple(v.version for v in history.versions)
+        super().__init__(name)
+
+    def __str__(self) -> str:
+        kept = ", ".join(str(v) for v in self.kept) or "none"
+        return (
+            f"{self.name}: no version {self.version} is kept (kept: {kept}; "
+            f"see `caravan history {self.name}`)"
+        )
+
+
+class NothingToRevertError(ValueError):
+    """The version asked for is the model's current profile already."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelHistoryView:
+    """What `caravan history` shows: kept versions newest first, and the current one."""
+
+    name: str
+    # The version whose profile is in models/<name>; None when it was written
+    # around caravan, or the model is deleted.
+    current: int | None
+    exists: bool
+    versions: tuple[ProfileVersion, ...]
+    unreadable: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "current": self.current,
+            "exists": self.exists,
+            "versions": [v.to_json() for v in self.versions],
+            "unreadable": list(self.unreadable),
+        }
 
 
 # Rendering checks every replica a profile may have; beyond this many, refuse.
@@ -159,14 +215,30 @@ class ModelService:
     async def submit(
         self, documents: list[tuple[str, str]], *, expected_name: str | None = None
     ) -> list[ModelProfile]:
-        """Validate all, then write all in one transaction: a refused submission writes nothing.
+        """Validate all, then write all in one transaction: a refused submission writes nothing."""
+        return [
+            s.profile for s in await self.submit_versioned(documents, expected_name=expected_name)
+        ]
+
+    async def submit_versioned(
+        self,
+        documents: list[tuple[str, str]],
+        *,
+        expected_name: str | None = None,
+        reverted_from: int | None = None,
+    ) -> list[SubmittedProfile]:
+        """Validate all, then write all in one transaction; each profile with its version.
 
         Profiles are validated against the cluster config the leading
         scheduler published (GPU classes, images, profile policy), else the
         local one, and against the models stored when the write is prepared;
         if those change before the write lands, it is validated again from a
-        fresh read (a bounded number of times).
+        fresh read (a bounded number of times). `reverted_from` marks the
+        new version of `expected_name` as a revert to that version.
         """
+        origins = (
+            {} if reverted_from is None or expected_name is None else {expected_name: reverted_from}
+        )
         for _ in range(WRITE_ATTEMPTS):
             stored = await self.store.read_models()
             config = await self.store.cluster_config() or self.config
@@ -174,11 +246,67 @@ class ModelService:
                 documents, config, stored.profiles, expected_name=expected_name
             )
             try:
-                await self.store.write_profiles(profiles, stored)
+                versions = await self.store.write_profiles(profiles, stored, reverted_from=origins)
             except TxnConflictError:
                 continue
-            return profiles
+            return [SubmittedProfile(p, versions[p.name]) for p in profiles]
         raise WriteConflictError("submit", WRITE_ATTEMPTS)
+
+    async def history(self, name: str) -> ModelHistoryView:
+        """The kept versions of a model's profile, newest first, and which one is current."""
+        history = await self.store.history(name)
+        stored = await self.store.stored_profile_document(name)
+        if not history.versions and stored is None:
+            raise UnknownModelError(name)
+        return ModelHistoryView(
+            name=name,
+            current=history.current_version(stored),
+            exists=stored is not None,
+            versions=tuple(reversed(history.versions)),
+            unreadable=history.unreadable,
+        )
+
+    async def revert(self, name: str, version: int) -> SubmittedProfile:
+        """Submit a kept version again as a new version, through the full validation.
+
+        Like `nomad job revert`: the old profile becomes the newest version
+        (marked as a revert); the cluster's current policy and the models
+        stored now decide whether it is accepted, as for any submission.
+        """
+        history = await self.store.history(name)
+        chosen = history.version(version)
+        if chosen is None:
+            raise UnknownVersionError(name, version, history)
+        stored = await self.store.stored_profile_document(name)
+        if stored is not None and stored == dict(chosen.profile):
+            raise NothingToRevertError(
+                f"{name}: version {version} is the current profile; there is nothing to revert"
+            )
+        (submitted,) = await self.submit_versioned(
+            [(f"{name} version {version}", chosen.profile_text())],
+            expected_name=name,
+            reverted_from=version,
+        )
+        return submitted
+
+    async def plan(self, documents: list[tuple[str, str]]) -> SubmissionPlan:
+        """What submitting `documents` would change, job by job; nothing is written.
+
+        The validation is the submission's own (`validate_submission`, against
+        the published cluster config and the stored models); an invalid
+        document raises SubmissionRejectedError as submit would.
+        """
+        stored = await self.store.read_models()
+        config = await self.store.cluster_config() or self.config
+        profiles = validate_submission(documents, config, stored.profiles)
+        state = await self.store.read()
+        stubs = (await self.status.nomad.list_jobs(JOB_PREFIX, meta=True)).value
+        running: dict[str, list[ObservedReplica]] = {}
+        for stub in stubs:
+            replica = replica_from_job_stub(stub)
+            if replica is not None:
+                running.setdefault(replica.model, []).append(replica)
+        return plan_submission(profiles, state, running, state.cluster_config or config)
 
     async def list(self) -> list[ModelStatus]:
         return await self.status.models()

@@ -12,6 +12,10 @@ Layout (contract 2, under a configurable prefix, default `caravan/`):
 
     models-revision    a counter every caravan write of models/ bumps (check-and-set)
 
+Beside the prefix, `<prefix>-history/<name>/<version>` keeps earlier versions
+of each profile (`scheduler/model_history.py`), written in the same
+transaction as the profile.
+
 `ModelStore` is the one implementation both the CLI and the scheduler's HTTP
 API use to read and write it. A profile is validated before anything is
 written, so an invalid one never reaches KV through caravan.
@@ -27,12 +31,13 @@ number of times, then reported as `WriteConflictError`.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from caravan.consul_api import (
     MAX_TXN_OPS,
@@ -63,6 +68,7 @@ from caravan.contract import (
     served_name_owners,
 )
 from scheduler.cluster_config import CLUSTER_CONFIG_CODEC, ClusterConfig
+from scheduler.model_history import ModelHistory, parse_history, prune_ops, version_write
 from scheduler.profile_policy import policy_problems
 from scheduler.profiles import ModelProfile, ProfileError, parse_profile_text, profile_to_json
 from scheduler.world import DesiredModel
@@ -101,8 +107,9 @@ class KVStore(Protocol):
 
 # A lost race is retried from a fresh read this many times in all, then reported.
 WRITE_ATTEMPTS = 4
-# One transaction holds every profile of a submission plus the revision counter.
-MAX_PROFILES_PER_SUBMISSION = MAX_TXN_OPS - 1
+# One transaction holds every profile of a submission and its new version in
+# the history, plus the revision counter.
+MAX_PROFILES_PER_SUBMISSION = (MAX_TXN_OPS - 1) // 2
 
 
 class UnknownModelError(KeyError):
@@ -460,23 +467,78 @@ class ModelStore:
             raise UnknownModelError(name)
         return parse_profile_text(entry.value, entry.key)
 
+    async def stored_profile_document(self, name: str) -> dict[str, Any] | None:
+        """The JSON object stored at models/<name>; None when absent or not a JSON object."""
+        _, entry = await self.kv.kv_get(self.layout.model_key(name))
+        if entry is None:
+            return None
+        try:
+            document = json.loads(entry.value)
+        except (ValueError, UnicodeDecodeError):
+            return None
+        return document if isinstance(document, dict) else None
+
     async def read_models(self) -> StoredModels:
         """models/ and the revision counter, with the indexes writes are conditioned on."""
         _, entries = await self.kv.kv_get_recurse(self.layout.models)
         _, revision = await self.kv.kv_get(self.layout.models_revision)
         return parse_stored_models(entries, revision, self.layout)
 
-    async def write_profiles(self, profiles: list[ModelProfile], stored: StoredModels) -> None:
+    async def history(self, name: str) -> ModelHistory:
+        """The kept versions of a model's profile (empty for one never written by caravan)."""
+        _, entries = await self.kv.kv_get_recurse(self.layout.history_prefix(name))
+        return parse_history(name, entries, self.layout)
+
+    async def histories(self) -> dict[str, ModelHistory]:
+        """The kept versions of every model's profile, by model name."""
+        _, entries = await self.kv.kv_get_recurse(self.layout.history)
+        by_model: dict[str, list[KVEntry]] = {}
+        for entry in entries:
+            name, _, _ = entry.key[len(self.layout.history) :].partition("/")
+            by_model.setdefault(name, []).append(entry)
+        return {name: parse_history(name, found, self.layout) for name, found in by_model.items()}
+
+    async def write_profiles(
+        self,
+        profiles: list[ModelProfile],
+        stored: StoredModels,
+        *,
+        reverted_from: Mapping[str, int] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> dict[str, int]:
         """Write validated profiles in one transaction conditioned on `stored`.
 
-        Raises TxnConflictError (nothing written) when anything changed since.
+        Each changed profile becomes a new version in its model's history in
+        the same transaction (cas 0: nobody else may have claimed it).
+        Returns the version of each model; raises TxnConflictError (nothing
+        written) when anything changed since.
         """
         if len(profiles) > MAX_PROFILES_PER_SUBMISSION:
             raise ValueError(
                 f"a submission holds at most {MAX_PROFILES_PER_SUBMISSION} profiles "
                 f"(got {len(profiles)})"
             )
-        await self.kv.txn(submit_ops(profiles, stored, self.layout))
+        now = clock()
+        origins = reverted_from or {}
+        ops = submit_ops(profiles, stored, self.layout)
+        versions: dict[str, int] = {}
+        prunes: list[TxnOp] = []
+        for profile in profiles:
+            history = await self.history(profile.name)
+            write = version_write(
+                profile_to_json(profile),
+                history,
+                self.layout,
+                now=now,
+                reverted_from=origins.get(profile.name),
+            )
+            versions[profile.name] = write.version
+            ops.extend(write.ops)
+            prunes.extend(prune_ops(history, len(write.ops), self.layout))
+        # Old versions go as far as the transaction has room; a later write takes the rest.
+        ops.extend(prunes[: max(MAX_TXN_OPS - len(ops), 0)])
+        await self.kv.txn(ops)
+        return versions
 
     async def submit(self, profiles: list[ModelProfile]) -> None:
         """Write profiles validated by the caller, all or none, retrying a lost race."""

@@ -11,11 +11,10 @@ cannot be placed.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from caravan.consul_api import HealthEntry
@@ -24,10 +23,11 @@ from caravan.errors import HashiError
 from caravan.nomad_api import Allocation
 from scheduler.assess import Assessment, ReplicaAssessment, assess
 from scheduler.cluster_config import ClusterConfig
+from scheduler.model_history import ModelHistory, stored_document
 from scheduler.model_store import DesiredState, ModelStore, UnknownModelError
 from scheduler.nomad_time import NS_PER_S
 from scheduler.observe import HealthSource, NomadReads, observe, read_nomad
-from scheduler.profiles import ModelProfile
+from scheduler.profiles import ModelProfile, profile_to_json
 from scheduler.weights import NO_PREFETCH, PrefetchGate, prefetch_job_id
 from scheduler.world import Observation, ObservedReplica
 
@@ -76,6 +76,9 @@ class ModelStatus:
     # Grants the control plane's tokens lack, each as "<component> <where>: <grant>"
     # (the schedulers' and routers' preflights: caravan/preflight.py).
     control_plane: tuple[str, ...] = ()
+    # The profile's version in its history (`caravan history`); None when it
+    # was written around caravan.
+    version: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -270,6 +273,16 @@ def misconfigured_instances(entries: Iterable[HealthEntry]) -> list[str]:
     return found
 
 
+def with_version(
+    status: ModelStatus, state: DesiredState, history: ModelHistory | None
+) -> ModelStatus:
+    """The status with the version of the model's stored profile in its history (pure)."""
+    if history is None:
+        return status
+    stored = stored_document(profile_to_json(state.profiles[status.name]))
+    return replace(status, version=history.current_version(stored))
+
+
 @dataclass(slots=True)
 class StatusReader:
     """Gathers status from KV, Nomad and Consul for the CLI and the HTTP API."""
@@ -325,14 +338,21 @@ class StatusReader:
                 )
             raise UnknownModelError(name)
         observation, assessment, now = await self._assess(state, {name})
+        history = await self.store.history(name)
         status = model_status(name, state, observation, assessment, now)
-        return dataclasses.replace(status, control_plane=await self.control_plane())
+        status = with_version(status, state, history)
+        return replace(status, control_plane=await self.control_plane())
 
     async def models(self) -> list[ModelStatus]:
         state = await self.store.read()
         observation, assessment, now = await self._assess(state, set(state.profiles))
+        histories = await self.store.histories()
         result = [
-            model_status(name, state, observation, assessment, now)
+            with_version(
+                model_status(name, state, observation, assessment, now),
+                state,
+                histories.get(name),
+            )
             for name in sorted(state.profiles)
         ]
         result.extend(

@@ -7,7 +7,10 @@
 locals {
   acl_policy_vars = {
     kv_prefix = var.kv_prefix
-    namespace = var.namespace
+    # Earlier versions of each profile live beside the prefix (caravan-history/
+    # for caravan/), out of the scheduler's watch of the prefix.
+    kv_history_prefix = "${trimsuffix(var.kv_prefix, "/")}-history/"
+    namespace         = var.namespace
   }
   consul_policies = var.manage_acl_policies ? toset(["scheduler", "router", "operator"]) : toset([])
   nomad_policies  = var.manage_acl_policies ? toset(["scheduler", "router"]) : toset([])

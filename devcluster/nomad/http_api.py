@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from devcluster.nomad import acl_http, http_ops
+from devcluster.nomad import acl_http, fs_logs, http_ops
 from devcluster.nomad.acl import (
     PERMISSION_DENIED,
     TOKEN_NOT_FOUND,
@@ -59,6 +59,8 @@ OUTAGE_TEXT = "rpc error: No cluster leader"
 SERVER_KEY = web.AppKey("nomad_server", object)
 RESOLVED_KEY = web.RequestKey("devcluster_nomad_acl", Resolved)
 OPEN_PATHS = ("/v1/status/", "/v1/regions", "/v1/agent/health")
+# Routes that check the token themselves, after their own parameters (fs_logs.py).
+SELF_CHECKED_PATHS = (fs_logs.LOGS_PATH,)
 
 
 def _json_response(body: Any, *, index: int | None = None, status: int = 200) -> web.Response:
@@ -191,7 +193,7 @@ def _log_answer(request: web.Request, status: int) -> None:
 async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
     server = _server(request)
     path = request.path
-    if server.acl.enabled and not path.startswith(OPEN_PATHS):
+    if server.acl.enabled and not path.startswith(OPEN_PATHS + SELF_CHECKED_PATHS):
         try:
             resolved = server.acl.resolve(_secret(request))
         except TokenNotFoundError:
@@ -426,6 +428,10 @@ async def stop_allocation(request: web.Request) -> web.Response:
     alloc = _find_alloc(request)
     result = _server(request).endpoints.stop_alloc(alloc.id)
     return _json_response(result, index=result["Index"])
+
+
+async def client_fs_logs(request: web.Request) -> web.StreamResponse:
+    return await fs_logs.stream_logs(request, _server(request))
 
 
 # -- nodes ---------------------------------------------------------------
@@ -851,6 +857,7 @@ def build_app(server: NomadServer) -> web.Application:
     route.add_get("/v1/status/leader", status_leader)
     route.add_get("/v1/status/peers", status_peers)
     route.add_get("/v1/regions", regions)
+    route.add_get(fs_logs.LOGS_PATH + "{alloc_id:.*}", client_fs_logs)
     route.add_post("/v1/devcluster/node", devcluster_add_node)
     route.add_put("/v1/devcluster/node", devcluster_add_node)
     route.add_post("/v1/devcluster/node/{node_id}/kill", devcluster_kill_node)

@@ -19,7 +19,11 @@ from caravan.contract import KVLayout
 
 POLICIES = TERRAFORM / "policies"
 SECURITY_DOC = ROOT / "docs" / "security.md"
-DEFAULTS = {"kv_prefix": KVLayout().prefix, "namespace": "default"}
+DEFAULTS = {
+    "kv_prefix": KVLayout().prefix,
+    "kv_history_prefix": KVLayout().history,
+    "namespace": "default",
+}
 RANK = {"deny": 0, "read": 1, "list": 1, "write": 2}
 
 

@@ -311,3 +311,32 @@ def test_scheduler_api_tokens_come_from_its_variable_and_rotate_without_restart(
     [env] = secret_env_templates(scheduler.task())
     assert "CARAVAN_SCHEDULER_API_TOKENS_FILE=" in env["data"]
     assert "/api-tokens" in env["data"]
+
+
+# Variable key -> (environment variable, file under secrets/) for TLS and mutual TLS.
+TLS_FILES = {
+    "nomad_cacert": ("NOMAD_CACERT", "nomad-ca.pem"),
+    "consul_cacert": ("CONSUL_CACERT", "consul-ca.pem"),
+    "nomad_client_cert": ("NOMAD_CLIENT_CERT", "nomad-client.pem"),
+    "nomad_client_key": ("NOMAD_CLIENT_KEY", "nomad-client-key.pem"),
+    "consul_client_cert": ("CONSUL_CLIENT_CERT", "consul-client.pem"),
+    "consul_client_key": ("CONSUL_CLIENT_KEY", "consul-client-key.pem"),
+}
+
+
+@pytest.mark.parametrize("path", ALL_JOBSPECS, ids=IDS)
+def test_ca_bundles_and_client_certificates_come_from_the_jobs_variable(path: Path):
+    """Both jobs take each CA and mTLS file from their variable, keys readable by the task only."""
+    spec = load_jobspec(path)
+    (env_template,) = secret_env_templates(spec.task())
+    files = {
+        template["destination"]: template
+        for template in spec.task()["template"]
+        if template["destination"].endswith(".pem")
+    }
+    for key, (variable, name) in TLS_FILES.items():
+        line = f'{{{{ with .{key}.Value }}}}{variable}={{{{ env "NOMAD_SECRETS_DIR" }}}}/{name}'
+        assert line in env_template["data"], (path.name, key)
+        rendered = files[f"secrets/{name}"]
+        assert f"{{{{ .{key}.Value }}}}" in rendered["data"], (path.name, key)
+        assert ("0400" if key.endswith("_key") else None) == rendered.get("perms"), key

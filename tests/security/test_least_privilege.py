@@ -65,6 +65,7 @@ def rendered_policy(component: str) -> str:
     """A Consul policy template rendered with the Terraform module's defaults."""
     text = (POLICIES / f"caravan-{component}.consul.hcl.tftpl").read_text(encoding="utf-8")
     text = text.replace("${kv_prefix}", KVLayout().prefix).replace("${namespace}", "default")
+    text = text.replace("${kv_history_prefix}", KVLayout().history)
     assert "${" not in text, component
     return text
 
