@@ -430,19 +430,29 @@ def _predicted_ttft(
     their learned prefill rates, which would otherwise send every new prefix to
     the same one; and a cold prefix skips a ring owner whose cache is fuller
     than the emptiest tied one's by more than `cold_fill_slack` (bounded-load
-    consistent hashing). A request with
+    consistent hashing). A prompt cached somewhere stays with the endpoints
+    that hold the most of it while their estimate is within `warm_tie_factor`
+    times the best: copying it into a second cache to save one prefill
+    evicts another prompt there, whose next request misses and queues a
+    prefill, which pushes the next warm prompt away in turn (on two real vLLM
+    replicas that loop took the fleet's hit rate from 0.84 down to round
+    robin's in one run of two). A request with
     no prompt key breaks ties by in-flight relative to capacity, then by
     endpoint id. Deterministic: no random draw.
     """
     estimates = ttft_estimates(candidates, request, now, config)
     best = min(item.seconds for item in estimates)
     band = best + max(config.cost.tie_abs_s, config.cost.tie_rel * best)
-    cold = request.prompt is not None and all(item.cached_tokens <= 0 for item in estimates)
+    held = max(item.cached_tokens for item in estimates)
+    cold = request.prompt is not None and held <= 0
     cold_band = best * config.cost.cold_tie_factor
+    warm_band = best * config.cost.warm_tie_factor
     near = [
         (endpoint, state, item)
         for (endpoint, state), item in zip(candidates, estimates, strict=True)
-        if item.seconds <= band or (cold and item.queued_tokens <= 0 and item.seconds <= cold_band)
+        if item.seconds <= band
+        or (cold and item.queued_tokens <= 0 and item.seconds <= cold_band)
+        or (held > 0 and item.cached_tokens >= held and item.seconds <= warm_band)
     ]
     most = max(item.cached_tokens for _, _, item in near)
     near = [candidate for candidate in near if candidate[2].cached_tokens >= most]

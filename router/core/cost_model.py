@@ -86,6 +86,10 @@ class CostConfig:
     # (consistent hashing with bounded loads), so a few hot prefixes that hash alike
     # do not overflow one cache while another stays empty.
     cold_fill_slack: float = 0.25
+    # A prompt cached somewhere stays with its holders while their estimate is within
+    # this factor of the best: a copy in a second cache evicts another prompt there
+    # (balancer._predicted_ttft says how that feeds on itself).
+    warm_tie_factor: float = 2.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -100,8 +104,9 @@ class CostConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.cold_fill_slack <= 1:
             raise ValueError(f"cold_fill_slack must be in [0, 1], got {self.cold_fill_slack}")
-        if self.cold_tie_factor < 1:
-            raise ValueError(f"cold_tie_factor must be >= 1, got {self.cold_tie_factor}")
+        for name in ("cold_tie_factor", "warm_tie_factor"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("rate_alpha", "cache_factor_alpha"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")

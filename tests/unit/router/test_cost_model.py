@@ -604,6 +604,45 @@ def test_near_ties_keep_a_conversation_where_its_history_is() -> None:
     assert picked_id(run_pick(snapshot, live, request)) == "e2"
 
 
+def holder_with_queued_prefill(queued_tokens: int) -> tuple[Any, Any, RequestFeatures]:
+    """e2 holds the whole prompt's blocks and has `queued_tokens` of another prefill ahead."""
+    snapshot, live, key = fleet_at_5k_with_a_key_ringed_to_e1()
+    blocks = tuple(range(1, 11))
+    live["e2"].cost.prefix.record(blocks, 1000)
+    start_request(live, "e2", CONFIG.breaker, NOW)
+    begin_prefill(
+        live, snapshot.by_id["e2"], PromptShape((), queued_tokens, 9), NOW, COST, max_age_s=5.0
+    )
+    prompt_tokens = int(len(blocks) * SHAPE.block_tokens) + 40
+    return snapshot, live, RequestFeatures(MODEL, prompt=PromptShape(blocks, prompt_tokens, key))
+
+
+def ratio_to_best(snapshot: Any, live: Any, request: RequestFeatures, endpoint_id: str) -> float:
+    estimates = {
+        eid: estimate(snapshot.by_id[eid], state, request.prompt, NOW, COST, max_age_s=5.0)
+        for eid, state in live.items()
+    }
+    return estimates[endpoint_id].seconds / min(item.seconds for item in estimates.values())
+
+
+def test_a_warm_prompt_stays_with_its_holder_behind_a_prefill_within_the_warm_band() -> None:
+    """Slower than an idle replica by more than the tie band, within `warm_tie_factor`:
+    the holder keeps it, rather than a copy in a second cache evicting another prompt."""
+    snapshot, live, request = holder_with_queued_prefill(150)
+    ratio = ratio_to_best(snapshot, live, request, "e2")
+
+    assert 1 + COST.tie_rel < ratio <= COST.warm_tie_factor
+    assert "e2" == picked_id(run_pick(snapshot, live, request))
+
+
+def test_a_warm_prompt_leaves_a_holder_slower_than_the_warm_band() -> None:
+    """A holder whose queue makes it slower than `warm_tie_factor` times the best loses it."""
+    snapshot, live, request = holder_with_queued_prefill(4000)
+
+    assert ratio_to_best(snapshot, live, request, "e2") > COST.warm_tie_factor
+    assert "e2" != picked_id(run_pick(snapshot, live, request))
+
+
 def test_a_cold_prefix_goes_to_its_ring_owner_whatever_the_idle_replicas_learned_rates() -> None:
     """Idle replicas of one model whose learned rates differ by noise (18k vs 27k tokens/s):
     new prefixes follow the ring across all of them, not all to the fastest-looking one."""
