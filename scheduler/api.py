@@ -175,7 +175,8 @@ def _documents(body: Any) -> list[tuple[str, str]] | None:
     return documents
 
 
-async def post_models(request: web.Request) -> web.Response:
+async def _submitted_documents(request: web.Request) -> list[tuple[str, str]] | web.Response:
+    """The request's `{"documents": [...]}`, or the error response that refuses it."""
     if request.content_length is not None and request.content_length > MAX_PROFILE_BYTES:
         return _error(413, "submission larger than 1 MiB", "too_large")
     try:
@@ -189,6 +190,13 @@ async def post_models(request: web.Request) -> web.Response:
             'body must be JSON like {"documents": [{"source": "a.yaml", "text": "<profile>"}]}',
             "invalid_request",
         )
+    return documents
+
+
+async def post_models(request: web.Request) -> web.Response:
+    documents = await _submitted_documents(request)
+    if isinstance(documents, web.Response):
+        return documents
     submitted = await request.app[SERVICE_KEY].submit_versioned(documents)
     return web.json_response(
         {
@@ -199,19 +207,9 @@ async def post_models(request: web.Request) -> web.Response:
 
 
 async def plan_models(request: web.Request) -> web.Response:
-    if request.content_length is not None and request.content_length > MAX_PROFILE_BYTES:
-        return _error(413, "submission larger than 1 MiB", "too_large")
-    try:
-        body = await request.json()
-    except (ValueError, RecursionError):
-        body = None
-    documents = _documents(body)
-    if documents is None:
-        return _error(
-            400,
-            'body must be JSON like {"documents": [{"source": "a.yaml", "text": "<profile>"}]}',
-            "invalid_request",
-        )
+    documents = await _submitted_documents(request)
+    if isinstance(documents, web.Response):
+        return documents
     plan = await request.app[SERVICE_KEY].plan(documents)
     return web.json_response(plan.to_json())
 
