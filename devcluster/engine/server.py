@@ -55,6 +55,7 @@ from devcluster.engine.shapes import (
     LlamacppShape,
     Reply,
     VllmShape,
+    llamacpp_timings,
     now_seconds,
 )
 from devcluster.engine.text import (
@@ -658,6 +659,25 @@ class SimulatedEngine:
             usage=usage,
         )
 
+    def _typed_timings(self, plan: _Plan, handle: RequestHandle) -> dict[str, Any] | None:
+        """llama-server's `timings` of a finished request (None for the other engines)."""
+        if self.settings.flavor != "llamacpp":
+            return None
+        first, finish = handle.first_token, handle.finish
+        reply = Reply(
+            id="",
+            created=0,
+            model="",
+            kind="chat",
+            role="assistant",
+            prompt_tokens=plan.prompt_tokens,
+            cached_tokens=first.cached_tokens if first is not None else 0,
+            completion_tokens=handle.ready,
+            prompt_ms=1e3 * finish.prefill_seconds if finish is not None else 0.0,
+            predicted_ms=1e3 * finish.decode_seconds if finish is not None else 0.0,
+        )
+        return llamacpp_timings(reply)
+
     async def _typed_stream(
         self, request: web.Request, api: TypedApi, plan: _Plan, handle: RequestHandle
     ) -> web.StreamResponse:
@@ -687,7 +707,7 @@ class SimulatedEngine:
         final = self._typed_answer(api, plan, handle)
         if api == "responses":
             final["id"], final["output"][0]["id"] = response_id, message_id
-            await response.write(responses_stream_end(final))
+            await response.write(responses_stream_end(final, self._typed_timings(plan, handle)))
         else:
             await response.write(
                 messages_stream_end("abort" if handle.aborted else plan.output.finish_reason, sent)

@@ -200,8 +200,13 @@ def responses_stream_delta(message_id: str, text: str) -> bytes:
     )
 
 
-def responses_stream_end(final: JSON) -> bytes:
-    """The closing events of a streamed response, `final` being its `response_object`."""
+def responses_stream_end(final: JSON, timings: JSON | None = None) -> bytes:
+    """The closing events of a streamed response, `final` being its `response_object`.
+
+    The last event's response has no `completed_at`; llama-server adds its
+    `timings` beside it (`timings`, None for the other engines).
+    """
+    final = {key: value for key, value in final.items() if key != "completed_at"}
     message = final["output"][0]
     text = message["content"][0]["text"]
     last = "response.completed"
@@ -222,7 +227,11 @@ def responses_stream_end(final: JSON) -> bytes:
             sse(
                 "response.output_item.done", {"type": "response.output_item.done", "item": message}
             ),
-            sse(last, {"type": last, "response": final}),
+            sse(
+                last,
+                {"type": last, "response": final}
+                | ({"timings": timings} if timings is not None else {}),
+            ),
         ]
     )
 
