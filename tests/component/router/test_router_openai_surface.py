@@ -171,10 +171,12 @@ async def test_tokenize_and_detokenize_round_trip(
     consul: ConsulClient, tiny_engines: list[Engine], http: aiohttp.ClientSession
 ) -> None:
     """/tokenize and /detokenize go to a replica of the model and give the text back."""
-    await _register_all(consul, tiny_engines)
+    # One replica: a simulated engine can only map back the ids it handed out
+    # itself (real replicas share their tokenizer).
+    await _register_all(consul, tiny_engines[:1])
     text = "a caravan crosses the desert"
     async with running_router(consul) as router:
-        await wait_until(lambda: routable_count(router, MODEL) == 3, timeout_s=5, what="3 replicas")
+        await wait_until(lambda: routable_count(router, MODEL) == 1, timeout_s=5, what="replica")
         async with http.post(
             router.url + "/tokenize", json={"model": MODEL, "prompt": text}
         ) as response:
