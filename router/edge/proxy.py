@@ -12,9 +12,16 @@ Per request:
    (`finish`);
 3. send the same body bytes to the engine (never re-encoded) over the one
    shared `aiohttp.ClientSession`;
-4. non-streaming: read the whole answer, pass it through unchanged;
-   streaming: forward complete SSE events as they arrive, no buffering of
-   the whole answer.
+4. non-streaming: read the whole answer, pass it through unchanged (an
+   engine's own not-OpenAI-shaped 404/405 for a route it has not mounted
+   becomes `RouteNotServed`); streaming: forward complete SSE events as they
+   arrive, no buffering of the whole answer.
+
+Which route a request is on (`router.edge.routes.RouteSpec`) decides the
+engine path, whether it may stream, in which SSE dialect, and whether a
+broken stream is continued (chat and completions) or ends with an error
+event in its dialect (responses, Anthropic messages). A route that no
+replica of the model serves (their Meta `routes`) is refused before admission.
 
 Failures (style.md rule 20): a connect error, a 500/502/503/504 from the
 engine, or no headers within `first_byte_timeout_s` sends the request to
