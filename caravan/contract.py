@@ -14,6 +14,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Annotated, Any, Generic, TypeVar
 
 import yaml
@@ -125,6 +126,9 @@ class ServiceMetaKey:
     # The profile's prefill throughput (tokens/s, `prefill_tokens_per_s`): the
     # router's cost model starts from it until it has measured the replica.
     PREFILL_TOKENS_PER_S = "prefill_tokens_per_s"
+    # The OpenAI routes the replica's engine serves (`EngineRoute` names,
+    # comma-separated): the router sends a route only to replicas that serve it.
+    ROUTES = "routes"
 
 
 def model_service_name(model_name: str) -> str:
@@ -903,3 +907,78 @@ def decode_prefill_rate(meta: Mapping[str, object]) -> int | None:
     raise PrefillRateError(
         f"Meta.{ServiceMetaKey.PREFILL_TOKENS_PER_S} must be a positive integer: {raw!r}"
     )
+
+
+# -- service Meta: the routes a replica's engine serves ------------------------------------
+
+
+class EngineRoute(StrEnum):
+    """An OpenAI-compatible route an engine may serve; the value is its name in Meta.
+
+    `engine_path` is where every engine that serves the route answers it (the
+    three engines caravan runs agree on these paths).
+    """
+
+    CHAT_COMPLETIONS = "chat_completions"
+    COMPLETIONS = "completions"
+    EMBEDDINGS = "embeddings"
+    RESPONSES = "responses"
+    MESSAGES = "messages"
+    RERANK = "rerank"
+    SCORE = "score"
+    TOKENIZE = "tokenize"
+    DETOKENIZE = "detokenize"
+
+    @property
+    def engine_path(self) -> str:
+        return _ENGINE_PATHS[self]
+
+
+_ENGINE_PATHS: Mapping[EngineRoute, str] = {
+    EngineRoute.CHAT_COMPLETIONS: "/v1/chat/completions",
+    EngineRoute.COMPLETIONS: "/v1/completions",
+    EngineRoute.EMBEDDINGS: "/v1/embeddings",
+    EngineRoute.RESPONSES: "/v1/responses",
+    EngineRoute.MESSAGES: "/v1/messages",
+    EngineRoute.RERANK: "/v1/rerank",
+    EngineRoute.SCORE: "/v1/score",
+    # vLLM and llama-server serve these without the /v1 prefix only; SGLang serves both.
+    EngineRoute.TOKENIZE: "/tokenize",
+    EngineRoute.DETOKENIZE: "/detokenize",
+}
+
+# What a replica that publishes no routes is taken to serve: the routes every
+# router forwarded before replicas published theirs.
+DEFAULT_ENGINE_ROUTES = frozenset(
+    {EngineRoute.CHAT_COMPLETIONS, EngineRoute.COMPLETIONS, EngineRoute.EMBEDDINGS}
+)
+
+
+class EngineRoutesError(ValueError):
+    """Service Meta whose routes cannot be read; the message names the key and the value."""
+
+
+def encode_engine_routes(routes: frozenset[EngineRoute]) -> dict[str, str]:
+    """The service Meta entry of the routes an engine serves (sorted, comma-separated)."""
+    return {ServiceMetaKey.ROUTES: ",".join(sorted(route.value for route in routes))}
+
+
+def decode_engine_routes(meta: Mapping[str, object]) -> frozenset[EngineRoute]:
+    """The routes a replica's Meta publishes; `DEFAULT_ENGINE_ROUTES` when it publishes none.
+
+    A name this version does not know is skipped (a newer scheduler may publish
+    more routes than this router forwards); raises EngineRoutesError naming the
+    key when the value is not a comma-separated list.
+    """
+    raw = meta.get(ServiceMetaKey.ROUTES)
+    if raw is None:
+        return DEFAULT_ENGINE_ROUTES
+    if not isinstance(raw, str):
+        raise EngineRoutesError(f"Meta.{ServiceMetaKey.ROUTES} must be a string: {raw!r}")
+    names = [name.strip() for name in raw.split(",")] if raw.strip() else []
+    if any(not name for name in names):
+        raise EngineRoutesError(
+            f"Meta.{ServiceMetaKey.ROUTES} must be comma-separated route names: {raw[:200]!r}"
+        )
+    known = {route.value: route for route in EngineRoute}
+    return frozenset(known[name] for name in names if name in known)

@@ -30,6 +30,7 @@ from caravan.contract import (
     TASK_NAME,
     JobMetaKey,
     ServiceMetaKey,
+    encode_engine_routes,
     encode_metric_names,
     encode_prefill_rate,
     encode_stream_traits,
@@ -158,6 +159,8 @@ def _service_meta(
         **encode_stream_traits(facts.stream_traits),
         # Always published, so the router needs no per-engine default of its own.
         **encode_prefill_rate(profile.prefill_tokens_per_s or facts.default_prefill_tokens_per_s),
+        # The OpenAI routes the engine serves: the router names no engine.
+        **encode_engine_routes(facts.routes),
     }
 
 

@@ -210,6 +210,9 @@ class EngineSettings:
     sim: SimSettings
     # `--api-key` / VLLM_API_KEY / LLAMA_API_KEY: when set, requests need one of them.
     api_keys: tuple[str, ...] = ()
+    # llama-server's --embeddings and --reranking: without them those routes answer 501.
+    embeddings: bool = False
+    reranking: bool = False
     # vLLM's --num-gpu-blocks-override and whether --block-size was given (cache_config_info).
     num_gpu_blocks_override: int | None = None
     user_specified_block_size: bool = False
@@ -332,6 +335,8 @@ def llamacpp_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-slots", dest="slots", action="store_false")
     parser.add_argument("-fa", "--flash-attn", nargs="?", const="on", default=None)
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--embedding", "--embeddings", dest="embeddings", action="store_true")
+    parser.add_argument("--reranking", "--rerank", dest="reranking", action="store_true")
     ignored = parser.add_argument_group("accepted and ignored by the simulator")
     for names in LLAMACPP_IGNORED_VALUE_FLAGS:
         ignored.add_argument(*names, dest=f"ignored_{names[-1]}", default=None)
@@ -581,6 +586,8 @@ def _llamacpp_settings(args: argparse.Namespace, env: Mapping[str, str]) -> Engi
         force_include_usage=False,
         perf=perf,
         sim=_sim_settings(values),
+        embeddings=args.embeddings,
+        reranking=args.reranking,
         # llama-server: a comma-separated list; LLAMA_API_KEY when the flag is absent.
         api_keys=tuple(
             key.strip()

@@ -55,6 +55,7 @@ from devcluster.engine.shapes import (
     LlamacppShape,
     Reply,
     VllmShape,
+    llamacpp_timings,
     now_seconds,
 )
 from devcluster.engine.text import (
@@ -66,8 +67,25 @@ from devcluster.engine.text import (
     plan_output,
     tokenize,
 )
+from devcluster.engine.typed_apis import (
+    anthropic_message,
+    embedding,
+    embedding_inputs,
+    messages_chat_body,
+    messages_stream_delta,
+    messages_stream_end,
+    messages_stream_start,
+    relevance,
+    rerank_inputs,
+    response_object,
+    responses_chat_body,
+    responses_stream_delta,
+    responses_stream_end,
+    responses_stream_start,
+)
 
 Fault = Literal["fail", "hang", "disconnect"]
+TypedApi = Literal["responses", "messages"]
 LLAMACPP_LOADING_BODY = {
     "error": {"message": "Loading model", "type": "unavailable_error", "code": 503}
 }
@@ -148,14 +166,26 @@ class SimulatedEngine:
             web.get("/v1/models", self._models),
             web.post("/v1/chat/completions", self._chat),
             web.post("/v1/completions", self._completions),
+            web.post("/v1/responses", self._responses),
             web.get("/metrics", self._metrics),
         ]
+        # The embeddings, score and rerank routes of vLLM and SGLang answer only for
+        # a pooling (embedding) model, which the simulator does not model: vLLM
+        # does not mount them for a generate model (404 {"detail": "Not Found"}).
         if self.settings.flavor == "sglang":
-            routes += [web.get("/health_generate", self._health)]
+            # SGLang has no Anthropic route; it serves tokenize with and without /v1.
+            routes += [
+                web.get("/health_generate", self._health),
+                web.post("/tokenize", self._tokenize),
+                web.post("/detokenize", self._detokenize),
+                web.post("/v1/tokenize", self._tokenize),
+                web.post("/v1/detokenize", self._detokenize),
+            ]
         elif self.settings.flavor == "vllm":
             routes += [
                 web.get("/version", self._version),
                 web.get("/ping", self._health),
+                web.post("/v1/messages", self._messages),
                 web.post("/tokenize", self._tokenize),
                 web.post("/detokenize", self._detokenize),
             ]
@@ -167,6 +197,13 @@ class SimulatedEngine:
                 web.get("/models", self._models),
                 web.post("/chat/completions", self._chat),
                 web.post("/completions", self._completions),
+                web.post("/v1/messages", self._messages),
+                web.post("/tokenize", self._llamacpp_tokenize),
+                web.post("/detokenize", self._llamacpp_detokenize),
+                web.post("/v1/embeddings", self._llamacpp_embeddings),
+                web.post("/embeddings", self._llamacpp_embeddings),
+                web.post("/v1/rerank", self._llamacpp_rerank),
+                web.post("/rerank", self._llamacpp_rerank),
             ]
         app.add_routes(routes)
         return app
@@ -290,6 +327,90 @@ class SimulatedEngine:
         ):
             raise ApiError(400, "tokens must be a list of integers", param="tokens")
         return ids
+
+    async def _llamacpp_tokenize(self, request: web.Request) -> web.Response:
+        """llama-server's /tokenize: `content` to ids (with their pieces on `with_pieces`)."""
+        try:
+            body = await self._read_json(request)
+        except ApiError as err:
+            return self._error(err)
+        fields = body if isinstance(body, dict) else {}
+        content = fields.get("content")
+        tokens = tokenize(content) if isinstance(content, str) else []
+        if fields.get("with_pieces") is True:
+            pieces = [{"id": self._vocab.id_of(token), "piece": token} for token in tokens]
+            return _json_response({"tokens": pieces})
+        return _json_response({"tokens": [self._vocab.id_of(token) for token in tokens]})
+
+    async def _llamacpp_detokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._read_json(request)
+        except ApiError as err:
+            return self._error(err)
+        ids = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(ids, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids
+        ):
+            ids = []
+        return _json_response({"content": "".join(self._vocab.token_of(i) for i in ids)})
+
+    async def _llamacpp_embeddings(self, request: web.Request) -> web.Response:
+        """llama-server's /v1/embeddings: 501 without `--embeddings` (as measured)."""
+        if not self.settings.embeddings:
+            return self._error(
+                ApiError(
+                    501,
+                    "This server does not support embeddings. Start it with `--embeddings`",
+                    error_type="not_supported_error",
+                )
+            )
+        try:
+            texts = embedding_inputs(await self._read_json(request))
+        except ApiError as err:
+            return self._error(err)
+        used = sum(len(tokenize(text)) for text in texts)
+        return _json_response(
+            {
+                "model": self.settings.model_name,
+                "object": "list",
+                "usage": {"prompt_tokens": used, "total_tokens": used},
+                "data": [
+                    {"embedding": embedding(text), "index": index, "object": "embedding"}
+                    for index, text in enumerate(texts)
+                ],
+            }
+        )
+
+    async def _llamacpp_rerank(self, request: web.Request) -> web.Response:
+        """llama-server's /v1/rerank: 501 without `--reranking` (as measured)."""
+        if not self.settings.reranking:
+            return self._error(
+                ApiError(
+                    501,
+                    "This server does not support reranking. Start it with `--reranking`",
+                    error_type="not_supported_error",
+                )
+            )
+        try:
+            query, documents, top_n = rerank_inputs(await self._read_json(request))
+        except ApiError as err:
+            return self._error(err)
+        results = sorted(
+            (
+                {"index": index, "relevance_score": relevance(query, document)}
+                for index, document in enumerate(documents)
+            ),
+            key=lambda result: -float(result["relevance_score"]),
+        )
+        used = len(tokenize(query)) + sum(len(tokenize(d)) for d in documents)
+        return _json_response(
+            {
+                "model": self.settings.model_name,
+                "object": "list",
+                "usage": {"prompt_tokens": used, "total_tokens": used},
+                "results": results[:top_n] if top_n is not None else results,
+            }
+        )
 
     async def _models(self, _: web.Request) -> web.Response:
         created = now_seconds()
@@ -469,6 +590,130 @@ class SimulatedEngine:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "chat")
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._typed(request, "responses")
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._typed(request, "messages")
+
+    async def _typed(self, request: web.Request, api: TypedApi) -> web.StreamResponse:
+        """/v1/responses and /v1/messages: the chat they describe, answered in their shape."""
+        try:
+            body = await self._read_json(request)
+            chat = responses_chat_body(body) if api == "responses" else messages_chat_body(body)
+            parsed = parse_chat_request(chat, self.settings.api_flavor)
+            self._check_model(parsed)
+            plan = self._plan(parsed)
+        except ApiError as err:
+            return self._error(err)
+        if self.shutting_down:
+            return self._error(ApiError(503, "The server is shutting down."))
+        try:
+            handle = self.loop.submit(plan.spec)
+        except RequestTooLargeError as exc:
+            return self._error(ApiError(400, str(exc)))
+        request_id = plan.spec.request_id
+        self._finish_reasons[request_id] = plan.output.finish_reason
+        self._task_ids += 1
+        self._active[request_id] = _Active(
+            prompt_tokens=plan.prompt_tokens,
+            output_tokens=len(plan.output.tokens),
+            handle=handle,
+            task_id=self._task_ids,
+        )
+        try:
+            if parsed.stream:
+                return await self._typed_stream(request, api, plan, handle)
+            while not handle.finished:
+                await handle.wait()
+            return _json_response(self._typed_answer(api, plan, handle))
+        finally:
+            self._active.pop(request_id, None)
+            if self._finish_reasons.pop(request_id, None) is not None:
+                self.loop.abort(request_id)
+            if not self._active:
+                self._idle.set()
+
+    def _typed_answer(self, api: TypedApi, plan: _Plan, handle: RequestHandle) -> dict[str, Any]:
+        tokens = plan.output.tokens[: handle.ready] if handle.aborted else plan.output.tokens
+        reason = "abort" if handle.aborted else plan.output.finish_reason
+        cached = handle.first_token.cached_tokens if handle.first_token is not None else 0
+        usage = (plan.prompt_tokens, len(tokens), cached)
+        model = self._reported_model(plan.request)
+        if api == "messages":
+            return anthropic_message(
+                message_id="chatcmpl-" + uuid.uuid4().hex,
+                model=model,
+                text="".join(tokens),
+                finish_reason=reason,
+                usage=usage,
+            )
+        return response_object(
+            response_id="resp_" + uuid.uuid4().hex,
+            message_id="msg_" + uuid.uuid4().hex,
+            created=now_seconds(),
+            model=model,
+            text="".join(tokens),
+            finish_reason=reason,
+            usage=usage,
+        )
+
+    def _typed_timings(self, plan: _Plan, handle: RequestHandle) -> dict[str, Any] | None:
+        """llama-server's `timings` of a finished request (None for the other engines)."""
+        if self.settings.flavor != "llamacpp":
+            return None
+        first, finish = handle.first_token, handle.finish
+        reply = Reply(
+            id="",
+            created=0,
+            model="",
+            kind="chat",
+            role="assistant",
+            prompt_tokens=plan.prompt_tokens,
+            cached_tokens=first.cached_tokens if first is not None else 0,
+            completion_tokens=handle.ready,
+            prompt_ms=1e3 * finish.prefill_seconds if finish is not None else 0.0,
+            predicted_ms=1e3 * finish.decode_seconds if finish is not None else 0.0,
+        )
+        return llamacpp_timings(reply)
+
+    async def _typed_stream(
+        self, request: web.Request, api: TypedApi, plan: _Plan, handle: RequestHandle
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers=_SSE_HEADERS)
+        await response.prepare(request)
+        response_id, message_id = "resp_" + uuid.uuid4().hex, "msg_" + uuid.uuid4().hex
+        model = self._reported_model(plan.request)
+        if api == "responses":
+            await response.write(responses_stream_start(response_id, message_id))
+        else:
+            message_id = "chatcmpl-" + uuid.uuid4().hex
+            await response.write(messages_stream_start(message_id, model, (plan.prompt_tokens, 0)))
+        sent = 0
+        while True:
+            while sent < handle.ready:
+                text = plan.output.tokens[sent]
+                delta = (
+                    responses_stream_delta(message_id, text)
+                    if api == "responses"
+                    else messages_stream_delta(text)
+                )
+                await response.write(delta)
+                sent += 1
+            if handle.finished:
+                break
+            await handle.wait()
+        final = self._typed_answer(api, plan, handle)
+        if api == "responses":
+            final["id"], final["output"][0]["id"] = response_id, message_id
+            await response.write(responses_stream_end(final, self._typed_timings(plan, handle)))
+        else:
+            await response.write(
+                messages_stream_end("abort" if handle.aborted else plan.output.finish_reason, sent)
+            )
+        await response.write_eof()
+        return response
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completion")

@@ -64,7 +64,8 @@ class ApiShape(Protocol):
     ) -> list[JSON]: ...
 
 
-def _llamacpp_timings(reply: Reply) -> JSON:
+def llamacpp_timings(reply: Reply) -> JSON:
+    """llama-server's `timings` of one answer."""
     prompt_n = reply.prompt_tokens - reply.cached_tokens
     predicted_n = reply.completion_tokens
     return {
@@ -354,7 +355,7 @@ class LlamacppShape:
             "object": obj,
             "usage": self._usage(reply),
             "id": reply.id,
-            "timings": _llamacpp_timings(reply),
+            "timings": llamacpp_timings(reply),
         }
 
     def _chunk(self, reply: Reply, choices: list[JSON]) -> JSON:
@@ -411,7 +412,7 @@ class LlamacppShape:
             final["usage"] = self._usage(reply)
             final["id"] = final_id
             chunks = [final]
-        chunks[-1]["timings"] = _llamacpp_timings(reply)
+        chunks[-1]["timings"] = llamacpp_timings(reply)
         return chunks
 
 

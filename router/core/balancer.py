@@ -46,6 +46,7 @@ from router.core.live_state import EndpointLiveState
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from caravan.contract import EngineRoute
     from router.core.endpoints import EndpointSnapshot, ModelEndpoints
     from router.core.live_state import LiveStates
     from router.core.prefix_index import PromptShape
@@ -110,6 +111,9 @@ class RequestFeatures:
     affinity_key: int | None = None  # router.core.affinity.affinity_key of the body
     exclude: frozenset[str] = frozenset()  # endpoint ids already tried by this request
     prompt: PromptShape | None = None  # router.core.prefix_index.prompt_shape of the body
+    # The OpenAI route it is for: only endpoints whose engine serves it are candidates
+    # (None: any endpoint of the model).
+    route: EngineRoute | None = None
 
 
 @dataclass(slots=True)
@@ -190,6 +194,9 @@ def filter_candidates(
     warning: list[Candidate] = []
     furthest = NoEndpointReason.NO_ENDPOINTS
     for endpoint in model_endpoints.endpoints:
+        if not endpoint.serves(request.route):
+            # As if it were not there: the proxy refuses a route no endpoint serves first.
+            continue
         if endpoint.id in request.exclude:
             stage = NoEndpointReason.ALL_EXCLUDED
         else:

@@ -32,11 +32,15 @@ from typing import Any
 from caravan.consul_api import CheckStatus as CheckStatus  # noqa: PLC0414
 from caravan.consul_api import HealthEntry
 from caravan.contract import (
+    DEFAULT_ENGINE_ROUTES,
     OPENAI_STREAM_TRAITS,
+    EngineRoute,
+    EngineRoutesError,
     PrefillRateError,
     ServiceMetaKey,
     StreamTraits,
     StreamTraitsError,
+    decode_engine_routes,
     decode_metric_names,
     decode_prefill_rate,
     decode_stream_traits,
@@ -69,6 +73,12 @@ class Endpoint:
     traits: StreamTraits = OPENAI_STREAM_TRAITS
     # Prefill tokens/s its profile declares (Meta); None = not declared.
     prefill_tokens_per_s: int | None = None
+    # The OpenAI routes its engine serves (Meta `routes`; never from `engine`).
+    routes: frozenset[EngineRoute] = DEFAULT_ENGINE_ROUTES
+
+    def serves(self, route: EngineRoute | None) -> bool:
+        """Whether its engine serves `route` (None: any route)."""
+        return route is None or route in self.routes
 
     @property
     def base_url(self) -> str:
@@ -153,7 +163,15 @@ def endpoint_from_entry(entry: HealthEntry) -> Endpoint:
         replica=_replica(meta),
         traits=_traits(meta),
         prefill_tokens_per_s=_prefill_rate(meta),
+        routes=_routes(meta),
     )
+
+
+def _routes(meta: Mapping[str, Any]) -> frozenset[EngineRoute]:
+    try:
+        return decode_engine_routes(meta)
+    except EngineRoutesError as exc:
+        raise MalformedEntryError(str(exc)) from None
 
 
 def _prefill_rate(meta: Mapping[str, Any]) -> int | None:

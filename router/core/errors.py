@@ -13,6 +13,7 @@
     ├── RateLimited               429  over the key's requests per second, Retry-After (retryable)
     ├── TooManyConnections        503  the router is at its connection cap (retryable)
     ├── ModelNotFound             404  no endpoint serves the model and none is declared
+    ├── RouteNotServed            404  the model's replicas do not serve this route
     ├── NoHealthyEndpoint         503  endpoints exist, none can take the request   (retryable)
     │   └── ModelUnavailable      503  every replica failed for good (the scheduler's record)
     ├── AdmissionRejected         429/503 with Retry-After                          (retryable)
@@ -117,6 +118,20 @@ class ModelNotFound(RouterError):
 
     def __init__(self, model: str) -> None:
         super().__init__(f"The model '{model}' does not exist or has no replicas declared.")
+        self.model = model
+
+
+class RouteNotServed(RouterError):
+    """No replica of the model serves the route: its engine has no such route, or
+    (an engine's own non-OpenAI 404) the model is not of the kind the route needs."""
+
+    status = 404
+    error_type = "invalid_request_error"
+    code = "route_not_supported"
+    param = "model"
+
+    def __init__(self, model: str, path: str, why: str) -> None:
+        super().__init__(f"No replica of model '{model}' serves {path}: {why}.")
         self.model = model
 
 

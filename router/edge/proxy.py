@@ -12,9 +12,16 @@ Per request:
    (`finish`);
 3. send the same body bytes to the engine (never re-encoded) over the one
    shared `aiohttp.ClientSession`;
-4. non-streaming: read the whole answer, pass it through unchanged;
-   streaming: forward complete SSE events as they arrive, no buffering of
-   the whole answer.
+4. non-streaming: read the whole answer, pass it through unchanged (an
+   engine's own not-OpenAI-shaped 404/405 for a route it has not mounted
+   becomes `RouteNotServed`); streaming: forward complete SSE events as they
+   arrive, no buffering of the whole answer.
+
+Which route a request is on (`router.edge.routes.RouteSpec`) decides the
+engine path, whether it may stream, in which SSE dialect, and whether a
+broken stream is continued (chat and completions) or ends with an error
+event in its dialect (responses, Anthropic messages). A route that no
+replica of the model serves (their Meta `routes`) is refused before admission.
 
 Failures (style.md rule 20): a connect error, a 500/502/503/504 from the
 engine, or no headers within `first_byte_timeout_s` sends the request to
@@ -40,7 +47,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -54,9 +61,11 @@ from router.core.balancer import Policy, RequestFeatures
 from router.core.endpoints import CheckStatus, Endpoint
 from router.core.errors import (
     AdmissionRejected,
+    InvalidField,
     ModelNotFound,
     NoHealthyEndpoint,
     ReplacementTimeout,
+    RouteNotServed,
     RouterError,
     StreamInterrupted,
     UpstreamAborted,
@@ -97,6 +106,14 @@ from router.edge.parsed_request import (
     ParsedRequest,
 )
 from router.edge.request_guard import error_response
+from router.edge.routes import (
+    RouteSpec,
+    SseDialect,
+    broken_stream_event,
+    ends_stream,
+    is_openai_error,
+    missing_field,
+)
 from router.feeds.engine_keys import EngineKeySource
 from router.metrics import FailoverOutcome, RequestOutcome, RouterMetrics
 from router.settings import RouterSettings
@@ -114,6 +131,8 @@ ENGINE_KEY_REFUSED = 401
 # Header pairs as aiohttp takes them (it copies them into its own multidict).
 Headers = list[tuple[str, str]]
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+# An engine's answer for a route it has not mounted.
+_ROUTE_MISSING_STATUSES = frozenset({404, 405})
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the ones the proxy sets itself.
 _HOP_BY_HOP = frozenset(
@@ -198,8 +217,9 @@ class Exchange:
 
     request: web.Request
     parsed: ParsedRequest
+    # The client's path (for the log line) and what it means (`router.edge.routes`).
     path: str
-    kind: StreamKind | None  # None: embeddings, never streamed
+    spec: RouteSpec
     started: float
     # The `model` label of its metrics (`model_label`).
     label: str
@@ -209,6 +229,11 @@ class Exchange:
     headers: Headers
     attempts: Attempts = field(default_factory=Attempts)
     reply: ClientReply = field(default_factory=ClientReply)
+
+    @property
+    def kind(self) -> StreamKind | None:
+        """How a broken stream of this request is continued; None: it is not."""
+        return self.spec.continuation
 
     def retry_features(self) -> RequestFeatures:
         """The balancer's view of this request, minus the endpoints it already tried."""
@@ -281,17 +306,18 @@ class Proxy:
 
     # -- routes ------------------------------------------------------------------------
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "/v1/chat/completions", StreamKind.CHAT)
+    def route(
+        self, path: str, spec: RouteSpec
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        """The handler of one POST route (`router.edge.routes.ROUTES`)."""
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "/v1/completions", StreamKind.COMPLETION)
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await self._handle(request, path, spec)
 
-    async def embeddings(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "/v1/embeddings", None)
+        return handle
 
-    async def models(self, _request: web.Request) -> web.StreamResponse:
-        """`GET /v1/models`: served models with a routable endpoint, and declared ones."""
+    def _model_names(self) -> list[str]:
+        """Served models with a routable endpoint, and every declared one, sorted."""
         view = self._state.view
         live = self._state.live
         names: set[str] = set(view.profiles)
@@ -302,25 +328,39 @@ class Proxy:
                 for endpoint in endpoints.endpoints
             ):
                 names.add(model)
-        created = int(self._wall_clock())
-        data = [
-            {"id": name, "object": "model", "created": created, "owned_by": "caravan"}
-            for name in sorted(names)
-        ]
+        return sorted(names)
+
+    def _model_card(self, name: str) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": int(self._wall_clock()),
+            "owned_by": "caravan",
+        }
+
+    async def models(self, _request: web.Request) -> web.StreamResponse:
+        """`GET /v1/models`: served models with a routable endpoint, and declared ones."""
+        data = [self._model_card(name) for name in self._model_names()]
         return web.json_response({"object": "list", "data": data})
+
+    async def model(self, request: web.Request) -> web.StreamResponse:
+        """`GET /v1/models/{model}` (models.retrieve): one model of the list, else 404."""
+        name = request.match_info["model"]
+        if name not in self._model_names():
+            return error_response(ModelNotFound(name[:200]))
+        return web.json_response(self._model_card(name))
 
     # -- one request ---------------------------------------------------------------------
 
-    async def _handle(
-        self, request: web.Request, path: str, kind: StreamKind | None
-    ) -> web.StreamResponse:
+    async def _handle(self, request: web.Request, path: str, spec: RouteSpec) -> web.StreamResponse:
         parsed = request.get(PARSED_REQUEST)
         if parsed is None:  # pragma: no cover - the request guard parses every POST
             log.error("request_not_parsed", extra={"path": path})
             return error_response(RouterError("Internal router error."))
-        exchange = self._exchange(request, parsed, path, kind)
+        exchange = self._exchange(request, parsed, path, spec)
         reply = exchange.reply
         try:
+            self._check_request(exchange)
             response = await self._serve(exchange)
         except RouterError as exc:
             response = await self._answer_error(exchange, exc)
@@ -341,19 +381,20 @@ class Proxy:
         return response
 
     def _exchange(
-        self, request: web.Request, parsed: ParsedRequest, path: str, kind: StreamKind | None
+        self, request: web.Request, parsed: ParsedRequest, path: str, spec: RouteSpec
     ) -> Exchange:
         payload = parsed.payload
         return Exchange(
             request=request,
             parsed=parsed,
             path=path,
-            kind=kind,
+            spec=spec,
             started=self._clock(),
             label=model_label(self._state, parsed.model),
-            stream=kind is not None and parsed.stream,
+            stream=spec.streams and parsed.stream,
             features=RequestFeatures(
                 model=parsed.model,
+                route=spec.route,
                 affinity_key=(
                     affinity_key(payload, self._settings.affinity_prefix_chars)
                     if self._use_affinity
@@ -364,9 +405,24 @@ class Proxy:
             headers=self._upstream_headers(request, parsed.request_id),
         )
 
+    def _check_request(self, exchange: Exchange) -> None:
+        """Refuse a body the route cannot take, or a route no replica serves, before admission."""
+        missing = missing_field(exchange.spec, exchange.parsed.payload)
+        if missing is not None:
+            raise InvalidField(missing, f"`{missing}` is required on {exchange.path}.")
+        model = exchange.parsed.model
+        endpoints = self._state.view.snapshot.for_model(model)
+        route = exchange.spec.route
+        if (
+            endpoints is not None
+            and endpoints.endpoints
+            and not any(endpoint.serves(route) for endpoint in endpoints.endpoints)
+        ):
+            raise RouteNotServed(model, exchange.path, "its engine does not serve this route")
+
     async def _serve(self, exchange: Exchange) -> web.StreamResponse:
-        if exchange.stream and exchange.kind is not None:
-            return await self._serve_stream(exchange, exchange.kind)
+        if exchange.stream:
+            return await self._serve_stream(exchange)
         return await self._serve_unary(exchange)
 
     # -- non-streaming -------------------------------------------------------------------
@@ -387,7 +443,7 @@ class Proxy:
         try:
             try:
                 async with self._session().post(
-                    endpoint.base_url + exchange.path,
+                    endpoint.base_url + exchange.spec.engine_path,
                     data=exchange.parsed.body,
                     headers=self._engine_headers(exchange.headers, endpoint),
                     timeout=self._unary_timeout,
@@ -405,6 +461,9 @@ class Proxy:
             exchange.reply.status = status
             exchange.reply.ttfb_s = self._clock() - exchange.started
             exchange.reply.outcome = _outcome_of(status)
+            not_served = _route_not_served(exchange, status, data)
+            if not_served is not None:
+                return _Done(error_response(not_served))
             response_headers = _response_headers(upstream_headers, exchange.parsed.request_id)
             return _Done(web.Response(status=status, body=data, headers=response_headers))
         except asyncio.CancelledError:
@@ -415,8 +474,10 @@ class Proxy:
 
     # -- streaming ---------------------------------------------------------------------
 
-    async def _serve_stream(self, exchange: Exchange, kind: StreamKind) -> web.StreamResponse:
-        account = StreamAccount(kind)
+    async def _serve_stream(self, exchange: Exchange) -> web.StreamResponse:
+        # Chat and completions streams are accounted for (to continue them); others are relayed.
+        kind = exchange.kind
+        account = StreamAccount(kind) if kind is not None else None
 
         async def hold() -> None:
             await self._write(exchange, HOLD_COMMENT, forwarded=False)
@@ -435,6 +496,15 @@ class Proxy:
                 replacement = self._waits_for_replacement(result.error, mid_stream=False)
                 continue
             exchange.attempts.tried.add(admitted.endpoint.id)
+            if account is None:
+                error = StreamInterrupted(
+                    admitted.endpoint.id,
+                    f"the stream broke and {exchange.path} streams are not continued: "
+                    f"{result.error}",
+                )
+                return await self._end_stream_with_error(
+                    exchange, error, FailoverOutcome.IMPOSSIBLE
+                )
             return await self._fail_over(exchange, account, hold, result.error)
 
     async def _fail_over(
@@ -529,7 +599,7 @@ class Proxy:
         exchange: Exchange,
         admitted: Admitted,
         body: bytes,
-        account: StreamAccount,
+        account: StreamAccount | None,
         rewriter: ContinuationRewriter | None,
     ) -> _Done | _Failed | _Broken:
         endpoint = admitted.endpoint
@@ -541,7 +611,7 @@ class Proxy:
             try:
                 async with asyncio.timeout(self._settings.first_byte_timeout_s):
                     upstream = await self._session().post(
-                        endpoint.base_url + exchange.path,
+                        endpoint.base_url + exchange.spec.engine_path,
                         data=body,
                         headers=self._engine_headers(exchange.headers, endpoint),
                         timeout=self._stream_timeout,
@@ -559,7 +629,11 @@ class Proxy:
                 exchange.reply.headers = _response_headers(
                     upstream.headers, exchange.parsed.request_id
                 )
-            relayed = await self._relay(exchange, upstream, account, rewriter)
+            relayed = (
+                await self._relay(exchange, upstream, account, rewriter)
+                if account is not None
+                else await self._relay_plain(exchange, upstream)
+            )
             if relayed is None:
                 outcome, clean = Outcome.SUCCESS, True
                 return _Done(await self._end_stream(exchange))
@@ -596,6 +670,9 @@ class Proxy:
             exchange.reply.status = status
             exchange.reply.ttfb_s = self._clock() - exchange.started
             exchange.reply.outcome = _outcome_of(status)
+            not_served = _route_not_served(exchange, status, data)
+            if not_served is not None:
+                return _Done(error_response(not_served))
             headers = _response_headers(upstream.headers, exchange.parsed.request_id)
             return _Done(web.Response(status=status, body=data, headers=headers))
         # Headers already went out: the engine's refusal becomes the stream's error event.
@@ -657,6 +734,61 @@ class Proxy:
         if not got_event:
             return UpstreamConnectError(endpoint_id, "the stream ended before its first event")
         return UpstreamProtocolError(endpoint_id, "the stream ended without [DONE]")
+
+    async def _relay_plain(
+        self, exchange: Exchange, upstream: aiohttp.ClientResponse
+    ) -> UpstreamError | None:
+        """Forward complete events as the engine writes them (no continuation on these routes).
+
+        The stream is whole once its dialect's last event came (`response.completed`,
+        `message_stop`, ...); whatever follows up to the engine's EOF is forwarded too.
+        """
+        endpoint_id = exchange.attempts.endpoint_id or "-"
+        dialect = exchange.spec.dialect
+        loop = asyncio.get_running_loop()
+        idle_s = self._settings.stream_idle_timeout_s
+        content = upstream.content
+        pending = b""
+        got_event = ended = False
+        try:
+            async with asyncio.timeout(self._settings.first_byte_timeout_s) as deadline:
+                while True:
+                    data = await content.readany()
+                    if not data:
+                        break
+                    pending += data
+                    block, pending = split_complete_events(pending)
+                    if not block:
+                        if len(pending) > _MAX_EVENT_BYTES:
+                            return UpstreamProtocolError(endpoint_id, "SSE event too large")
+                        deadline.reschedule(loop.time() + idle_s)
+                        continue
+                    deadline.reschedule(None)
+                    got_event = True
+                    ended = ended or ends_stream(dialect, block)
+                    await self._write(exchange, block, forwarded=True)
+                    deadline.reschedule(loop.time() + idle_s)
+        except TimeoutError:
+            if ended:
+                return None
+            if not got_event:
+                return UpstreamFirstByteTimeout(
+                    endpoint_id, "no event within the first-byte timeout"
+                )
+            return UpstreamTimeout(endpoint_id, "the stream went silent")
+        except (aiohttp.ClientError, OSError) as exc:
+            return None if ended else _upstream_failure(endpoint_id, exc)
+        if pending.strip():
+            # The engine's last event, without the blank line that ends it.
+            last = pending.rstrip(b"\n") + b"\n\n"
+            ended = ended or ends_stream(dialect, last)
+            got_event = True
+            await self._write(exchange, last, forwarded=True)
+        if ended:
+            return None
+        if not got_event:
+            return UpstreamConnectError(endpoint_id, "the stream ended before its first event")
+        return UpstreamProtocolError(endpoint_id, "the stream ended before its last event")
 
     async def _forward(
         self,
@@ -728,6 +860,20 @@ class Proxy:
         """End a started stream with an OpenAI error event and `[DONE]`, then close it cleanly."""
         if failover is not None:
             self._metrics.for_model(exchange.label).failovers[failover].inc()
+        dialect = exchange.spec.dialect
+        if dialect is not SseDialect.OPENAI_CHUNKS:
+            # A relayed stream ends in its own dialect, without `[DONE]`.
+            exchange.reply.outcome = RequestOutcome.STREAM_ERROR
+            log.warning(
+                "stream_ended_with_error",
+                extra={
+                    "model": exchange.parsed.model,
+                    "endpoint": exchange.attempts.endpoint_id,
+                    "error": str(error),
+                },
+            )
+            await self._write(exchange, broken_stream_event(dialect, error.message), forwarded=True)
+            return await self._end_stream(exchange)
         body: Mapping[str, Any] = error_body(error)
         if engine_body is not None:
             try:
@@ -886,6 +1032,24 @@ def _marking_hold(exchange: Exchange, hold: Hold | None) -> Hold:
             await hold()
 
     return marked
+
+
+def _route_not_served(exchange: Exchange, status: int, data: bytes) -> RouteNotServed | None:
+    """The error to answer instead of an engine's own not-found (not OpenAI's shape).
+
+    An engine without the route, or whose model is not of the kind the route
+    needs (vLLM mounts embeddings, score and rerank for pooling models only),
+    answers 404/405 in its web framework's shape (`{"detail": "Not Found"}`).
+    """
+    if status not in _ROUTE_MISSING_STATUSES or is_openai_error(data):
+        return None
+    return RouteNotServed(
+        exchange.parsed.model,
+        exchange.path,
+        f"its engine answered HTTP {status} for {exchange.spec.engine_path} "
+        "(the engine lacks the route, or the model is not of the kind it needs, "
+        "such as an embedding or reranking model)",
+    )
 
 
 def _upstream_failure(endpoint_id: str, exc: BaseException) -> UpstreamError:

@@ -4,8 +4,9 @@ For every request, before any handler:
 
 1. tell the connection (`router.edge.http_limits`) its headers are in (it stops
    the header deadline; the connection notes the end of the response itself);
-2. on `/v1/` routes: authenticate the key (`router.edge.api_keys`, 401), apply its
-   rate limit (429 + Retry-After), and grant `x-caravan-priority` as far as
+2. on API routes (every route but `/health` and `/metrics`): authenticate the
+   key (`router.edge.api_keys`, 401), apply its rate limit (429 +
+   Retry-After), and grant `x-caravan-priority` as far as
    the key may go (`grant_priority`);
 3. on POST: read the body within `body_read_timeout_s` (408 and close on
    expiry: a trickling body cannot hold a connection), within
@@ -62,6 +63,9 @@ from router.metrics import RouterMetrics
 log = logging.getLogger("router.request_guard")
 
 _MAX_PRIORITY_CHARS = 20
+# Routes for monitoring (no key, no body): every other route is an API route
+# (`/v1/...`, and `/tokenize`, `/rerank`, ... as the engines name them).
+OPERATIONS_PATHS = frozenset({"/health", "/metrics"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -181,7 +185,7 @@ class RequestGuard:
         return error_response(error, close=close)
 
     async def _guarded(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not request.path.startswith("/v1/") or request.match_info.http_exception is not None:
+        if request.path in OPERATIONS_PATHS or request.match_info.http_exception is not None:
             return await handler(request)
         key = self._authenticate(request)
         requested = parse_priority(request.headers.get(PRIORITY_HEADER))

@@ -46,6 +46,7 @@ from router.edge.api_keys import KeyRing, build_key_ring, load_key_file
 from router.edge.http_limits import ConnectionGuard, GuardedAppRunner, default_connection_limit
 from router.edge.proxy import Proxy, RequestLog, log_request
 from router.edge.request_guard import RequestGuard
+from router.edge.routes import ROUTES
 from router.feeds.discovery import Discovery, DiscoveryConsul
 from router.feeds.engine_keys import EngineKeys, VariableReader
 from router.feeds.load_scraper import LoadScraper
@@ -428,10 +429,10 @@ def create_app(
     proxy = runtime.proxy
     app.add_routes(
         [
-            web.post("/v1/chat/completions", proxy.chat_completions),
-            web.post("/v1/completions", proxy.completions),
-            web.post("/v1/embeddings", proxy.embeddings),
+            *(web.post(path, proxy.route(path, spec)) for path, spec in ROUTES.items()),
             web.get("/v1/models", proxy.models),
+            # Model names may hold slashes (`Qwen/Qwen2.5-7B-Instruct`).
+            web.get("/v1/models/{model:.+}", proxy.model),
         ]
     )
     if settings.admin_port is None:

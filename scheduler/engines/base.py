@@ -5,7 +5,8 @@ everything caravan knows about that engine:
 
 - its facts (`EngineFacts`): constants the profile rules, the profile policy,
   rendering, the weights cache and the router (through service Meta) read,
-  such as the health path, metric names, stream traits and default prefill rate;
+  such as the health path, metric names, stream traits, default prefill rate
+  and the OpenAI routes it serves;
 - its settings model (the image, port, binary of the cluster config's section
   named after the engine);
 - the rules it adds to a profile, its sizing, and rendering (driver, config, port).
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from caravan.engine_metrics import MetricNames, resolve_metric_names
 
 if TYPE_CHECKING:
-    from caravan.contract import StreamTraits
+    from caravan.contract import EngineRoute, StreamTraits
 
 
 class Driver(StrEnum):
@@ -213,6 +214,11 @@ class EngineFacts:
     default_prefill_tokens_per_s: int
     # How it finds weights on a cache volume.
     weights: WeightsFacts
+    # The OpenAI routes the engine serves (published in service Meta, so the router
+    # sends a route only where it is served). Some need a model of the right kind
+    # (an embedding or reranking model) or a flag; the engine then answers a
+    # model without it with its own error, which the router passes on as OpenAI's.
+    routes: frozenset[EngineRoute]
 
 
 class EngineAdapter(Protocol):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from caravan.contract import HTTP_PORT_LABEL, StreamTraits
+from caravan.contract import HTTP_PORT_LABEL, EngineRoute, StreamTraits
 from caravan.engine_metrics import MetricNames
 from scheduler.engines.base import (
     METRICS_PATH,
@@ -109,6 +109,12 @@ def _has_flag(args: tuple[str, ...], flags: frozenset[str]) -> bool:
     return any(arg.split("=", 1)[0] in flags for arg in args)
 
 
+# llama-server's routes (tools/server/server.cpp, seen on the built server):
+# no /v1/score. Embeddings answer 501 without `--embeddings`, rerank 501
+# without `--reranking` (both OpenAI-shaped, passed on as they are).
+LLAMACPP_ROUTES = frozenset(EngineRoute) - {EngineRoute.SCORE}
+
+
 LLAMACPP_FACTS = EngineFacts(
     name="llamacpp",
     shown="llama.cpp",
@@ -125,6 +131,7 @@ LLAMACPP_FACTS = EngineFacts(
     # `-m` names a GGUF file: on a cache volume, a file under its path; no
     # default download (a prefetch gives its own command).
     weights=WeightsFacts(hub_cache_env=None, offline_env={}, default_download=None),
+    routes=LLAMACPP_ROUTES,
 )
 
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from caravan.contract import HTTP_PORT_LABEL, OPENAI_STREAM_TRAITS
+from caravan.contract import HTTP_PORT_LABEL, OPENAI_STREAM_TRAITS, EngineRoute
 from caravan.engine_metrics import MetricNames
 from scheduler.engines.base import (
     HF_HUB_WEIGHTS,
@@ -105,6 +105,11 @@ DENIED_FLAGS = (
 DENIED_ENV = ("SGLANG_HOST_IP", "SGLANG_PORT", "SGLANG_LOGGING_CONFIG_PATH", API_KEY_ENV)
 
 
+# SGLang's http_server.py: every OpenAI route but Anthropic's messages; embeddings,
+# score and rerank answer only for a model served with `--is-embedding`.
+SGLANG_ROUTES = frozenset(EngineRoute) - {EngineRoute.MESSAGES}
+
+
 SGLANG_FACTS = EngineFacts(
     name="sglang",
     shown="SGLang",
@@ -120,6 +125,7 @@ SGLANG_FACTS = EngineFacts(
     default_prefill_tokens_per_s=5000,
     # SGLang loads `model` through its Hugging Face cache (HF_HOME), as vLLM does.
     weights=HF_HUB_WEIGHTS,
+    routes=SGLANG_ROUTES,
 )
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from caravan.contract import HTTP_PORT_LABEL, OPENAI_STREAM_TRAITS
+from caravan.contract import HTTP_PORT_LABEL, OPENAI_STREAM_TRAITS, EngineRoute
 from caravan.engine_metrics import MetricNames
 from scheduler.engines.base import (
     HF_HUB_WEIGHTS,
@@ -86,6 +86,11 @@ DENIED_ENV = (
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
     "VLLM_API_KEY",
 )
+# vLLM's OpenAI server (vllm/entrypoints/openai/api_server.py and the routers it
+# includes): the generative routes for a generate model; embeddings, score and
+# rerank only for a pooling model (`register_pooling_api_routers` mounts them by
+# the model's tasks; a generate model answers them 404 `{"detail":"Not Found"}`).
+VLLM_ROUTES = frozenset(EngineRoute)
 # vLLM's own default for --max-num-seqs.
 DEFAULT_MAX_NUM_SEQS = 256
 
@@ -108,6 +113,7 @@ VLLM_FACTS = EngineFacts(
     default_prefill_tokens_per_s=20000,
     # vLLM loads `model` through its Hugging Face cache (HF_HOME).
     weights=HF_HUB_WEIGHTS,
+    routes=VLLM_ROUTES,
 )
 
 

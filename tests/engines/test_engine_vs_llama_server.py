@@ -285,3 +285,67 @@ async def test_metrics_have_the_same_names_types_and_order_and_parse_alike(
     real_load = parse_engine_load(texts[0], LLAMACPP_METRIC_NAMES)
     sim_load = parse_engine_load(texts[1], LLAMACPP_METRIC_NAMES)
     assert real_load == sim_load
+
+
+TYPED_REQUESTS = {
+    "responses": ("/v1/responses", {"input": "hi there", "max_output_tokens": 3}),
+    "responses-stream": (
+        "/v1/responses",
+        {"input": "hi there", "max_output_tokens": 3, "stream": True},
+    ),
+    "messages": ("/v1/messages", {"messages": MESSAGES, "max_tokens": 3}),
+    "messages-stream": ("/v1/messages", {"messages": MESSAGES, "max_tokens": 3, "stream": True}),
+    "tokenize": ("/tokenize", {"content": "hello world"}),
+    "tokenize-pieces": ("/tokenize", {"content": "hello world", "with_pieces": True}),
+    "detokenize": ("/detokenize", {"tokens": [1, 2]}),
+    "embeddings-without-flag": ("/v1/embeddings", {"input": "hi"}),
+    "rerank-without-flag": ("/v1/rerank", {"query": "a", "documents": ["b", "c"]}),
+    "no-such-route": ("/v1/score", {"text_1": "a", "text_2": "b"}),
+}
+
+
+def typed_facts(answer: Any) -> Any:
+    """What must agree on the other routes: object kinds, statuses, event types, error types."""
+    if isinstance(answer, list):
+        return [typed_facts(event) for event in answer]
+    if not isinstance(answer, dict):
+        return answer
+    error = answer.get("error")
+    return {
+        "object": answer.get("object"),
+        "type": answer.get("type"),
+        "status": answer.get("status"),
+        "stop_reason": answer.get("stop_reason"),
+        "error": (error.get("type"), error.get("code")) if isinstance(error, dict) else None,
+    }
+
+
+@pytest.mark.parametrize("case", sorted(TYPED_REQUESTS))
+async def test_other_routes_have_the_same_structure_and_facts(
+    case: str, pair: Pair, session: aiohttp.ClientSession
+) -> None:
+    """Responses, Anthropic messages, tokenize and the 501/404 answers match llama-server's."""
+    path, body = TYPED_REQUESTS[case]
+    request = {"model": "tiny", **body, "ignore_eos": True}
+
+    (real_status, real), (sim_status, sim) = await both(session, pair, "POST", path, request)
+
+    def shapes(answer: Any) -> Any:
+        # Every kind of event of a stream in order, not only the first (a run of
+        # deltas is one: how many tokens come depends on the model).
+        if not isinstance(answer, list):
+            return json_shape(answer)
+        kinds = [json_shape(event) for event in answer]
+        return [kind for i, kind in enumerate(kinds) if i == 0 or kind != kinds[i - 1]]
+
+    def event_types(events: list[Any]) -> list[Any]:
+        # Stream events: the same types in the same order, a run of deltas as one.
+        kinds = [event.get("type") for event in events if isinstance(event, dict)]
+        return [kind for i, kind in enumerate(kinds) if i == 0 or kind != kinds[i - 1]]
+
+    assert real_status == sim_status
+    assert shapes(real) == shapes(sim)
+    if isinstance(real, list):
+        assert event_types(real) == event_types(sim)
+    else:
+        assert typed_facts(real) == typed_facts(sim)

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +47,7 @@ from caravan.contract import (
     Placements,
     ServiceMetaKey,
     decode_placements,
+    encode_engine_routes,
     encode_placements,
     encode_stream_traits,
     model_service_name,
@@ -109,6 +110,7 @@ def start_engine(
     max_num_seqs: int = 64,
     sim: Mapping[str, str] | None = None,
     timeout_s: float = 30.0,
+    extra_args: Sequence[str] = (),
 ) -> Engine:
     """Start a simulated engine on a free port and wait until it says where it is bound."""
     knobs = {"load_seconds": "0", "step_seconds": "0.005", "output_tokens": "16"}
@@ -129,6 +131,7 @@ def start_engine(
         args += ["--parallel", str(max_num_seqs)]
     for name, value in knobs.items():
         args += ["--sim-" + name.replace("_", "-"), value]
+    args += list(extra_args)
     handle, name = tempfile.mkstemp(prefix="caravan-engine-", suffix=".log")
     log_path = Path(name)
     with os.fdopen(handle, "wb") as log_file:
@@ -188,6 +191,7 @@ def replica_meta(
         ServiceMetaKey.METRIC_KV_CACHE: kv,
         ServiceMetaKey.SPEC_HASH: "0123456789abcdef",
         **encode_stream_traits(adapter_for(EngineName(flavor)).facts.stream_traits),
+        **encode_engine_routes(adapter_for(EngineName(flavor)).facts.routes),
     }
 
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 from profile_builders import make_llamacpp, make_vllm
 
-from caravan.contract import ServiceMetaKey, decode_stream_traits
+from caravan.contract import (
+    EngineRoute,
+    ServiceMetaKey,
+    decode_engine_routes,
+    decode_stream_traits,
+)
 from scheduler.engines.registry import Engine, adapter_for, all_adapters, engine_key_env_names
 from scheduler.profile_policy import DENIED_ENV, DENIED_FLAGS
 from scheduler.profiles import ENGINE_KEY_ENV_NAMES
@@ -35,3 +40,26 @@ def test_rendered_meta_publishes_the_adapters_stream_traits(profile) -> None:
 
     assert adapter_for(profile.engine).facts.stream_traits == decode_stream_traits(meta)
     assert ServiceMetaKey.PREFILL_ECHO in meta
+
+
+@pytest.mark.parametrize("profile", [make_vllm(), make_llamacpp()], ids=lambda p: p.engine.value)
+def test_rendered_meta_publishes_the_adapters_routes(profile) -> None:
+    """The router sends a route only where Meta says it is served: exactly the adapter's."""
+    meta = render(profile, 0)["Job"]["TaskGroups"][0]["Services"][0]["Meta"]
+
+    assert adapter_for(profile.engine).facts.routes == decode_engine_routes(meta)
+
+
+@pytest.mark.parametrize(
+    ("engine", "missing"),
+    [
+        (Engine.VLLM, set()),
+        (Engine.LLAMACPP, {EngineRoute.SCORE}),
+        (Engine.SGLANG, {EngineRoute.MESSAGES}),
+    ],
+)
+def test_each_engine_declares_the_routes_its_server_mounts(
+    engine: Engine, missing: set[EngineRoute]
+) -> None:
+    """vLLM serves every route; llama-server has no score, SGLang no Anthropic messages."""
+    assert set(EngineRoute) - missing == set(adapter_for(engine).facts.routes)
