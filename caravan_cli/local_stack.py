@@ -384,6 +384,8 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                 token=None if options.nomad_acl is None else options.nomad_acl.management_token,
                 vllm_engine=options.vllm_engine,
                 node_root=node_root,
+                # A profile naming a model the nodes lack fails as on a real node.
+                check_model_files=True,
             ),
         )
         token = new_secret() if options.secure else None
