@@ -198,6 +198,10 @@ class TaskEvent:
     time_ns: int
     # Nomad's FailsTask: this event failed the task (a hook or driver error).
     fails_task: bool = False
+    # The task the event is of (the allocation's TaskStates key).
+    task: str = ""
+    # Nomad's ExitCode: set on `Terminated` events (0 on the others).
+    exit_code: int = 0
 
     @property
     def words(self) -> str:
@@ -261,8 +265,10 @@ class Allocation:
                 message=str(event.get("DisplayMessage") or event.get("Message") or ""),
                 time_ns=int(event.get("Time") or 0),
                 fails_task=bool(event.get("FailsTask", False)),
+                task=str(task),
+                exit_code=int(event.get("ExitCode") or 0),
             )
-            for state in (data.get("TaskStates") or {}).values()
+            for task, state in (data.get("TaskStates") or {}).items()
             for event in (state or {}).get("Events") or []
         ]
         return cls(
