@@ -593,6 +593,18 @@ class NomadClient:
             index=int(data.get("Index") or index),
         )
 
+    async def plan_job(self, job: Mapping[str, Any], *, diff: bool = False) -> Json:
+        """`POST /v1/job/:job_id/plan`: what registering `job` would do, registering nothing.
+
+        Nomad checks `submit-job` in the namespace (after validating the job).
+        """
+        body = _job_body(job)
+        body["Diff"] = diff
+        job_id = str(body["Job"].get("ID", ""))
+        path = f"/v1/job/{urllib.parse.quote(job_id, safe='')}/plan"
+        _, data = await self._call("POST", path, body=body)
+        return dict(data or {})
+
     async def list_jobs(
         self,
         prefix: str = "",
