@@ -198,9 +198,10 @@ def choose_llamacpp_engine(folder: Path, *, prefer_real: bool) -> LlamaCppEngine
     build = find_llama_server() if prefer_real else None
     if build is not None:
         return LlamaCppEngine(binary=build.binary, model=build.model, real=True)
-    return LlamaCppEngine(
-        binary=_simulated_llama_server(folder), model=folder / "tiny-llama.gguf", real=False
-    )
+    # The simulated engine reads nothing from it, but checks that it exists (check_model_files).
+    model = folder / "tiny-llama.gguf"
+    model.touch()
+    return LlamaCppEngine(binary=_simulated_llama_server(folder), model=model, real=False)
 
 
 def provide_example_models(node_root: Path, engine: LlamaCppEngine) -> list[str]:
