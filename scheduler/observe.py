@@ -179,10 +179,11 @@ async def observe(
         except HashiError as exc:
             log.debug("evaluations_not_read", extra={"job_id": job_id, "error": str(exc)})
     tails: dict[str, EngineLogTail] = {}
-    for job_id, replica in sorted(replicas.items()):
-        crashed = crashed_alloc(replica) if engine_logs is not None else None
-        if engine_logs is not None and crashed is not None and not replica.stopped:
-            tails[job_id] = await engine_logs.tail(crashed)
+    if engine_logs is not None:
+        for job_id, replica in sorted(replicas.items()):
+            crashed = None if replica.stopped else crashed_alloc(replica)
+            if crashed is not None:
+                tails[job_id] = await engine_logs.tail(crashed)
     return Observation(
         replicas=replicas,
         nodes={node.id: node for node in readout.nodes},
