@@ -198,6 +198,10 @@ class TaskEvent:
     time_ns: int
     # Nomad's FailsTask: this event failed the task (a hook or driver error).
     fails_task: bool = False
+    # The task the event is of (the allocation's TaskStates key).
+    task: str = ""
+    # Nomad's ExitCode: set on `Terminated` events (0 on the others).
+    exit_code: int = 0
 
     @property
     def words(self) -> str:
@@ -261,8 +265,10 @@ class Allocation:
                 message=str(event.get("DisplayMessage") or event.get("Message") or ""),
                 time_ns=int(event.get("Time") or 0),
                 fails_task=bool(event.get("FailsTask", False)),
+                task=str(task),
+                exit_code=int(event.get("ExitCode") or 0),
             )
-            for state in (data.get("TaskStates") or {}).values()
+            for task, state in (data.get("TaskStates") or {}).items()
             for event in (state or {}).get("Events") or []
         ]
         return cls(
@@ -586,6 +592,18 @@ class NomadClient:
             warnings=str(data.get("Warnings") or ""),
             index=int(data.get("Index") or index),
         )
+
+    async def plan_job(self, job: Mapping[str, Any], *, diff: bool = False) -> Json:
+        """`POST /v1/job/:job_id/plan`: what registering `job` would do, registering nothing.
+
+        Nomad checks `submit-job` in the namespace (after validating the job).
+        """
+        body = _job_body(job)
+        body["Diff"] = diff
+        job_id = str(body["Job"].get("ID", ""))
+        path = f"/v1/job/{urllib.parse.quote(job_id, safe='')}/plan"
+        _, data = await self._call("POST", path, body=body)
+        return dict(data or {})
 
     async def list_jobs(
         self,

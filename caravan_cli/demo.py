@@ -40,6 +40,7 @@ from caravan_cli.example_profiles import example_profiles_dir
 from router.settings import RouterSettings
 from scheduler.app import build_scheduler, scheduler_clients
 from scheduler.cluster_config import ClusterConfig
+from scheduler.engine_logs import EngineLogReader
 from scheduler.model_service import validate_submission
 from scheduler.model_store import ModelStore
 from scheduler.profiles import ModelProfile, load_profile, profile_to_json
@@ -264,6 +265,7 @@ async def _started(args: argparse.Namespace) -> AsyncIterator[Running]:
                 nomad=stack.scheduler.nomad,
                 health=stack.scheduler.consul,
                 config=stack.config,
+                engine_logs=EngineLogReader(stack.scheduler.nomad),
             ),
             config=stack.config,
             profiles=profiles,
@@ -324,7 +326,13 @@ async def _real(router_settings: RouterSettings) -> AsyncIterator[Running]:
                 scheduler_url=f"http://127.0.0.1:{scheduler.bound_port}",
                 scheduler_token=token,
                 store=store,
-                status=StatusReader(store=store, nomad=nomad, health=consul, config=config),
+                status=StatusReader(
+                    store=store,
+                    nomad=nomad,
+                    health=consul,
+                    config=config,
+                    engine_logs=EngineLogReader(nomad),
+                ),
                 config=config,
                 profiles=tuple(
                     load_profile(example_profiles_dir() / name) for name in DEMO_PROFILES

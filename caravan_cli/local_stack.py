@@ -198,9 +198,10 @@ def choose_llamacpp_engine(folder: Path, *, prefer_real: bool) -> LlamaCppEngine
     build = find_llama_server() if prefer_real else None
     if build is not None:
         return LlamaCppEngine(binary=build.binary, model=build.model, real=True)
-    return LlamaCppEngine(
-        binary=_simulated_llama_server(folder), model=folder / "tiny-llama.gguf", real=False
-    )
+    # The simulated engine reads nothing from it, but checks that it exists (check_model_files).
+    model = folder / "tiny-llama.gguf"
+    model.touch()
+    return LlamaCppEngine(binary=_simulated_llama_server(folder), model=model, real=False)
 
 
 def provide_example_models(node_root: Path, engine: LlamaCppEngine) -> list[str]:
@@ -384,6 +385,8 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
                 token=None if options.nomad_acl is None else options.nomad_acl.management_token,
                 vllm_engine=options.vllm_engine,
                 node_root=node_root,
+                # A profile naming a model the nodes lack fails as on a real node.
+                check_model_files=True,
             ),
         )
         token = new_secret() if options.secure else None

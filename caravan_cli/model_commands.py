@@ -27,9 +27,10 @@ from caravan.contract import KVLayout
 from caravan.errors import HashiError, HashiPermissionDenied
 from caravan_cli.nomad_flags import add_nomad_flags, nomad_environ
 from caravan_cli.output import emit, fail, progress
-from caravan_cli.rollout import Outcome, Rollout, judge_rollout
+from caravan_cli.rollout import Outcome, Rollout, engine_stderr_lines, judge_rollout
 from scheduler.app import scheduler_clients
 from scheduler.cluster_config import ClusterConfigError, load_cluster_config
+from scheduler.engine_logs import EngineLogReader
 from scheduler.model_service import (
     ModelService,
     NothingToRevertError,
@@ -363,7 +364,13 @@ async def _models(args: argparse.Namespace) -> AsyncIterator[Models]:
         store = ModelStore(consul, KVLayout(args.kv_prefix))
         service = ModelService(
             store=store,
-            status=StatusReader(store=store, nomad=nomad, health=consul, config=config),
+            status=StatusReader(
+                store=store,
+                nomad=nomad,
+                health=consul,
+                config=config,
+                engine_logs=EngineLogReader(nomad, reader="NOMAD_TOKEN"),
+            ),
             config=config,
         )
         yield DirectModels(service)
@@ -523,6 +530,11 @@ def format_status(model: dict[str, Any], now: float) -> str:
             for r in replicas
             if r.get("pending_reason")
         )
+        for r in replicas:
+            said = engine_stderr_lines(r)
+            if said:
+                lines.append(f"  replica {r['replica']} {said[0]}")
+                lines.extend(f"  {line}" for line in said[1:])
     else:
         lines.append("no replicas")
     if model.get("prefetch"):

@@ -18,6 +18,10 @@ answer is about the submitted revision only, never the previous one:
   so waiting longer cannot make the revision ready.
 - Ready: as many current replicas ready as desired, and none of the
   previous revision still live (a rolling update has finished).
+- A replica whose engine exited non-zero carries the last lines of its
+  stderr (`engine_stderr`, or `engine_stderr_unavailable` saying why not):
+  its reasons end with them, so a failed or timed-out wait shows the
+  engine's own error.
 - `version`: when the submit said which version it wrote and the model now
   shows another, a later submission replaced this one: the wait ends,
   failed, saying so.
@@ -69,6 +73,21 @@ class Rollout:
         }
 
 
+def engine_stderr_lines(replica: Mapping[str, Any]) -> list[str]:
+    """`engine stderr (last lines):` and the lines, or why they are unavailable; none when the
+    replica's engine has not exited non-zero (or nobody read its log)."""
+    lines = [str(line) for line in replica.get("engine_stderr") or ()]
+    if lines:
+        return ["engine stderr (last lines):", *(f"  {line}" for line in lines)]
+    why = replica.get("engine_stderr_unavailable")
+    return [f"engine stderr unavailable: {why}"] if why else []
+
+
+def _with_stderr(words: str, replica: Mapping[str, Any]) -> str:
+    """A reason followed by the replica's engine stderr lines, one a line."""
+    return "\n    ".join([words, *engine_stderr_lines(replica)])
+
+
 def _live(replicas: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     return [r for r in replicas if not r.get("draining")]
 
@@ -93,7 +112,10 @@ def judge_rollout(model: Mapping[str, Any], version: int | None = None) -> Rollo
         )
     failed = [r for r in current if r.get("failed")]
     if failed:
-        return rollout(Outcome.FAILED, [f"replica {r['replica']}: {r['failed']}" for r in failed])
+        return rollout(
+            Outcome.FAILED,
+            [_with_stderr(f"replica {r['replica']}: {r['failed']}", r) for r in failed],
+        )
     failure = model.get("failure")
     if failure and not live:
         # No live replica, of this revision or another, to say otherwise.
@@ -117,7 +139,7 @@ def waiting_reasons(
         detail = replica.get("pending_reason") or replica.get("last_event")
         if detail:
             words += f" ({detail})"
-        reasons.append(words)
+        reasons.append(_with_stderr(words, replica))
     missing = int(model["desired"]) - len(current)
     if missing > 0:
         if not current and not outdated:

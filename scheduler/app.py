@@ -43,6 +43,7 @@ from scheduler.autoscale.loop import Autoscaler
 from scheduler.cluster_config import ClusterConfig
 from scheduler.controller import Controller
 from scheduler.engine_keys import EngineKeys
+from scheduler.engine_logs import EngineLogReader
 from scheduler.metrics import SchedulerMetrics
 from scheduler.model_service import ModelService
 from scheduler.model_store import ModelStore
@@ -315,6 +316,7 @@ def build_scheduler(
             health=consul,
             config=config,
             scheduler_missing=missing_grants,
+            engine_logs=EngineLogReader(nomad),
         ),
         config=config,
     )

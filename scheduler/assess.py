@@ -17,7 +17,10 @@ Per replica job:
 - **unplaceable**: why Nomad does not place it, from its evaluations, in
   words (`scheduler/placement_explain.py`); None when it is placed or Nomad
   did not say;
-- **failed**: why it failed for good (`scheduler/model_failure.py`).
+- **failed**: why it failed for good (`scheduler/model_failure.py`);
+- **engine_log**: while it is not ready, the last stderr lines of its
+  engine's last non-zero exit, when the observation read them
+  (`scheduler/engine_logs.py`).
 
 Per model with a profile: its replicas, its prefetch gate (may replicas be
 placed, must the prefetch job be registered), and whether it failed for good.
@@ -42,7 +45,7 @@ from scheduler.weights import (
     prefetch_job_id,
     render_prefetch,
 )
-from scheduler.world import DesiredModel, Observation, ObservedReplica
+from scheduler.world import DesiredModel, EngineLogTail, Observation, ObservedReplica
 
 # A replica job younger than this may simply not have been evaluated yet:
 # that it has no allocation is not news (neither a log line nor a failure).
@@ -67,6 +70,9 @@ class ReplicaAssessment:
     unplaceable: str | None = None
     # Why it failed for good; None: it has not.
     failed: str | None = None
+    # When it is not ready and its engine exited non-zero: the last stderr
+    # lines of that run, or why they could not be read; None: not read.
+    engine_log: EngineLogTail | None = None
 
     @property
     def live(self) -> bool:
@@ -205,6 +211,7 @@ def _replica(
             replica, observation.evaluations.get(replica.job_id, ()), ask
         ),
         failed=_failed(replica, observation, ready=ready, ask=ask, now=now),
+        engine_log=None if ready else observation.engine_logs.get(replica.job_id),
     )
 
 

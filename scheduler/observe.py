@@ -24,9 +24,11 @@ from caravan.contract import (
 )
 from caravan.errors import HashiError
 from caravan.nomad_api import Allocation, Evaluation, JobStub, Node, QueryResult
+from scheduler.engine_logs import crashed_alloc
 from scheduler.weights import ObservedPrefetch, observe_prefetch
 from scheduler.world import (
     AllocEngine,
+    EngineLogTail,
     Observation,
     ObservedReplica,
     replica_from_job_stub,
@@ -63,6 +65,12 @@ class NomadReads(Protocol):
     async def job_evaluations(
         self, job_id: str, *, index: int | None = None, wait_s: float | None = None
     ) -> QueryResult[list[Evaluation]]: ...
+
+
+class EngineLogs(Protocol):
+    """Crashed engines' stderr tails (implemented by scheduler.engine_logs.EngineLogReader)."""
+
+    async def tail(self, alloc: Allocation) -> EngineLogTail: ...
 
 
 class HealthSource(Protocol):
@@ -132,6 +140,7 @@ async def observe(
     now: float,
     inflight: Callable[[ObservedReplica], float | None] = lambda _replica: None,
     scope: Collection[str] | None = None,
+    engine_logs: EngineLogs | None = None,
 ) -> Observation:
     """Complete a Nomad readout with Consul health and placement evaluations.
 
@@ -139,7 +148,8 @@ async def observe(
     when given, keeps the replicas (and so the reads) to those models, for a
     `caravan status` of one model. An evaluation read that fails leaves that
     job's evaluations out (not known this pass): only what is said about why
-    it waits is delayed, never the pass.
+    it waits is delayed, never the pass. With `engine_logs`, the stderr tail
+    of each replica's newest crashed allocation is read too (`caravan status`).
     """
     replicas: dict[str, ObservedReplica] = {}
     for job_stub in readout.job_stubs:
@@ -168,6 +178,12 @@ async def observe(
             evaluations[job_id] = tuple((await nomad.job_evaluations(job_id)).value)
         except HashiError as exc:
             log.debug("evaluations_not_read", extra={"job_id": job_id, "error": str(exc)})
+    tails: dict[str, EngineLogTail] = {}
+    if engine_logs is not None:
+        for job_id, replica in sorted(replicas.items()):
+            crashed = None if replica.stopped else crashed_alloc(replica)
+            if crashed is not None:
+                tails[job_id] = await engine_logs.tail(crashed)
     return Observation(
         replicas=replicas,
         nodes={node.id: node for node in readout.nodes},
@@ -177,4 +193,5 @@ async def observe(
         engines=readout.engines,
         health=by_alloc,
         evaluations=evaluations,
+        engine_logs=tails,
     )

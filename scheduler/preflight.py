@@ -11,8 +11,10 @@
 * consul: `key_prefix "<prefix>"` write (profiles, desired counts, state, the
   leader lock). Probe: a check-and-set write that cannot succeed.
 
-`submit-job` is not probed: no request exercises it without registering a
-job. A refusal shows in `action_failed` (HashiPermissionDenied) instead.
+* nomad: `submit-job` (registers and stops the replica jobs). Probe: plan
+  (`POST /v1/job/:id/plan`, a dry run that writes nothing) a minimal valid
+  job with no allocations to place. Nomad validates the job before it
+  checks `submit-job`, so the job must be valid for a refusal to be 403.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class PreflightNomad(Protocol):
 
     async def list_nodes(self, *, resources: bool = True) -> QueryResult[list[Node]]: ...
 
+    async def plan_job(self, job: Mapping[str, Any], *, diff: bool = False) -> dict[str, Any]: ...
+
     async def get_variable(self, path: str) -> Variable | None: ...
 
     async def put_variable(
@@ -45,6 +49,30 @@ class PreflightConsul(Protocol):
     """The Consul calls the probes make (caravan.consul_api.ConsulClient)."""
 
     async def kv_put(self, key: str, value: bytes | str, *, cas: int | None = None) -> bool: ...
+
+
+def plan_probe_job() -> dict[str, Any]:
+    """The smallest job Nomad validates: one group of count 0, so a plan places nothing."""
+    return {
+        "ID": PROBE_NAME,
+        "Name": PROBE_NAME,
+        "Type": "service",
+        "Datacenters": ["*"],
+        "TaskGroups": [
+            {
+                "Name": "probe",
+                "Count": 0,
+                "Tasks": [
+                    {
+                        "Name": "probe",
+                        "Driver": "raw_exec",
+                        "Config": {"command": "/bin/true"},
+                        "Resources": {"CPU": 10, "MemoryMB": 10},
+                    }
+                ],
+            }
+        ],
+    }
 
 
 def scheduler_capabilities(
@@ -63,6 +91,7 @@ def scheduler_capabilities(
         )
 
     capabilities = [
+        Capability("nomad", "submit-job", lambda: nomad.plan_job(plan_probe_job())),
         Capability("nomad", "list-jobs", lambda: nomad.list_jobs(PROBE_NAME)),
         Capability("nomad", "read-job", lambda: nomad.job_evaluations(PROBE_NAME)),
         Capability("nomad", 'node { policy = "read" }', lambda: nomad.list_nodes(resources=False)),

@@ -26,7 +26,7 @@ from scheduler.cluster_config import ClusterConfig
 from scheduler.model_history import ModelHistory, stored_document
 from scheduler.model_store import DesiredState, ModelStore, UnknownModelError
 from scheduler.nomad_time import NS_PER_S
-from scheduler.observe import HealthSource, NomadReads, observe, read_nomad
+from scheduler.observe import EngineLogs, HealthSource, NomadReads, observe, read_nomad
 from scheduler.profiles import ModelProfile, profile_to_json
 from scheduler.weights import NO_PREFETCH, PrefetchGate, prefetch_job_id
 from scheduler.world import Observation, ObservedReplica
@@ -51,6 +51,10 @@ class ReplicaStatus:
     pending_reason: str | None = None
     # Why the replica failed for good (scheduler/model_failure.py); None: it has not.
     failed: str | None = None
+    # While it is not ready and its engine exited non-zero: the last lines of
+    # that run's stderr (scheduler/engine_logs.py), or why they are unavailable.
+    engine_stderr: tuple[str, ...] = ()
+    engine_stderr_unavailable: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +115,13 @@ def _shown_alloc(
     return max(live or replica.allocs, key=lambda a: a.create_time_ns, default=None)
 
 
+def _engine_stderr(judged: ReplicaAssessment) -> dict[str, Any]:
+    tail = judged.engine_log
+    if tail is None:
+        return {}
+    return {"engine_stderr": tail.lines, "engine_stderr_unavailable": tail.unavailable}
+
+
 def replica_status(
     judged: ReplicaAssessment,
     replica: ObservedReplica,
@@ -132,6 +143,7 @@ def replica_status(
             draining=judged.draining,
             pending_reason=judged.unplaceable,
             failed=judged.failed,
+            **_engine_stderr(judged),
         )
     health = observation.health.get(chosen.id)
     node = observation.nodes.get(chosen.node_id)
@@ -156,6 +168,7 @@ def replica_status(
         since_s=round(max(now - modified, 0.0), 1) if modified else None,
         last_event=_last_event(chosen),
         failed=judged.failed,
+        **_engine_stderr(judged),
     )
 
 
@@ -295,6 +308,8 @@ class StatusReader:
     config: ClusterConfig = field(default_factory=ClusterConfig)
     # In a scheduler: the grants its own tokens lack (its preflight).
     scheduler_missing: Callable[[], tuple[str, ...]] | None = None
+    # Reads crashed engines' stderr tails (needs read-logs); None: not shown.
+    engine_logs: EngineLogs | None = None
 
     async def control_plane(self) -> tuple[str, ...]:
         """Grants this scheduler's, and any scheduler's or router's in Consul, tokens lack."""
@@ -324,6 +339,7 @@ class StatusReader:
             models=models,
             now=now,
             scope=models,
+            engine_logs=self.engine_logs,
         )
         desired = {n: d for n, d in state.desired_models().items() if n in models}
         config = state.cluster_config or self.config

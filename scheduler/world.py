@@ -64,6 +64,17 @@ class AllocEngine:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineLogTail:
+    """The last stderr lines of one allocation's engine, or why they could not be read
+    (scheduler/engine_logs.py)."""
+
+    alloc_id: str
+    lines: tuple[str, ...] = ()
+    # Set when the lines could not be read (then `lines` is empty).
+    unavailable: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Observation:
     """The actual state of caravan's replicas in one reconcile pass."""
 
@@ -84,6 +95,9 @@ class Observation:
     # The evaluations of replica jobs without a live allocation, by job id
     # (why Nomad does not place them); a job whose evaluations were not read is absent.
     evaluations: Mapping[str, tuple[Evaluation, ...]] = field(default_factory=dict)
+    # The stderr tail of each replica job's newest allocation whose engine
+    # exited non-zero, by job id; absent: none crashed, or nobody asked to read.
+    engine_logs: Mapping[str, EngineLogTail] = field(default_factory=dict)
 
     def of_model(self, model: str) -> list[ObservedReplica]:
         return sorted(

@@ -12,8 +12,14 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 from devcluster.engine.flags import EngineSettings, FlagError, parse_engine_args
+from devcluster.engine.model_file import (
+    MODEL_LOAD_EXIT_CODE,
+    check_model_file,
+    missing_model_lines,
+)
 from devcluster.engine.server import run_engine
 
 log = logging.getLogger("devcluster.engine")
@@ -63,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     except FlagError as exc:
         print(f"error: {exc}\n{_USAGE}", end="", file=sys.stderr)  # noqa: T201
         return 2
+    if check_model_file(os.environ):
+        missing = missing_model_lines(settings, exists=Path(settings.model).is_file())
+        if missing:
+            print("\n".join(missing), file=sys.stderr)  # noqa: T201
+            return MODEL_LOAD_EXIT_CODE
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         asyncio.run(_serve(settings))

@@ -36,6 +36,7 @@ from typing import Any
 import yaml
 
 from devcluster import vllm_real
+from devcluster.engine.model_file import CHECK_MODEL_FILE_ENV
 from devcluster.llama_server_build import find_llama_server
 from devcluster.nomad.model import AllocatedPort
 
@@ -131,6 +132,10 @@ class DriverSettings:
     # (`<node_root>/opt/models/x.gguf` is the nodes' `/opt/models/x.gguf`);
     # None: tasks see only the host's own files.
     node_root: Path | None = None
+    # On: the simulated llama.cpp engine exits 1 with llama-server's own error
+    # lines when its -m file does not exist (a real node's behaviour); off, it
+    # serves any path (tests that pass made-up model paths).
+    check_model_files: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +242,8 @@ def node_files(args: Sequence[str], node_root: Path | None) -> tuple[list[str], 
 def task_process_env(task_env: Mapping[str, str], settings: DriverSettings) -> dict[str, str]:
     """The host environment (minus Nomad's denylist) overlaid with the task's."""
     env = {k: v for k, v in settings.host_env.items() if k not in ENV_DENYLIST}
+    if settings.check_model_files:
+        env[CHECK_MODEL_FILE_ENV] = "1"
     env.update(task_env)
     return env
 

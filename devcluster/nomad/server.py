@@ -146,6 +146,7 @@ class NomadServer:
             real_vllm=real_vllm_options(self.settings),
             next_core=core_cycle(),
             node_root=self.settings.node_root,
+            check_model_files=self.settings.check_model_files,
         )
 
     def new_id(self) -> str:

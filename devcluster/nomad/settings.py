@@ -133,6 +133,9 @@ class NomadServerSettings(BaseModel):
     # Files every node has at the same absolute path, kept under this folder
     # (drivers.node_files); None: tasks see only the host's own files.
     node_root: Path | None = None
+    # The simulated llama.cpp engine exits 1 with llama-server's own error lines
+    # when its -m file does not exist, as on a real node (drivers.DriverSettings).
+    check_model_files: bool = False
 
 
 def default_nodes(

@@ -18,7 +18,9 @@ import aiohttp
 import pytest
 from nomad_contract_support import REAL, sleeper_job
 
+from caravan.preflight import PROBE_NAME
 from devcluster.nomad.server import NomadServer
+from scheduler.preflight import plan_probe_job
 
 
 @dataclass(frozen=True)
@@ -287,3 +289,24 @@ async def test_acl_routes_say_acls_are_disabled_without_a_management_token() -> 
             target, "GET", "/v1/acl/token/self", None
         )
         assert 200 == (await call(target, "GET", "/v1/jobs", None))[0]
+
+
+async def test_the_schedulers_submit_job_probe_plans_and_registers_nothing(
+    acl_target: AclTarget, unique: str
+) -> None:
+    """Planning the preflight's probe job: 403 without submit-job, 200 with it; no job appears."""
+    job = {"Job": plan_probe_job(), "Diff": False}
+    path = f"/v1/job/{PROBE_NAME}/plan"
+    reader = {"reader": 'namespace "default" {\n  capabilities = ["list-jobs", "read-job"]\n}\n'}
+    submitter = {"submitter": 'namespace "default" {\n  capabilities = ["submit-job"]\n}\n'}
+    read_only = (await token_with(acl_target, reader, f"r-{unique}"))["SecretID"]
+    may_submit = (await token_with(acl_target, submitter, f"s-{unique}"))["SecretID"]
+
+    refused = await call(acl_target, "POST", path, read_only, job)
+    status, plan = await call(acl_target, "POST", path, may_submit, job)
+    after = await call(acl_target, "GET", f"/v1/job/{PROBE_NAME}", acl_target.management)
+
+    assert (403, "Permission denied") == refused
+    assert 200 == status, plan
+    assert plan["FailedTGAllocs"] is None
+    assert 404 == after[0]

@@ -85,3 +85,19 @@ def test_status_shows_the_weights_prefetch():
     text = format_status(model(prefetch="failed: Terminated: Exit Code: 1"), now=100.0)
     assert "prefetch: failed: Terminated: Exit Code: 1" in text.splitlines()
     assert "prefetch" not in format_status(model(), now=100.0)
+
+
+def test_status_shows_a_crashed_engines_last_stderr_lines_under_the_table():
+    """The engine's own error is shown per replica, indented under its header."""
+    crashed = replica(
+        1,
+        state="pending",
+        engine_stderr=["gguf_init_from_file: failed to open GGUF file '/opt/x.gguf'"],
+    )
+
+    lines = format_status(model(replicas=[replica(0), crashed]), now=100.0).splitlines()
+
+    assert [
+        "  replica 1 engine stderr (last lines):",
+        "    gguf_init_from_file: failed to open GGUF file '/opt/x.gguf'",
+    ] == lines[-2:]

@@ -143,3 +143,53 @@ async def test_a_timed_out_wait_says_what_each_model_waits_for(
     err = capsys.readouterr().err
     assert 1 == code
     assert "timed out after 0s waiting for replicas:\n  m: replica 0: starting" in err
+
+
+def test_a_failed_replica_reason_ends_with_its_engines_own_last_lines():
+    """`submit --wait` prints the engine's stderr tail under the failure."""
+    document = model(
+        desired=1,
+        ready=0,
+        replicas=[
+            replica(
+                0,
+                state="failed",
+                failed="the engine failed and Nomad stopped restarting it",
+                engine_stderr=["srv    load_model: failed to load model, '/opt/x.gguf'"],
+            )
+        ],
+    )
+
+    rollout = judge_rollout(document, 1)
+
+    assert Outcome.FAILED == rollout.outcome
+    expected = (
+        "replica 0: the engine failed and Nomad stopped restarting it\n"
+        "    engine stderr (last lines):\n"
+        "      srv    load_model: failed to load model, '/opt/x.gguf'"
+    )
+    assert (expected,) == rollout.reasons
+
+
+def test_a_waiting_replica_says_why_its_engine_log_is_unavailable():
+    """A token without read-logs is named in the reasons a timed-out wait prints."""
+    document = model(
+        desired=1,
+        ready=0,
+        replicas=[
+            replica(
+                0,
+                state="pending",
+                last_event="Terminated: Exit Code: 1",
+                engine_stderr_unavailable="the scheduler's Nomad token lacks read-logs (HTTP 403)",
+            )
+        ],
+    )
+
+    rollout = judge_rollout(document, 1)
+
+    assert Outcome.WAITING == rollout.outcome
+    assert (
+        "replica 0: pending (Terminated: Exit Code: 1)\n"
+        "    engine stderr unavailable: the scheduler's Nomad token lacks read-logs (HTTP 403)"
+    ) == rollout.reasons[0]
