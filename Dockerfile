@@ -1,34 +1,38 @@
 # caravan: the scheduler (`caravan scheduler`) and the router (`caravan router`)
-# in one image. Build from the repository root:
+# in one image. Build from the repository root with `make image`, which runs:
 #
-#   docker build -t caravan:0.1.0 .
+#   docker build -t caravan-llm:<version> .
 #
 # The jobspecs in jobspecs/ run it with the docker driver; push it to a
 # registry every Nomad client can pull from.
+#
+# Two stages. The first builds the wheel and installs it, without the `demo`
+# extra, into /install, then deletes devcluster and the example profiles (the
+# wheel carries both for `caravan demo`). The image is the second stage: Python
+# and /install, nothing else of the build context, so no layer of it holds
+# devcluster, the example profiles or the sources.
+
+FROM python:3.11-slim AS build
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /build
+COPY pyproject.toml README.md ./
+COPY caravan_llm/ caravan_llm/
+COPY examples/profiles/ examples/profiles/
+RUN pip wheel --no-deps --wheel-dir /wheels . \
+    && pip install --prefix=/install /wheels/caravan_llm-*.whl \
+    && site=/install/lib/python3.11/site-packages \
+    && rm -rf "$site/caravan_llm/devcluster" "$site/caravan_llm/cli/example_profiles_data" \
+    && PYTHONPATH="$site" python -c 'import caravan_llm.cli.main, caravan_llm.router.wiring.app, caravan_llm.scheduler.app'
+
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PYTHONUNBUFFERED=1
 
-# Only what building the wheel needs: the build metadata and the packages
-# pyproject lists (devcluster and the example profiles among them, since the
-# wheel carries them for the `demo` extra). The runtime is installed without
-# that extra, and devcluster and the example profiles are removed in the same
-# layer: the production image holds none of the demo.
-WORKDIR /build
-COPY pyproject.toml README.md ./
-COPY caravan/ caravan/
-COPY scheduler/ scheduler/
-COPY router/ router/
-COPY devcluster/ devcluster/
-COPY caravan_cli/ caravan_cli/
-COPY examples/profiles/ examples/profiles/
-RUN pip install . \
-    && site="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
-    && rm -rf "$site/devcluster" "$site/caravan_cli/example_profiles_data" /build \
-    && python -c 'import caravan_cli.main, router.wiring.app, scheduler.app'
+COPY --from=build /install /usr/local
 
 # A fixed, unprivileged user: the processes need no root and write nothing
 # outside Nomad's task directories.

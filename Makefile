@@ -38,7 +38,7 @@ lint: $(STAMP) ## ruff (lint + format check) and the import contracts
 	$(BIN)/lint-imports
 
 type: $(STAMP) ## mypy --strict
-	$(BIN)/mypy caravan scheduler router devcluster caravan_cli
+	$(BIN)/mypy caravan_llm
 
 # Test processes (pytest-xdist). Most component tests wait on real delays
 # (health checks, heartbeats, windows), not on a CPU, so four share two cores
@@ -63,10 +63,18 @@ wheel-demo: llama-server ## build the wheel, install it with its demo extra in a
 	rm -rf dist .venv-wheel
 	$(BIN)/pip wheel --quiet --no-deps --wheel-dir dist .
 	$(PYTHON) -m venv .venv-wheel
-	.venv-wheel/bin/pip install --quiet "$$(ls dist/caravan-*.whl)[demo]"
+	.venv-wheel/bin/pip install --quiet "$$(ls dist/caravan_llm-*.whl)[demo]"
 	cd /tmp && $(abspath .venv-wheel/bin/caravan) demo --once
+
+# The production image (Dockerfile: two stages, no devcluster or example
+# profiles in it), tagged with the package's version.
+VERSION = $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE ?= caravan-llm
+
+image: ## build the production image caravan-llm:<version> with docker (the Dockerfile says what is in it)
+	docker build -t $(IMAGE):$(VERSION) .
 
 golden: $(STAMP) ## regenerate the rendered-job golden files after a deliberate change
 	$(BIN)/pytest tests/unit/scheduler/test_golden.py tests/deploy/test_deploy_replica_examples.py --update-golden
 
-.PHONY: help venv demo render llama-server vllm vllm-tests lint type unit test fmt golden wheel-demo
+.PHONY: help venv demo render llama-server vllm vllm-tests lint type unit test fmt golden wheel-demo image

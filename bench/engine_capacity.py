@@ -3,7 +3,7 @@
     .venv/bin/python bench/engine_capacity.py                # 8 instances, 200 streams, 20 s
     .venv/bin/python bench/engine_capacity.py --flavor llamacpp --instances 4 --streams 50
 
-Starts the instances as separate processes (`python -m devcluster.engine`, as
+Starts the instances as separate processes (`python -m caravan_llm.devcluster.engine`, as
 devcluster runs them), keeps M streaming chat requests in flight, spread
 round-robin, for the given time, and prints tokens per second delivered,
 the engines' CPU use (from /proc) and the load generator's own CPU use.
@@ -60,7 +60,7 @@ async def instances(
             process = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "devcluster.engine",
+                "caravan_llm.devcluster.engine",
                 "--flavor",
                 flavor,
                 *model,

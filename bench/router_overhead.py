@@ -7,7 +7,7 @@
 One run starts, each in its own process: a minimal upstream (aiohttp, a
 fixed chat completion, or a stream of 16 chunks with no delay), devcluster's
 Consul with the upstream registered as a replica (service, tag, Meta, as
-Nomad would), caravan's router (`python -m router`, one process, default
+Nomad would), caravan's router (`python -m caravan_llm.router`, one process, default
 settings: prefix affinity, JSON logs to a file) and, when the `vllm-router`
 command is found (PATH or $CARAVAN_BENCH_VLLM_ROUTER), vllm-router with the
 upstream as its static worker. Then the same load goes to each target:
@@ -310,7 +310,12 @@ def _ms(text: str) -> float:
 
 
 async def _register_upstream(consul_addr: str, port: int) -> None:
-    from caravan.consul_api import ConsulClient, ConsulSettings, HttpCheck, ServiceRegistration  # noqa: PLC0415
+    from caravan_llm.common.consul_api import (  # noqa: PLC0415
+        ConsulClient,
+        ConsulSettings,
+        HttpCheck,
+        ServiceRegistration,
+    )
 
     host, _, consul_port = consul_addr.rpartition(":")
     async with ConsulClient(ConsulSettings(host=host, port=int(consul_port))) as consul:
@@ -455,7 +460,7 @@ def orchestrate(args: argparse.Namespace) -> int:
                 [
                     python,
                     "-m",
-                    "devcluster",
+                    "caravan_llm.devcluster",
                     "--consul-port",
                     "0",
                     "--dns-port",
@@ -501,7 +506,9 @@ def orchestrate(args: argparse.Namespace) -> int:
             print_per_core(per_core, args)
             return 0
         _, router = stack.enter_context(
-            started([python, "-m", "router"], r"listening on http://[\d.]+:(\d+)", env=env)
+            started(
+                [python, "-m", "caravan_llm.router"], r"listening on http://[\d.]+:(\d+)", env=env
+            )
         )
         targets["caravan"] = f"http://127.0.0.1:{router.group(1)}/v1/chat/completions"
         if vllm_router is not None:
@@ -581,7 +588,7 @@ def _per_core(
     pids: dict[tuple[int, str], int] = {(0, "direct"): upstream_pid}
     for cores in args.cores:
         caravan_env = {**env, "CARAVAN_ROUTER_WORKERS": str(cores)}
-        command = _pinned([sys.executable, "-m", "router"], cores)
+        command = _pinned([sys.executable, "-m", "caravan_llm.router"], cores)
         proc, router = stack.enter_context(
             started(command, r"listening on http://[\d.]+:(\d+)", env=caravan_env)
         )

@@ -4,7 +4,7 @@
     python bench/routing_quality.py                  # the recorded run (docs/benchmarks.md)
     python bench/routing_quality.py --targets rr,caravan-predicted_ttft --workloads shared
 
-A fleet of N simulated vLLM engines (devcluster.engine; prefill slowed so that
+A fleet of N simulated vLLM engines (caravan_llm.devcluster.engine; prefill slowed so that
 where a request lands decides what it waits for, a small KV cache so that not
 every engine can hold every prefix) is registered in devcluster's Consul as
 caravan replicas (service, tag and Meta as Nomad renders them). The same
@@ -13,7 +13,7 @@ target:
 
 - `rr`, `lor`: client-side round robin / least outstanding requests straight
   to the engines (the baselines; no router in the path);
-- `caravan-<policy>`: caravan's router (`python -m router`), one per policy;
+- `caravan-<policy>`: caravan's router (`python -m caravan_llm.router`), one per policy;
 - `vllm-router-<policy>`: vllm-router `cache_aware` and `power_of_two`, when
   the `vllm-router` command is installed (`pip install vllm-router`).
 
@@ -202,7 +202,7 @@ def build_trace(
 
 
 def _tokens(text: str) -> int:
-    from devcluster.engine.text import count_tokens  # noqa: PLC0415
+    from caravan_llm.devcluster.engine.text import count_tokens  # noqa: PLC0415
 
     return count_tokens(text)
 
@@ -257,8 +257,8 @@ def load_scale(workload: str, load: float, seed: int, fleet: Fleet) -> float:
 
 
 def run_engines(ports: list[int], fleet: Fleet, seed: int) -> None:
-    from devcluster.engine.flags import parse_engine_args  # noqa: PLC0415
-    from devcluster.engine.server import run_engine  # noqa: PLC0415
+    from caravan_llm.devcluster.engine.flags import parse_engine_args  # noqa: PLC0415
+    from caravan_llm.devcluster.engine.server import run_engine  # noqa: PLC0415
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -461,8 +461,13 @@ def free_ports(count: int) -> list[int]:
 
 
 async def register_engines(consul_addr: str, ports: list[int], fleet: Fleet) -> None:
-    from caravan.consul_api import ConsulClient, ConsulSettings, HttpCheck, ServiceRegistration  # noqa: PLC0415
-    from caravan.contract import encode_prefill_rate  # noqa: PLC0415
+    from caravan_llm.common.consul_api import (  # noqa: PLC0415
+        ConsulClient,
+        ConsulSettings,
+        HttpCheck,
+        ServiceRegistration,
+    )
+    from caravan_llm.common.contract import encode_prefill_rate  # noqa: PLC0415
 
     host, _, consul_port = consul_addr.rpartition(":")
     async with ConsulClient(ConsulSettings(host=host, port=int(consul_port))) as consul:
@@ -590,7 +595,7 @@ def summarise(
 
 
 def _prompt_tokens(request: TraceRequest) -> list[str]:
-    from devcluster.engine.text import ChatMessage, render_chatml, tokenize  # noqa: PLC0415
+    from caravan_llm.devcluster.engine.text import ChatMessage, render_chatml, tokenize  # noqa: PLC0415
 
     messages = [ChatMessage(role, text) for role, text in request.messages]
     return tokenize(render_chatml(messages, add_generation_prompt=True))
@@ -660,7 +665,11 @@ async def run_cell(
                 ),
             }
             _, match = stack.enter_context(
-                started([python, "-m", "router"], r"listening on http://[\d.]+:(\d+)", env=env)
+                started(
+                    [python, "-m", "caravan_llm.router"],
+                    r"listening on http://[\d.]+:(\d+)",
+                    env=env,
+                )
             )
             base = f"http://127.0.0.1:{match.group(1)}"
             await http_ok(base + "/health")
@@ -858,17 +867,17 @@ def offline_cell(
     """
     import heapq  # noqa: PLC0415
 
-    from caravan.consul_api import HealthEntry  # noqa: PLC0415
-    from caravan.contract import encode_prefill_rate  # noqa: PLC0415
-    from caravan.engine_metrics import EngineLoad  # noqa: PLC0415
-    from devcluster.engine.batch import (  # noqa: PLC0415
+    from caravan_llm.common.consul_api import HealthEntry  # noqa: PLC0415
+    from caravan_llm.common.contract import encode_prefill_rate  # noqa: PLC0415
+    from caravan_llm.common.engine_metrics import EngineLoad  # noqa: PLC0415
+    from caravan_llm.devcluster.engine.batch import (  # noqa: PLC0415
         BatchCore,
         PerfModel,
         SequenceSpec,
         StepPlan,
         prompt_block_hashes,
     )
-    from router.core.balancer import (  # noqa: PLC0415
+    from caravan_llm.router.core.balancer import (  # noqa: PLC0415
         BalancerConfig,
         Picked,
         PickerMemory,
@@ -876,8 +885,8 @@ def offline_cell(
         RequestFeatures,
         pick,
     )
-    from router.core.breaker import BreakerPolicy  # noqa: PLC0415
-    from router.core.cost_model import (  # noqa: PLC0415
+    from caravan_llm.router.core.breaker import BreakerPolicy  # noqa: PLC0415
+    from caravan_llm.router.core.cost_model import (  # noqa: PLC0415
         CacheFigures,
         Prefill,
         begin_prefill,
@@ -885,8 +894,8 @@ def offline_cell(
         peer_rate_of,
         record_cache_figures,
     )
-    from router.core.endpoints import snapshot_from_health  # noqa: PLC0415
-    from router.core.live_state import (  # noqa: PLC0415
+    from caravan_llm.router.core.endpoints import snapshot_from_health  # noqa: PLC0415
+    from caravan_llm.router.core.live_state import (  # noqa: PLC0415
         Lease,
         finish_request,
         own_counts,
@@ -894,8 +903,8 @@ def offline_cell(
         record_load,
         start_request,
     )
-    from router.core.live_state import Outcome as RouterOutcome  # noqa: PLC0415
-    from router.core.prefix_index import prompt_shape  # noqa: PLC0415
+    from caravan_llm.router.core.live_state import Outcome as RouterOutcome  # noqa: PLC0415
+    from caravan_llm.router.core.prefix_index import prompt_shape  # noqa: PLC0415
 
     perf = PerfModel(
         max_num_seqs=fleet.max_num_seqs,
@@ -1143,7 +1152,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         print_acceptance(cells, args.default_target)
         return 0
     with started(
-        [sys.executable, "-m", "devcluster", "--consul-port", "0", "--dns-port", "0"],
+        [sys.executable, "-m", "caravan_llm.devcluster", "--consul-port", "0", "--dns-port", "0"],
         r"CONSUL_HTTP_ADDR=([\d.:]+)",
     ) as (_, consul):
         consul_addr = consul.group(1)

@@ -23,7 +23,7 @@ of any router is near round robin's 1.5x (docs/benchmarks.md).
 
 Targets, interleaved (each repetition plays every target once, in rotated
 order): `rr`, `lor` (client-side round robin / least outstanding requests,
-straight to the engines), `caravan` (caravan's router, `python -m router`,
+straight to the engines), `caravan` (caravan's router, `python -m caravan_llm.router`,
 with its default policy; `caravan-<policy>` for another), and vllm-router's
 `cache_aware` and `power_of_two` when the `vllm-router` command is installed.
 Before each target both engines' prefix caches are emptied
@@ -79,8 +79,8 @@ from bench.routing_quality import (
     register_engines,
     wait_until,
 )
-from devcluster.vllm_build import API_SERVER_MODULE, CPU_BLOCK_SIZE, find_vllm
-from devcluster.vllm_build import missing_build_message as _missing_build
+from caravan_llm.devcluster.vllm_build import API_SERVER_MODULE, CPU_BLOCK_SIZE, find_vllm
+from caravan_llm.devcluster.vllm_build import missing_build_message as _missing_build
 
 DEFAULT_TARGET = "caravan"  # the router with no policy set: its default (predicted_ttft)
 SERVED_NAME = "tiny"
@@ -337,7 +337,9 @@ async def target_urls(
                 env["CARAVAN_ROUTER_POLICY"] = target.removeprefix("caravan-")
             _, match = stack.enter_context(
                 started(
-                    [sys.executable, "-m", "router"], r"listening on http://[\d.]+:(\d+)", env=env
+                    [sys.executable, "-m", "caravan_llm.router"],
+                    r"listening on http://[\d.]+:(\d+)",
+                    env=env,
                 )
             )
             base = f"http://127.0.0.1:{match.group(1)}"
@@ -554,7 +556,15 @@ def orchestrate(args: argparse.Namespace, workload: Workload) -> int:
     with contextlib.ExitStack() as stack:
         _, consul = stack.enter_context(
             started(
-                [sys.executable, "-m", "devcluster", "--consul-port", "0", "--dns-port", "0"],
+                [
+                    sys.executable,
+                    "-m",
+                    "caravan_llm.devcluster",
+                    "--consul-port",
+                    "0",
+                    "--dns-port",
+                    "0",
+                ],
                 r"CONSUL_HTTP_ADDR=([\d.:]+)",
             )
         )

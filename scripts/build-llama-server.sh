@@ -12,7 +12,7 @@
 #
 # Idempotent: with the binary, vocab and model present it only checks that the
 # binary runs (well under a second). Facts behind the flags:
-# /work/shared/docs/llama-cpp.md. devcluster/llama_server_build.py reads the
+# /work/shared/docs/llama-cpp.md. caravan_llm/devcluster/llama_server_build.py reads the
 # same layout, so keep the two in step.
 set -euo pipefail
 
@@ -107,12 +107,12 @@ fi
 
 # The model is rewritten when the code that generates it changes, so the cache
 # never serves a model older than the generator (a stamp of its sources' hash).
-generator_hash="$(cat "$repo_root/devcluster/tiny_model.py" "$repo_root/devcluster/engine/text.py" \
+generator_hash="$(cat "$repo_root/caravan_llm/devcluster/tiny_model.py" "$repo_root/caravan_llm/devcluster/engine/text.py" \
     | sha256sum | cut -d' ' -f1)"
 stamp="$model.generator-sha256"
 if [[ ! -f "$model" || "$(cat "$stamp" 2>/dev/null)" != "$generator_hash" ]]; then
     log "writing the tiny model"
-    (cd "$repo_root" && "$python" -m devcluster.tiny_model --vocab "$vocab" --out "$model.tmp")
+    (cd "$repo_root" && "$python" -m caravan_llm.devcluster.tiny_model --vocab "$vocab" --out "$model.tmp")
     mv "$model.tmp" "$model"
     echo "$generator_hash" >"$stamp"
 fi

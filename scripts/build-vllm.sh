@@ -65,14 +65,14 @@ venv_works || { log "the venv at $venv does not import vllm's api_server"; exit 
 
 # The model is rewritten when the code that generates it changes (a stamp of
 # its sources' hash), so the cache never serves a model older than its builder.
-generator_hash="$(cat "$repo_root/devcluster/hf_tiny_model.py" "$repo_root/devcluster/engine/text.py" \
+generator_hash="$(cat "$repo_root/caravan_llm/devcluster/hf_tiny_model.py" "$repo_root/caravan_llm/devcluster/engine/text.py" \
     | sha256sum | cut -d' ' -f1)"
 model="$models/tiny-chat-hf"
 model_stamp="$model.generator-sha256"
 if [[ ! -f "$model/config.json" || "$(cat "$model_stamp" 2>/dev/null)" != "$generator_hash" ]]; then
     log "writing the tiny model and its adapters"
     rm -rf "$model.tmp"
-    (cd "$repo_root" && HF_HUB_OFFLINE=1 "$venv/bin/python" -m devcluster.hf_tiny_model --out "$model.tmp")
+    (cd "$repo_root" && HF_HUB_OFFLINE=1 "$venv/bin/python" -m caravan_llm.devcluster.hf_tiny_model --out "$model.tmp")
     rm -rf "$model"
     mv "$model.tmp" "$model"
     echo "$generator_hash" >"$model_stamp"

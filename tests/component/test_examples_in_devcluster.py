@@ -12,7 +12,7 @@ from pathlib import Path
 
 from polling import eventually
 
-from caravan_cli.local_stack import StackOptions, local_stack
+from caravan_llm.cli.local_stack import StackOptions, local_stack
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "profiles" / "tiny-llamacpp-cpu.yaml"
 
@@ -26,7 +26,7 @@ async def test_the_copied_tiny_llamacpp_example_becomes_ready_unchanged(tmp_path
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "caravan_cli",
+            "caravan_llm.cli",
             "submit",
             str(copied),
             "--wait",

@@ -40,11 +40,16 @@ import aiohttp
 import pytest
 from polling import eventually
 
-from caravan.contract import ENGINE_KEY_ITEM, KVLayout, engine_key_path, model_service_name
-from caravan_cli.local_stack import LocalStack, StackOptions, local_profile, local_stack
-from router.settings import RouterSettings
-from scheduler.model_store import ModelStore
-from scheduler.profiles import load_profile
+from caravan_llm.cli.local_stack import LocalStack, StackOptions, local_profile, local_stack
+from caravan_llm.common.contract import (
+    ENGINE_KEY_ITEM,
+    KVLayout,
+    engine_key_path,
+    model_service_name,
+)
+from caravan_llm.router.settings import RouterSettings
+from caravan_llm.scheduler.model_store import ModelStore
+from caravan_llm.scheduler.profiles import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = 4

@@ -1,7 +1,7 @@
 """Issue 14 item 8, end to end: a stream survives the loss of the only replica.
 
 devcluster (3 CPU nodes), the scheduler and a router, through
-`caravan_cli.local_stack` with the API key the stack generates, and a llama.cpp
+`caravan_llm.cli.local_stack` with the API key the stack generates, and a llama.cpp
 model at exactly one replica (min 1, max 1). Four clients stream chat
 completions; once each has received some tokens, the replica's node is
 killed. Nothing else can serve the model, so the router holds the four
@@ -30,11 +30,11 @@ import aiohttp
 import pytest
 from polling import eventually
 
-from caravan.contract import KVLayout, model_service_name
-from caravan_cli.local_stack import LocalStack, StackOptions, local_profile, local_stack
-from router.settings import RouterSettings
-from scheduler.model_store import ModelStore
-from scheduler.profiles import ModelProfile, load_profile
+from caravan_llm.cli.local_stack import LocalStack, StackOptions, local_profile, local_stack
+from caravan_llm.common.contract import KVLayout, model_service_name
+from caravan_llm.router.settings import RouterSettings
+from caravan_llm.scheduler.model_store import ModelStore
+from caravan_llm.scheduler.profiles import ModelProfile, load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = 4

@@ -1,4 +1,5 @@
-"""caravan.leader against devcluster's Consul, and against a fake for an unreachable Consul."""
+"""caravan_llm.common.leader against devcluster's Consul, and against a fake for an unreachable
+Consul."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from caravan.consul_api import ConsulClient, ConsulSettings, KVEntry, SessionInfo
-from caravan.contract import KVLayout
-from caravan.errors import HashiUnavailable
-from caravan.leader import ElectionSettings, LeaderElection
-from devcluster.consul.server import ConsulConfig, ConsulServer
+from caravan_llm.common.consul_api import ConsulClient, ConsulSettings, KVEntry, SessionInfo
+from caravan_llm.common.contract import KVLayout
+from caravan_llm.common.errors import HashiUnavailable
+from caravan_llm.common.leader import ElectionSettings, LeaderElection
+from caravan_llm.devcluster.consul.server import ConsulConfig, ConsulServer
 
 KEY = KVLayout().leader
 

@@ -19,10 +19,16 @@ import aiohttp
 import pytest
 from polling import eventually
 
-from caravan.consul_api import ConsulClient, ConsulSettings
-from caravan.nomad_api import NomadClient, NomadSettings
-from caravan_cli.local_stack import LocalStack, NomadAcl, StackOptions, local_stack, running_router
-from router.settings import RouterSettings
+from caravan_llm.cli.local_stack import (
+    LocalStack,
+    NomadAcl,
+    StackOptions,
+    local_stack,
+    running_router,
+)
+from caravan_llm.common.consul_api import ConsulClient, ConsulSettings
+from caravan_llm.common.nomad_api import NomadClient, NomadSettings
+from caravan_llm.router.settings import RouterSettings
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "profiles"
 ROUTER_GRANT = "nomad: variables read on nomad/jobs/caravan-engine-keys/models/*"
@@ -68,7 +74,7 @@ async def caravan(stack: LocalStack, *args: str) -> tuple[int, str, str]:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "caravan_cli",
+        "caravan_llm.cli",
         *args,
         env=env,
         stdout=asyncio.subprocess.PIPE,

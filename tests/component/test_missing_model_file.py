@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from caravan_cli.local_stack import LocalStack, NomadAcl, StackOptions, local_stack
+from caravan_llm.cli.local_stack import LocalStack, NomadAcl, StackOptions, local_stack
 
 POLICIES = Path(__file__).resolve().parents[2] / "terraform" / "policies"
 NAME = "lost-model"
@@ -63,7 +63,7 @@ async def caravan(stack: LocalStack, *args: str) -> tuple[int, str, str]:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "caravan_cli",
+        "caravan_llm.cli",
         *args,
         env=env,
         stdout=asyncio.subprocess.PIPE,

@@ -15,7 +15,8 @@ import aiohttp
 import pytest
 from polling import eventually
 
-from caravan.contract import (
+from caravan_llm.cli.local_stack import LocalStack, StackOptions, local_stack
+from caravan_llm.common.contract import (
     ENGINE_KEY_ITEM,
     KVLayout,
     ServiceMetaKey,
@@ -24,12 +25,11 @@ from caravan.contract import (
     model_service_name,
     replica_job_id,
 )
-from caravan.engine_metrics import metric_names_as_published, parse_engine_load
-from caravan_cli.local_stack import LocalStack, StackOptions, local_stack
-from router.settings import RouterSettings
-from scheduler.engines.registry import Engine, adapter_for
-from scheduler.model_store import ModelStore
-from scheduler.profiles import ModelProfile, load_profile
+from caravan_llm.common.engine_metrics import metric_names_as_published, parse_engine_load
+from caravan_llm.router.settings import RouterSettings
+from caravan_llm.scheduler.engines.registry import Engine, adapter_for
+from caravan_llm.scheduler.model_store import ModelStore
+from caravan_llm.scheduler.profiles import ModelProfile, load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples/profiles/qwen3-sglang-h100.yaml"

@@ -260,7 +260,7 @@ def _launch(launch: Launch, env: Mapping[str, str]) -> None:
         args = ["router", "--host", "127.0.0.1", "--port", str(port), "--kv-prefix", prefix]
     log = (folder / f"{job}.log").open("wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "caravan_cli", *args],
+        [sys.executable, "-m", "caravan_llm.cli", *args],
         env=task_env,
         stdout=log,
         stderr=subprocess.STDOUT,

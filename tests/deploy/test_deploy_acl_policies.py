@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from hcl_documents import ROOT, TERRAFORM, labelled_blocks, parse_hcl, parse_hcl_text
 
-from caravan.contract import KVLayout
+from caravan_llm.common.contract import KVLayout
 
 POLICIES = TERRAFORM / "policies"
 SECURITY_DOC = ROOT / "docs" / "security.md"

@@ -44,19 +44,33 @@ def test_package_list_is_every_package_on_disk():
     listed = {name for name in config["packages"] if name not in config.get("package-dir", {})}
     on_disk = {
         ".".join(init.parent.relative_to(ROOT).parts)
-        for top in ["caravan", "scheduler", "router", "devcluster", "caravan_cli"]
-        for init in (ROOT / top).rglob("__init__.py")
+        for init in (ROOT / "caravan_llm").rglob("__init__.py")
     }
     assert on_disk == listed
 
 
+def stages() -> list[list[tuple[str, str]]]:
+    """The Dockerfile's build stages, each a list of its instructions (FROM first)."""
+    found: list[list[tuple[str, str]]] = []
+    for keyword, arguments in instructions():
+        if keyword == "FROM":
+            found.append([])
+        found[-1].append((keyword, arguments))
+    return found
+
+
 def test_production_image_holds_no_demo():
-    """The install step removes devcluster and the example profiles in the same layer."""
-    runs = [arguments for keyword, arguments in instructions() if keyword == "RUN"]
-    install = next(run for run in runs if "pip install ." in run)
-    assert "pip install .[" not in install
-    assert '"$site/devcluster"' in install
-    assert '"$site/caravan_cli/example_profiles_data"' in install
+    """The image is a last stage that copies only the build stage's install, demo removed."""
+    *builds, image = stages()
+    assert [("FROM", "python:3.11-slim AS build")] == [build[0] for build in builds]
+    copies = [arguments for keyword, arguments in image if keyword in {"COPY", "ADD"}]
+    assert ["--from=build /install /usr/local"] == copies
+    install = next(args for keyword, args in builds[0] if keyword == "RUN" and "pip" in args)
+    assert "pip install --prefix=/install /wheels/caravan_llm-" in install
+    assert "caravan_llm-*.whl[" not in install
+    assert '"$site/caravan_llm/devcluster"' in install
+    assert '"$site/caravan_llm/cli/example_profiles_data"' in install
+    assert install.index("rm -rf") < install.index("python -c")
 
 
 def ignored_patterns() -> list[str]:
@@ -66,7 +80,7 @@ def ignored_patterns() -> list[str]:
 
 def test_base_image_and_entrypoint():
     """The image starts from python:3.11-slim and runs the `caravan` command."""
-    found = instructions()
+    found = stages()[-1]
     assert ("FROM", "python:3.11-slim") == found[0]
     entrypoints = [json.loads(arguments) for keyword, arguments in found if keyword == "ENTRYPOINT"]
     assert [["caravan"]] == entrypoints
@@ -81,8 +95,8 @@ def test_image_runs_as_a_non_root_user():
 
 
 def test_caravan_is_installed_from_the_source_tree():
-    """Every package pyproject installs is copied in before `pip install .` runs."""
-    found = instructions()
+    """Every package pyproject installs is copied into the build stage before its wheel is built."""
+    found = stages()[0]
     copied = {
         source.rstrip("/")
         for keyword, arguments in found
@@ -91,7 +105,10 @@ def test_caravan_is_installed_from_the_source_tree():
     }
     for needed in ["pyproject.toml", "README.md", *installed_packages()]:
         assert needed in copied, needed
-    assert any(keyword == "RUN" and "pip install ." in arguments for keyword, arguments in found)
+    assert any(
+        keyword == "RUN" and "pip wheel --no-deps --wheel-dir /wheels ." in arguments
+        for keyword, arguments in found
+    )
 
 
 def dockerignored(path: str, patterns: list[str]) -> bool:

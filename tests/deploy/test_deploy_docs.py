@@ -10,7 +10,7 @@ import pytest
 from hcl_documents import JOBSPECS, ROOT, TERRAFORM, labelled_blocks, parse_hcl_text
 from hcl_layout import layout_problems
 
-from caravan.contract import ROUTER_SERVICE, KVLayout
+from caravan_llm.common.contract import ROUTER_SERVICE, KVLayout
 
 DEPLOY_DOC = ROOT / "docs" / "deploy.md"
 DOCS = [DEPLOY_DOC, JOBSPECS / "README.md", TERRAFORM / "README.md"]

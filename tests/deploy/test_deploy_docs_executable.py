@@ -36,10 +36,10 @@ import pytest
 import yaml
 from polling import eventually
 
-from devcluster.cluster import ClusterConfig as DevClusterConfig
-from devcluster.cluster import DevCluster
-from devcluster.consul.server import ConsulConfig
-from devcluster.nomad.settings import NomadServerSettings, default_nodes
+from caravan_llm.devcluster.cluster import ClusterConfig as DevClusterConfig
+from caravan_llm.devcluster.cluster import DevCluster
+from caravan_llm.devcluster.consul.server import ConsulConfig
+from caravan_llm.devcluster.nomad.settings import NomadServerSettings, default_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

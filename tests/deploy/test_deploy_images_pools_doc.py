@@ -8,12 +8,12 @@ import yaml
 from hcl_documents import ROOT, parse_hcl_text
 from test_deploy_docs import DEPLOY_DOC, hcl_snippets
 
-from caravan_cli.local_stack import StackOptions
-from scheduler.cluster_config import ClusterConfig
-from scheduler.engines.base import SHM_BYTES_MIN, SHM_BYTES_PER_RANK
-from scheduler.placement_explain import ReplicaAsk, explain_failed_placement
-from scheduler.profiles import ModelProfile
-from scheduler.render import render
+from caravan_llm.cli.local_stack import StackOptions
+from caravan_llm.scheduler.cluster_config import ClusterConfig
+from caravan_llm.scheduler.engines.base import SHM_BYTES_MIN, SHM_BYTES_PER_RANK
+from caravan_llm.scheduler.placement_explain import ReplicaAsk, explain_failed_placement
+from caravan_llm.scheduler.profiles import ModelProfile
+from caravan_llm.scheduler.render import render
 
 GIB = 1024**3
 _YAML_FENCE = re.compile(r"^```yaml\n(.*?)^```", re.DOTALL | re.MULTILINE)

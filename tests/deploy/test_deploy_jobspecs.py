@@ -21,7 +21,7 @@ from hcl_documents import (
     walk_keys,
 )
 
-from caravan.contract import ROUTER_SERVICE, SCHEDULER_SERVICE, SERVICE_TAG, KVLayout
+from caravan_llm.common.contract import ROUTER_SERVICE, SCHEDULER_SERVICE, SERVICE_TAG, KVLayout
 
 SCHEDULER = JOBSPECS / "caravan-scheduler.nomad.hcl"
 ROUTER = JOBSPECS / "caravan-router.nomad.hcl"

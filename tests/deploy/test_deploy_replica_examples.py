@@ -7,7 +7,7 @@ import json
 import pytest
 from hcl_documents import JOBSPECS, ROOT
 
-from caravan_cli.main import main
+from caravan_llm.cli.main import main
 
 EXAMPLES = JOBSPECS / "examples"
 PROFILES = ROOT / "examples" / "profiles"

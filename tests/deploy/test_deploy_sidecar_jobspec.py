@@ -8,8 +8,8 @@ import pytest
 from hcl_documents import JOBSPECS, labelled_blocks, only, parse_hcl, plain_blocks
 from test_deploy_jobspecs import inline_credentials, secret_env_templates, services_of
 
-from caravan.contract import KVLayout
-from router.settings import RouterSettings
+from caravan_llm.common.contract import KVLayout
+from caravan_llm.router.settings import RouterSettings
 
 SIDECAR = JOBSPECS / "caravan-router-sidecar.nomad.hcl"
 

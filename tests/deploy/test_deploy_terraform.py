@@ -18,9 +18,9 @@ from hcl_documents import (
     variable_references,
 )
 
-from caravan.contract import ROUTER_SERVICE, KVLayout
-from scheduler.cluster_config import load_cluster_config
-from scheduler.profiles import parse_profile_text
+from caravan_llm.common.contract import ROUTER_SERVICE, KVLayout
+from caravan_llm.scheduler.cluster_config import load_cluster_config
+from caravan_llm.scheduler.profiles import parse_profile_text
 
 EXAMPLE_ROOT = TERRAFORM / "examples" / "basic"
 MODULE_FILES = sorted(TERRAFORM.glob("*.tf"))

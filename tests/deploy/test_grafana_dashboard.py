@@ -17,9 +17,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
-from router.metrics import RouterMetrics, RouterStateView
-from router.wiring.workers import merge_expositions
-from scheduler.metrics import SchedulerMetrics
+from caravan_llm.router.metrics import RouterMetrics, RouterStateView
+from caravan_llm.router.wiring.workers import merge_expositions
+from caravan_llm.scheduler.metrics import SchedulerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "docs" / "grafana" / "caravan-dashboard.json"

@@ -25,11 +25,16 @@ from test_grafana_dashboard import (
     unknown_metric_names,
 )
 
-from caravan.contract import KVLayout, ModelFailure, ScaleOverride
-from caravan_cli.main import build_parser
-from router.metrics import EndpointGauge, RouterMetrics, RouterStateCollector, RouterStateView
-from router.wiring.workers import merge_expositions
-from scheduler.metrics import SchedulerMetrics
+from caravan_llm.cli.main import build_parser
+from caravan_llm.common.contract import KVLayout, ModelFailure, ScaleOverride
+from caravan_llm.router.metrics import (
+    EndpointGauge,
+    RouterMetrics,
+    RouterStateCollector,
+    RouterStateView,
+)
+from caravan_llm.router.wiring.workers import merge_expositions
+from caravan_llm.scheduler.metrics import SchedulerMetrics
 
 OPERATIONS_DOC = ROOT / "docs" / "operations.md"
 _YAML_FENCE = re.compile(r"^```yaml\n(.*?)^```", re.DOTALL | re.MULTILINE)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from caravan_cli import scheduler_command
-from router.settings import RouterSettings
+from caravan_llm.cli import scheduler_command
+from caravan_llm.router.settings import RouterSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 _CODE = re.compile(r"`([^`]+)`")

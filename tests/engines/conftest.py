@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 from engine_test_support import StartEngine
 
-from devcluster.engine.flags import parse_engine_args
-from devcluster.engine.server import RunningEngine, run_engine
+from caravan_llm.devcluster.engine.flags import parse_engine_args
+from caravan_llm.devcluster.engine.server import RunningEngine, run_engine
 
 
 @pytest.fixture

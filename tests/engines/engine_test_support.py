@@ -14,10 +14,10 @@ from typing import Any, Protocol, TypeVar
 import aiohttp
 import polling
 
-from devcluster.engine.server import RunningEngine
-from scheduler.cluster_config import ClusterConfig, LlamaCppSettings
-from scheduler.profiles import load_profile
-from scheduler.render import render
+from caravan_llm.devcluster.engine.server import RunningEngine
+from caravan_llm.scheduler.cluster_config import ClusterConfig, LlamaCppSettings
+from caravan_llm.scheduler.profiles import load_profile
+from caravan_llm.scheduler.render import render
 
 T = TypeVar("T")
 

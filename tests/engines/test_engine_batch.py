@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from devcluster.engine.batch import (
+from caravan_llm.devcluster.engine.batch import (
     BatchCore,
     BlockPool,
     Finished,

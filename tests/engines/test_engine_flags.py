@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from engine_test_support import free_port, post_json, wait_healthy
 
-from devcluster.engine.flags import (
+from caravan_llm.devcluster.engine.flags import (
     LLAMACPP_AUTO_PARALLEL,
     FlagError,
     parse_engine_args,
@@ -234,7 +234,7 @@ def test_split_flavor_takes_out_the_flavor_and_vllm_serve() -> None:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "devcluster.engine", *args],
+        [sys.executable, "-m", "caravan_llm.devcluster.engine", *args],
         capture_output=True,
         text=True,
         timeout=30,
@@ -244,7 +244,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_unknown_flavour_exits_2_with_a_clear_error() -> None:
-    """`python -m devcluster.engine --flavor tgi` exits 2 and names the choices."""
+    """`python -m caravan_llm.devcluster.engine --flavor tgi` exits 2 and names the choices."""
     result = run_cli("--flavor", "tgi")
 
     assert 2 == result.returncode
@@ -278,7 +278,7 @@ async def test_cli_serves_a_rendered_raw_exec_job_unchanged_and_stops_on_sigterm
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "devcluster.engine",
+        "caravan_llm.devcluster.engine",
         "--flavor",
         "llamacpp",
         *args,

@@ -6,9 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from devcluster.engine.flags import parse_engine_args
-from devcluster.engine.model_file import CHECK_MODEL_FILE_ENV, check_model_file, missing_model_lines
-from devcluster.nomad.drivers import DriverSettings, task_process_env
+from caravan_llm.devcluster.engine.flags import parse_engine_args
+from caravan_llm.devcluster.engine.model_file import (
+    CHECK_MODEL_FILE_ENV,
+    check_model_file,
+    missing_model_lines,
+)
+from caravan_llm.devcluster.nomad.drivers import DriverSettings, task_process_env
 
 
 def test_a_missing_file_gives_llama_servers_own_error_lines() -> None:
@@ -42,7 +46,15 @@ def test_the_engine_exits_1_with_the_error_on_stderr(tmp_path: Path) -> None:
     """The process ends as llama-server does, without serving."""
     missing = tmp_path / "none.gguf"
     done = subprocess.run(
-        [sys.executable, "-m", "devcluster.engine", "--flavor", "llamacpp", "-m", str(missing)],
+        [
+            sys.executable,
+            "-m",
+            "caravan_llm.devcluster.engine",
+            "--flavor",
+            "llamacpp",
+            "-m",
+            str(missing),
+        ],
         env={CHECK_MODEL_FILE_ENV: "1", "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,

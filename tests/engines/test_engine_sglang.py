@@ -12,11 +12,11 @@ import aiohttp
 import pytest
 from engine_test_support import StartEngine, post_json
 
-from caravan.engine_metrics import parse_engine_load
-from devcluster.engine.flags import FlagError, parse_engine_args
-from scheduler.engines.sglang import SGLANG_METRIC_NAMES
-from scheduler.profiles import load_profile
-from scheduler.render import render
+from caravan_llm.common.engine_metrics import parse_engine_load
+from caravan_llm.devcluster.engine.flags import FlagError, parse_engine_args
+from caravan_llm.scheduler.engines.sglang import SGLANG_METRIC_NAMES
+from caravan_llm.scheduler.profiles import load_profile
+from caravan_llm.scheduler.render import render
 
 EXAMPLE_PROFILES = Path(__file__).resolve().parents[2] / "examples" / "profiles"
 CHAT = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from devcluster.engine.text import (
+from caravan_llm.devcluster.engine.text import (
     ChatMessage,
     count_tokens,
     generated_token,

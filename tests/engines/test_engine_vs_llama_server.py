@@ -26,9 +26,9 @@ from engine_test_support import (
     wait_healthy,
 )
 
-from caravan.engine_metrics import parse_engine_load
-from devcluster.llama_server_build import find_llama_server
-from scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES
+from caravan_llm.common.engine_metrics import parse_engine_load
+from caravan_llm.devcluster.llama_server_build import find_llama_server
+from caravan_llm.scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES
 
 pytestmark = [pytest.mark.llamacpp]
 

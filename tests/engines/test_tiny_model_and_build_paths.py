@@ -9,14 +9,14 @@ from pathlib import Path
 import gguf
 import pytest
 
-from devcluster.engine.text import CHATML_TEMPLATE
-from devcluster.llama_server_build import (
+from caravan_llm.devcluster.engine.text import CHATML_TEMPLATE
+from caravan_llm.devcluster.llama_server_build import (
     LLAMA_CPP_PYTHON_VERSION,
     LlamaServerBuild,
     build_prefix,
     find_llama_server,
 )
-from devcluster.tiny_model import main as tiny_model_main
+from caravan_llm.devcluster.tiny_model import main as tiny_model_main
 
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = build_prefix()

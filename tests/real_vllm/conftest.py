@@ -22,7 +22,12 @@ from pathlib import Path
 import pytest
 from polling import eventually
 
-from devcluster.vllm_build import API_SERVER_MODULE, VllmBuild, find_vllm, missing_build_message
+from caravan_llm.devcluster.vllm_build import (
+    API_SERVER_MODULE,
+    VllmBuild,
+    find_vllm,
+    missing_build_message,
+)
 
 # The processes a vLLM server is made of (their titles or command lines).
 _VLLM_PROCESS_MARKS = (API_SERVER_MODULE, "VLLM::EngineCore", "VLLM::Worker")

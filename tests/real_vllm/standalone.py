@@ -34,7 +34,7 @@ from pathlib import Path
 import aiohttp
 from polling import eventually
 
-from devcluster.vllm_build import API_SERVER_MODULE, VllmBuild
+from caravan_llm.devcluster.vllm_build import API_SERVER_MODULE, VllmBuild
 
 REPO = Path(__file__).resolve().parents[2]
 # Starting the real engine takes 30-75 s on 2 cores (up to ~140 s compiled and cold).
@@ -133,7 +133,8 @@ async def simulated_vllm_server(
     env: Mapping[str, str] | None = None,
     served_name: str = "tiny",
 ) -> AsyncIterator[str]:
-    """The simulated vLLM (`python -m devcluster.engine --flavor vllm`) with the same flags.
+    """The simulated vLLM (`python -m caravan_llm.devcluster.engine --flavor vllm`) with the same
+    flags.
 
     `build` only names the model folder (the simulator reads no weights); None
     serves a placeholder path, for runs without the real build.
@@ -142,7 +143,7 @@ async def simulated_vllm_server(
     model = str(build.model) if build is not None else "/models/tiny-chat-hf"
     command = [
         sys.executable,
-        "-m", "devcluster.engine",
+        "-m", "caravan_llm.devcluster.engine",
         "--flavor", "vllm",
         *base_args(model, port, served_name),
         *extra_args,

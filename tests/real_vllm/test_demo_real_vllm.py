@@ -7,7 +7,7 @@ import asyncio
 import os
 import sys
 
-from devcluster.vllm_build import VllmBuild
+from caravan_llm.devcluster.vllm_build import VllmBuild
 
 SERVED = "qwen2.5-7b-instruct"
 
@@ -17,7 +17,7 @@ async def test_demo_once_streams_from_real_vllm_replicas(vllm_build: VllmBuild) 
     completion from the vLLM model, exit 0."""
     assert vllm_build.python.is_file()
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "caravan_cli", "demo", "--vllm", "real", "--simulated-llama",
+        sys.executable, "-m", "caravan_llm.cli", "demo", "--vllm", "real", "--simulated-llama",
         "--once",
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,

@@ -27,7 +27,7 @@ from polling import eventually
 from prometheus_client.parser import text_string_to_metric_families
 from standalone import real_vllm_server, simulated_vllm_server, terminate, wait_exited
 
-from devcluster.vllm_build import find_vllm, missing_build_message
+from caravan_llm.devcluster.vllm_build import find_vllm, missing_build_message
 
 pytestmark = pytest.mark.timeout(900)
 

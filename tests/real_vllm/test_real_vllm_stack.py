@@ -24,21 +24,21 @@ import pytest
 import pytest_asyncio
 from polling import eventually
 
-from caravan.contract import (
+from caravan_llm.cli.local_stack import LocalStack, StackOptions, local_stack, running_router
+from caravan_llm.common.contract import (
     ENGINE_KEY_ITEM,
     KVLayout,
     ServiceMetaKey,
     engine_key_path,
     model_service_name,
 )
-from caravan.engine_metrics import metric_names_as_published
-from caravan.errors import HashiError
-from caravan_cli.local_stack import LocalStack, StackOptions, local_stack, running_router
-from devcluster.vllm_build import CPU_BLOCK_SIZE, VllmBuild
-from router.settings import RouterSettings
-from scheduler.autoscale.scrape import ReplicaTarget, scrape_replicas
-from scheduler.model_store import ModelStore
-from scheduler.profiles import ModelProfile
+from caravan_llm.common.engine_metrics import metric_names_as_published
+from caravan_llm.common.errors import HashiError
+from caravan_llm.devcluster.vllm_build import CPU_BLOCK_SIZE, VllmBuild
+from caravan_llm.router.settings import RouterSettings
+from caravan_llm.scheduler.autoscale.scrape import ReplicaTarget, scrape_replicas
+from caravan_llm.scheduler.model_store import ModelStore
+from caravan_llm.scheduler.profiles import ModelProfile
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

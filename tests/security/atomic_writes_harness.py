@@ -18,15 +18,15 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from caravan.consul_api import ConsulClient, ConsulSettings, KVEntry, TxnOp
-from caravan.contract import KVLayout
-from caravan.nomad_api import NomadClient, NomadSettings
-from devcluster.consul.server import ConsulConfig, ConsulServer
-from scheduler.api import create_api
-from scheduler.cluster_config import ClusterConfig
-from scheduler.model_service import ModelService
-from scheduler.model_store import ModelStore
-from scheduler.status import StatusReader
+from caravan_llm.common.consul_api import ConsulClient, ConsulSettings, KVEntry, TxnOp
+from caravan_llm.common.contract import KVLayout
+from caravan_llm.common.nomad_api import NomadClient, NomadSettings
+from caravan_llm.devcluster.consul.server import ConsulConfig, ConsulServer
+from caravan_llm.scheduler.api import create_api
+from caravan_llm.scheduler.cluster_config import ClusterConfig
+from caravan_llm.scheduler.model_service import ModelService
+from caravan_llm.scheduler.model_store import ModelStore
+from caravan_llm.scheduler.status import StatusReader
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "profiles"
@@ -105,7 +105,7 @@ async def caravan_cli(env: dict[str, str], *args: str) -> tuple[int, str, str]:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "caravan_cli",
+        "caravan_llm.cli",
         *args,
         env=env,
         cwd=ROOT,

@@ -20,12 +20,18 @@ import polling
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from caravan.consul_api import ConsulClient, ConsulSettings, ServiceRegistration
-from caravan.contract import ServiceMetaKey, model_service_name
-from devcluster.consul.server import ConsulConfig, ConsulServer
-from router.edge.proxy import RequestLog
-from router.settings import RouterSettings
-from router.wiring.app import RUNTIME, RouterRuntime, app_runner, create_admin_app, create_app
+from caravan_llm.common.consul_api import ConsulClient, ConsulSettings, ServiceRegistration
+from caravan_llm.common.contract import ServiceMetaKey, model_service_name
+from caravan_llm.devcluster.consul.server import ConsulConfig, ConsulServer
+from caravan_llm.router.edge.proxy import RequestLog
+from caravan_llm.router.settings import RouterSettings
+from caravan_llm.router.wiring.app import (
+    RUNTIME,
+    RouterRuntime,
+    app_runner,
+    create_admin_app,
+    create_app,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny"

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from tls_material import TlsMaterial
 
-from caravan_cli.main import main
-from devcluster.consul.server import ConsulConfig, ConsulServer
+from caravan_llm.cli.main import main
+from caravan_llm.devcluster.consul.server import ConsulConfig, ConsulServer
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = ROOT / "examples" / "profiles" / "tiny-llamacpp-cpu.yaml"
@@ -111,7 +111,7 @@ def test_every_tls_misconfiguration_is_one_line_for_the_model_commands(
 
 def run_caravan(environ: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "caravan_cli", *args],
+        [sys.executable, "-m", "caravan_llm.cli", *args],
         env={**clean_environ(), **NOWHERE, **environ},
         capture_output=True,
         text=True,
@@ -189,7 +189,7 @@ async def test_a_wrong_consul_token_is_one_line_naming_the_variable():
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "caravan_cli",
+            "caravan_llm.cli",
             "list",
             env={**clean_environ(), **NOWHERE, **environ},
             stdout=asyncio.subprocess.PIPE,

@@ -38,7 +38,7 @@ async def caravan(env: dict[str, str], *args: str) -> tuple[int, str, str]:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "caravan_cli",
+        "caravan_llm.cli",
         *args,
         env=env,
         stdout=asyncio.subprocess.PIPE,
@@ -55,7 +55,7 @@ async def test_demo_keys_refuse_strangers_and_work_as_printed(monkeypatch):
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "caravan_cli",
+        "caravan_llm.cli",
         "demo",
         "--simulated-llama",
         stdout=asyncio.subprocess.PIPE,

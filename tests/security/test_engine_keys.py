@@ -24,7 +24,8 @@ import pytest
 from polling import eventually
 from pydantic import ValidationError
 
-from caravan.contract import (
+from caravan_llm.cli.local_stack import LocalStack, StackOptions, local_profile, local_stack
+from caravan_llm.common.contract import (
     ENGINE_KEY_ITEM,
     ENGINE_KEY_PREFIX,
     KVLayout,
@@ -33,24 +34,23 @@ from caravan.contract import (
     replica_job_id,
     replica_key_path,
 )
-from caravan.engine_scrape import ScrapeFailure
-from caravan.errors import HashiConflict
-from caravan.nomad_api import QueryResult, Variable, VariableMetadata
-from caravan_cli.local_stack import LocalStack, StackOptions, local_profile, local_stack
-from devcluster.engine.flags import parse_engine_args
-from devcluster.engine.server import run_engine
-from devcluster.llama_server_build import find_llama_server
-from devcluster.nomad.variables import workload_may_read
-from router.feeds.engine_keys import EngineKeys as RouterEngineKeys
-from router.settings import RouterSettings
-from scheduler.autoscale.scrape import ReplicaTarget, scrape_replicas
-from scheduler.cluster_config import ClusterConfig
-from scheduler.engine_keys import EngineKeys as SchedulerEngineKeys
-from scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES
-from scheduler.model_store import ModelStore
-from scheduler.profiles import ModelProfile, load_profile
-from scheduler.render import render
-from scheduler.status import StatusReader
+from caravan_llm.common.engine_scrape import ScrapeFailure
+from caravan_llm.common.errors import HashiConflict
+from caravan_llm.common.nomad_api import QueryResult, Variable, VariableMetadata
+from caravan_llm.devcluster.engine.flags import parse_engine_args
+from caravan_llm.devcluster.engine.server import run_engine
+from caravan_llm.devcluster.llama_server_build import find_llama_server
+from caravan_llm.devcluster.nomad.variables import workload_may_read
+from caravan_llm.router.feeds.engine_keys import EngineKeys as RouterEngineKeys
+from caravan_llm.router.settings import RouterSettings
+from caravan_llm.scheduler.autoscale.scrape import ReplicaTarget, scrape_replicas
+from caravan_llm.scheduler.cluster_config import ClusterConfig
+from caravan_llm.scheduler.engine_keys import EngineKeys as SchedulerEngineKeys
+from caravan_llm.scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES
+from caravan_llm.scheduler.model_store import ModelStore
+from caravan_llm.scheduler.profiles import ModelProfile, load_profile
+from caravan_llm.scheduler.render import render
+from caravan_llm.scheduler.status import StatusReader
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples/profiles/tiny-llamacpp-cpu.yaml"
@@ -253,7 +253,7 @@ def test_caravan_render_prints_the_reference_not_the_value() -> None:
     """`caravan render` of the example with a secret shows its path, and no value can leak:
     rendering never reads Nomad."""
     result = subprocess.run(
-        [sys.executable, "-m", "caravan_cli", "render", str(QWEN)],
+        [sys.executable, "-m", "caravan_llm.cli", "render", str(QWEN)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -41,10 +41,7 @@ import pytest
 import yaml
 from polling import eventually
 
-from caravan.consul_api import ConsulClient, ConsulSettings
-from caravan.contract import KVLayout
-from caravan.errors import HashiPermissionDenied
-from caravan_cli.local_stack import (
+from caravan_llm.cli.local_stack import (
     ConsulAcl,
     LocalStack,
     NomadAcl,
@@ -52,9 +49,12 @@ from caravan_cli.local_stack import (
     local_stack,
     running_router,
 )
-from devcluster.consul.server import ConsulConfig, ConsulServer
-from devcluster.nomad.server import NomadServer
-from router.settings import RouterSettings
+from caravan_llm.common.consul_api import ConsulClient, ConsulSettings
+from caravan_llm.common.contract import KVLayout
+from caravan_llm.common.errors import HashiPermissionDenied
+from caravan_llm.devcluster.consul.server import ConsulConfig, ConsulServer
+from caravan_llm.devcluster.nomad.server import NomadServer
+from caravan_llm.router.settings import RouterSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ROOT / "terraform" / "policies"
@@ -82,7 +82,7 @@ async def caravan(env: dict[str, str], *args: str) -> tuple[int, str, str]:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "caravan_cli",
+        "caravan_llm.cli",
         *args,
         env=env,
         cwd=ROOT,
@@ -132,7 +132,7 @@ def answers(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, int]]:
     """(accessor, method path, status) of every Consul answer devcluster logged."""
     out = []
     for record in caplog.records:
-        if record.name != "devcluster.consul.http_api":
+        if record.name != "caravan_llm.devcluster.consul.http_api":
             continue
         if record.getMessage() not in ("consul_request", "consul_request_failed"):
             continue
@@ -156,7 +156,8 @@ def nomad_answers(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, int]
             int(record.__dict__["status"]),
         )
         for record in caplog.records
-        if record.name == "devcluster.nomad.http_api" and record.getMessage() == "nomad_request"
+        if record.name == "caravan_llm.devcluster.nomad.http_api"
+        and record.getMessage() == "nomad_request"
     ]
 
 
@@ -243,8 +244,8 @@ async def test_components_work_on_exactly_their_least_privilege_policies(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Submit (CLI), stream through the router, scale, delete: Consul and Nomad refuse nothing."""
-    caplog.set_level(logging.DEBUG, logger="devcluster.consul.http_api")
-    caplog.set_level(logging.DEBUG, logger="devcluster.nomad.http_api")
+    caplog.set_level(logging.DEBUG, logger="caravan_llm.devcluster.consul.http_api")
+    caplog.set_level(logging.DEBUG, logger="caravan_llm.devcluster.nomad.http_api")
     options = least_privilege_options(tmp_path)
     async with local_stack(options) as stack:
         assert stack.router is not None
@@ -394,7 +395,7 @@ async def test_cold_start_works_on_the_routers_and_schedulers_policies(
     is enough for the one replica, and the replica drains for 1 s (not the
     default 10 s) on scale-to-zero and on delete.
     """
-    caplog.set_level(logging.DEBUG, logger="devcluster.consul.http_api")
+    caplog.set_level(logging.DEBUG, logger="caravan_llm.devcluster.consul.http_api")
     options = least_privilege_options(tmp_path, autoscale_tick_s=1.0, cpu_nodes=1)
     async with local_stack(options) as stack:
         assert stack.router is not None

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from polling import eventually
 
-from caravan.contract import (
+from caravan_llm.cli.local_stack import StackOptions, local_profile, local_stack
+from caravan_llm.common.contract import (
     JOB_PREFIX,
     KVLayout,
     Placements,
@@ -23,9 +24,8 @@ from caravan.contract import (
     model_service_name,
     nomad_service_id,
 )
-from caravan_cli.local_stack import StackOptions, local_profile, local_stack
-from scheduler.model_store import ModelStore
-from scheduler.profiles import load_profile
+from caravan_llm.scheduler.model_store import ModelStore
+from caravan_llm.scheduler.profiles import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = KVLayout()

@@ -33,19 +33,19 @@ import polling
 import pytest
 from aiohttp import web
 
-from caravan.consul_api import ConsulClient, ServiceRegistration
-from caravan.contract import KVLayout, ServiceMetaKey, model_service_name
-from caravan_cli.local_stack import (
+from caravan_llm.cli.local_stack import (
     LocalStack,
     StackOptions,
     local_profile,
     local_stack,
     running_router,
 )
-from router.core.balancer import Policy
-from router.settings import RouterSettings
-from scheduler.model_store import ModelStore
-from scheduler.profiles import load_profile
+from caravan_llm.common.consul_api import ConsulClient, ServiceRegistration
+from caravan_llm.common.contract import KVLayout, ServiceMetaKey, model_service_name
+from caravan_llm.router.core.balancer import Policy
+from caravan_llm.router.settings import RouterSettings
+from caravan_llm.scheduler.model_store import ModelStore
+from caravan_llm.scheduler.profiles import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUESTS = 100

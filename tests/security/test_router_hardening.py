@@ -38,11 +38,11 @@ from router_hardening_harness import (
     wait_until,
 )
 
-from caravan.consul_api import ConsulClient
-from caravan.contract import ROUTER_SERVICE
-from devcluster.consul.server import ConsulServer
-from scheduler.autoscale.loop import router_targets
-from scheduler.autoscale.scrape import scrape_routers
+from caravan_llm.common.consul_api import ConsulClient
+from caravan_llm.common.contract import ROUTER_SERVICE
+from caravan_llm.devcluster.consul.server import ConsulServer
+from caravan_llm.scheduler.autoscale.loop import router_targets
+from caravan_llm.scheduler.autoscale.scrape import scrape_routers
 
 OPENAI_ERROR_FIELDS = {"message", "type", "param", "code"}
 
@@ -396,7 +396,7 @@ async def test_a_bad_key_file_stops_the_router_with_one_line_naming_it(tmp_path:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "caravan_cli",
+        "caravan_llm.cli",
         "router",
         cwd=REPO,
         env={**os.environ, "CARAVAN_ROUTER_API_KEYS_FILE": str(missing)},
@@ -544,7 +544,7 @@ async def test_an_admin_listener_takes_health_and_metrics_off_the_public_port(
 _LIMITED_ROUTER = (
     "import resource, sys\n"
     "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))\n"
-    "from caravan_cli.main import main\n"
+    "from caravan_llm.cli.main import main\n"
     "sys.exit(main(sys.argv[1:]))\n"
 )
 
@@ -701,7 +701,7 @@ async def test_caravan_router_with_an_admin_port_checks_health_there(
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "caravan_cli",
+        "caravan_llm.cli",
         "router",
         "--host",
         "127.0.0.1",

@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 from pydantic import SecretStr
 
-from caravan.contract import KVLayout
-from caravan_cli.local_stack import LocalStack, StackOptions, local_stack, running_scheduler
-from scheduler.api_auth import (
+from caravan_llm.cli.local_stack import LocalStack, StackOptions, local_stack, running_scheduler
+from caravan_llm.common.contract import KVLayout
+from caravan_llm.scheduler.api_auth import (
     ApiTokenError,
     AuthOutcome,
     TokenFile,
@@ -27,8 +27,8 @@ from scheduler.api_auth import (
     parse_token_file,
     parse_token_list,
 )
-from scheduler.app import api_bind_host, build_scheduler
-from scheduler.settings import SchedulerSettings
+from caravan_llm.scheduler.app import api_bind_host, build_scheduler
+from caravan_llm.scheduler.settings import SchedulerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = (ROOT / "examples" / "profiles" / "tiny-llamacpp-cpu.yaml").read_text(encoding="utf-8")
@@ -134,7 +134,7 @@ def test_token_file_that_breaks_or_vanishes_fails_closed(tmp_path: Path, caplog)
     path.write_text(f"{TOKEN_A}\n", encoding="utf-8")
     source = TokenFile(path)
     path.write_text(f"{TOKEN_A}\nshort\n", encoding="utf-8")
-    with caplog.at_level(logging.ERROR, logger="scheduler.api_auth"):
+    with caplog.at_level(logging.ERROR, logger="caravan_llm.scheduler.api_auth"):
         assert TokenSet() == source.current()
         path.unlink()
         assert TokenSet() == source.current()
@@ -262,7 +262,7 @@ async def caravan(env: dict[str, str], *args: str) -> tuple[int, str, str]:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "caravan_cli",
+        "caravan_llm.cli",
         *args,
         env=env,
         stdout=asyncio.subprocess.PIPE,
@@ -328,7 +328,7 @@ async def test_without_tokens_the_api_listens_on_loopback_only_and_says_so(
         consul=stack.scheduler.consul,
         nomad=stack.scheduler.nomad,
     )
-    with caplog.at_level(logging.WARNING, logger="scheduler.app"):
+    with caplog.at_level(logging.WARNING, logger="caravan_llm.scheduler.app"):
         async with running_scheduler(open_one):
             assert "127.0.0.1" == open_one.bound_host
     warned = [r for r in caplog.records if r.getMessage() == "scheduler_api_loopback_only"]

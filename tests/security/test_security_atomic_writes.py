@@ -15,9 +15,13 @@ from atomic_writes_harness import (
 )
 from prometheus_client import CollectorRegistry
 
-from scheduler.api import create_api
-from scheduler.model_service import SubmissionRejectedError
-from scheduler.model_store import WRITE_ATTEMPTS, ScaleOutOfBoundsError, WriteConflictError
+from caravan_llm.scheduler.api import create_api
+from caravan_llm.scheduler.model_service import SubmissionRejectedError
+from caravan_llm.scheduler.model_store import (
+    WRITE_ATTEMPTS,
+    ScaleOutOfBoundsError,
+    WriteConflictError,
+)
 
 
 async def test_mismatched_put_writes_nothing(writes_cluster: Cluster):

@@ -8,8 +8,8 @@ import aiohttp
 import pytest
 from atomic_writes_harness import Cluster, caravan_cli, tiny
 
-from scheduler.cluster_config import ClusterConfig
-from scheduler.profile_policy import ProfilePolicy
+from caravan_llm.scheduler.cluster_config import ClusterConfig
+from caravan_llm.scheduler.profile_policy import ProfilePolicy
 
 LD_PRELOAD = "env: {LD_PRELOAD: /tmp/evil.so}"
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from scheduler.cluster_config import ClusterConfig
-from scheduler.profile_policy import ProfilePolicy, policy_problems
-from scheduler.profiles import ModelProfile, profile_from_mapping
-from scheduler.render import secret_templates
-from scheduler.weights import render_prefetch
+from caravan_llm.scheduler.cluster_config import ClusterConfig
+from caravan_llm.scheduler.profile_policy import ProfilePolicy, policy_problems
+from caravan_llm.scheduler.profiles import ModelProfile, profile_from_mapping
+from caravan_llm.scheduler.render import secret_templates
+from caravan_llm.scheduler.weights import render_prefetch
 
 CONFIG = ClusterConfig()
 IMAGES = CONFIG.engine_images

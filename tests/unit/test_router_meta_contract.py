@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from caravan.contract import RouterMetaKey, router_metrics_addr, router_metrics_base_url
-from router.settings import RouterSettings
-from router.wiring.app import router_registration
+from caravan_llm.common.contract import RouterMetaKey, router_metrics_addr, router_metrics_base_url
+from caravan_llm.router.settings import RouterSettings
+from caravan_llm.router.wiring.app import router_registration
 
 
 def test_without_the_meta_key_metrics_are_on_the_public_port() -> None:

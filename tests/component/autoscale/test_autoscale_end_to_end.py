@@ -14,12 +14,12 @@ import aiohttp
 import polling
 import pytest
 
-from caravan.contract import KVLayout, model_service_name
-from caravan_cli.local_stack import LocalStack, StackOptions, local_stack
-from router.settings import RouterSettings
-from scheduler.autoscale.memory import Direction
-from scheduler.model_store import ModelStore
-from scheduler.profiles import ModelProfile
+from caravan_llm.cli.local_stack import LocalStack, StackOptions, local_stack
+from caravan_llm.common.contract import KVLayout, model_service_name
+from caravan_llm.router.settings import RouterSettings
+from caravan_llm.scheduler.autoscale.memory import Direction
+from caravan_llm.scheduler.model_store import ModelStore
+from caravan_llm.scheduler.profiles import ModelProfile
 
 UP_WINDOW_S = 2.0
 # Shorter than the 12 s sample (30 evaluations) of the constant-load test, so a

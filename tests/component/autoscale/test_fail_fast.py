@@ -27,12 +27,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from caravan.contract import KVLayout, ModelFailure
-from caravan_cli.local_stack import LocalStack, StackOptions, local_stack
-from devcluster.llama_server_build import find_llama_server
-from router.settings import RouterSettings
-from scheduler.model_store import ModelStore
-from scheduler.profiles import ModelProfile
+from caravan_llm.cli.local_stack import LocalStack, StackOptions, local_stack
+from caravan_llm.common.contract import KVLayout, ModelFailure
+from caravan_llm.devcluster.llama_server_build import find_llama_server
+from caravan_llm.router.settings import RouterSettings
+from caravan_llm.scheduler.model_store import ModelStore
+from caravan_llm.scheduler.profiles import ModelProfile
 
 pytestmark = [
     pytest.mark.llamacpp,
@@ -116,7 +116,7 @@ async def caravan_status(stack: LocalStack) -> dict[str, Any]:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "caravan_cli",
+        "caravan_llm.cli",
         "status",
         NAME,
         "--json",

@@ -16,11 +16,11 @@ import aiohttp
 import pytest
 from test_fail_fast import router_lists_the_model
 
-from caravan.contract import KVLayout
-from caravan_cli.local_stack import LocalStack, StackOptions, local_stack
-from router.settings import RouterSettings
-from scheduler.model_store import ModelStore
-from scheduler.profiles import ModelProfile
+from caravan_llm.cli.local_stack import LocalStack, StackOptions, local_stack
+from caravan_llm.common.contract import KVLayout
+from caravan_llm.router.settings import RouterSettings
+from caravan_llm.scheduler.model_store import ModelStore
+from caravan_llm.scheduler.profiles import ModelProfile
 
 NAME = "wrong-gpu"
 

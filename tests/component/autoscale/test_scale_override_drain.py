@@ -25,10 +25,10 @@ import aiohttp
 import pytest
 from polling import eventually
 
-from caravan.contract import KVLayout, model_service_name
-from caravan_cli.local_stack import LocalStack, StackOptions, local_stack
-from scheduler.model_store import ModelStore
-from scheduler.profiles import ModelProfile
+from caravan_llm.cli.local_stack import LocalStack, StackOptions, local_stack
+from caravan_llm.common.contract import KVLayout, model_service_name
+from caravan_llm.scheduler.model_store import ModelStore
+from caravan_llm.scheduler.profiles import ModelProfile
 
 ROOT = Path(__file__).resolve().parents[3]
 RUNBOOK = ROOT / "docs" / "operations.md"
@@ -86,7 +86,7 @@ async def caravan(stack: LocalStack, argv: list[str]) -> str:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "caravan_cli",
+        "caravan_llm.cli",
         *argv,
         env=dict(stack.env),
         stdout=asyncio.subprocess.PIPE,

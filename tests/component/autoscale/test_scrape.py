@@ -10,12 +10,17 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
-from caravan.engine_metrics import MetricNames
-from caravan.engine_scrape import ScrapeFailure
-from scheduler.autoscale.scrape import ReplicaTarget, RouterTarget, scrape_replicas, scrape_routers
-from scheduler.autoscale.signals import ReplicaLoad, RouterQueue, router_queue
-from scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES
-from scheduler.engines.vllm import VLLM_METRIC_NAMES
+from caravan_llm.common.engine_metrics import MetricNames
+from caravan_llm.common.engine_scrape import ScrapeFailure
+from caravan_llm.scheduler.autoscale.scrape import (
+    ReplicaTarget,
+    RouterTarget,
+    scrape_replicas,
+    scrape_routers,
+)
+from caravan_llm.scheduler.autoscale.signals import ReplicaLoad, RouterQueue, router_queue
+from caravan_llm.scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES
+from caravan_llm.scheduler.engines.vllm import VLLM_METRIC_NAMES
 
 SCRAPED_AT = 1_700_000_123.5
 
@@ -96,7 +101,7 @@ class MetricsServer:
             "/router-b/metrics": router_text({"llama-8b": 2}, {"llama-8b": [4.0]}),
             "/router-old/metrics": "# TYPE process_cpu_seconds_total counter\n"
             "process_cpu_seconds_total 1.0\n",
-            # Only the lines of the wanted names are parsed (caravan.engine_scrape).
+            # Only the lines of the wanted names are parsed (caravan_llm.common.engine_scrape).
             "/garbage/metrics": "vllm:num_requests_running{not prometheus\n",
         }
 
@@ -203,7 +208,13 @@ async def test_failures_are_unknown_never_zero(
     ]
 
     results = await scrape_replicas(
-        session, targets, clock=lambda: SCRAPED_AT, timeout_s=0.3, max_bytes=100_000
+        # The slow page never answers; 2 s lets the others answer on a loaded machine
+        # (at 0.3 s, CI once saw four of them time out).
+        session,
+        targets,
+        clock=lambda: SCRAPED_AT,
+        timeout_s=2.0,
+        max_bytes=100_000,
     )
 
     assert [

@@ -62,7 +62,7 @@ async def start_demo(*args: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "caravan_cli",
+        "caravan_llm.cli",
         "demo",
         "--simulated-llama",
         *args,

@@ -1,4 +1,5 @@
-"""`python -m devcluster` with Nomad: it serves both APIs and leaves no process behind."""
+"""`python -m caravan_llm.devcluster` with Nomad: it serves both APIs and leaves no process
+behind."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ async def test_sigterm_stops_every_task_process() -> None:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "devcluster",
+        "caravan_llm.devcluster",
         "--consul-port",
         "0",
         "--dns-port",

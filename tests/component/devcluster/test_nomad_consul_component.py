@@ -24,9 +24,9 @@ import aiohttp
 import polling
 import pytest
 
-from devcluster.consul.server import ConsulConfig, ConsulServer
-from devcluster.nomad.server import NomadServer
-from devcluster.nomad.settings import NodeSpec
+from caravan_llm.devcluster.consul.server import ConsulConfig, ConsulServer
+from caravan_llm.devcluster.nomad.server import NomadServer
+from caravan_llm.devcluster.nomad.settings import NodeSpec
 
 T = TypeVar("T")
 NS = 1_000_000_000
@@ -123,7 +123,13 @@ def llama_job(job_id: str, *, constraints: list[dict[str, str]] | None = None) -
     task = group["Tasks"][0]
     task["Config"] = {
         "command": sys.executable,
-        "args": ["-m", "devcluster.engine", "--flavor", "llamacpp", *task["Config"]["args"]],
+        "args": [
+            "-m",
+            "caravan_llm.devcluster.engine",
+            "--flavor",
+            "llamacpp",
+            *task["Config"]["args"],
+        ],
     }
     task["Env"] = {"CARAVAN_SIM_LOAD_SECONDS": "0.2"}
     task["Resources"] = {"Cores": 1, "MemoryMB": 1024}

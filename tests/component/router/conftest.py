@@ -8,8 +8,8 @@ import aiohttp
 import pytest
 from router_cluster import Engine, running_consul, start_engine
 
-from caravan.consul_api import ConsulClient
-from devcluster.consul.server import ConsulServer
+from caravan_llm.common.consul_api import ConsulClient
+from caravan_llm.devcluster.consul.server import ConsulServer
 
 MODEL = "tiny"
 

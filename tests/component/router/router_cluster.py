@@ -1,6 +1,6 @@
 """Pieces of the router component tests: simulated engines, their Consul registration, a router.
 
-Engines run as subprocesses (`python -m devcluster.engine`) on 127.0.0.1 and a
+Engines run as subprocesses (`python -m caravan_llm.devcluster.engine`) on 127.0.0.1 and a
 free port, and are registered into the in-process devcluster Consul the way
 Nomad registers a replica: service `caravan-<model>`, tag `caravan`, Nomad's
 service ID for an allocation, the contract's Meta, an HTTP check on `/health`
@@ -34,14 +34,14 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from caravan.consul_api import (
+from caravan_llm.common.consul_api import (
     ConsulClient,
     ConsulSettings,
     HttpCheck,
     ServiceRegistration,
     TtlCheck,
 )
-from caravan.contract import (
+from caravan_llm.common.contract import (
     KVLayout,
     PlacedAllocation,
     Placements,
@@ -54,11 +54,11 @@ from caravan.contract import (
     nomad_service_id,
     replica_job_id,
 )
-from devcluster.consul.server import ConsulConfig, ConsulServer
-from router.settings import RouterSettings
-from router.wiring.app import RUNTIME, RouterRuntime, app_runner, create_app
-from scheduler.engines.registry import Engine as EngineName
-from scheduler.engines.registry import adapter_for
+from caravan_llm.devcluster.consul.server import ConsulConfig, ConsulServer
+from caravan_llm.router.settings import RouterSettings
+from caravan_llm.router.wiring.app import RUNTIME, RouterRuntime, app_runner, create_app
+from caravan_llm.scheduler.engines.registry import Engine as EngineName
+from caravan_llm.scheduler.engines.registry import adapter_for
 
 REPO = Path(__file__).resolve().parents[3]
 _BOUND = re.compile(r"bound to (http://[\d.]+:(\d+))")
@@ -115,7 +115,15 @@ def start_engine(
     """Start a simulated engine on a free port and wait until it says where it is bound."""
     knobs = {"load_seconds": "0", "step_seconds": "0.005", "output_tokens": "16"}
     knobs.update(sim or {})
-    args = [sys.executable, "-m", "devcluster.engine", "--flavor", flavor, "--host", "127.0.0.1"]
+    args = [
+        sys.executable,
+        "-m",
+        "caravan_llm.devcluster.engine",
+        "--flavor",
+        flavor,
+        "--host",
+        "127.0.0.1",
+    ]
     args += ["--port", "0"]
     if flavor == "vllm":
         args += [

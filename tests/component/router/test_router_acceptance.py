@@ -22,7 +22,7 @@ from router_cluster import (
     wait_until,
 )
 
-from caravan.consul_api import ConsulClient
+from caravan_llm.common.consul_api import ConsulClient
 
 RUNNING_METRIC = {"vllm": "vllm:num_requests_running", "llamacpp": "llamacpp:requests_processing"}
 

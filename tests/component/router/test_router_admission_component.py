@@ -19,7 +19,7 @@ from router_cluster import (
     wait_until,
 )
 
-from caravan.consul_api import ConsulClient
+from caravan_llm.common.consul_api import ConsulClient
 
 MODEL = "tiny"
 

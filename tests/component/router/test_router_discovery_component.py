@@ -21,10 +21,10 @@ from router_cluster import (
     wait_until,
 )
 
-from caravan.consul_api import ConsulClient, ConsulSettings
-from caravan.contract import replica_job_id
-from router.settings import RouterSettings
-from router.wiring.app import app_runner, create_app
+from caravan_llm.common.consul_api import ConsulClient, ConsulSettings
+from caravan_llm.common.contract import replica_job_id
+from caravan_llm.router.settings import RouterSettings
+from caravan_llm.router.wiring.app import app_runner, create_app
 
 MODEL = "tiny"
 

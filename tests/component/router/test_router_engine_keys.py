@@ -17,9 +17,9 @@ from router_cluster import (
     wait_until,
 )
 
-from caravan.consul_api import ConsulClient
-from caravan.contract import engine_key_path
-from caravan.nomad_api import QueryResult, Variable, VariableMetadata
+from caravan_llm.common.consul_api import ConsulClient
+from caravan_llm.common.contract import engine_key_path
+from caravan_llm.common.nomad_api import QueryResult, Variable, VariableMetadata
 
 MODEL = "tiny"
 ENGINE_KEY = "engine-key-of-the-model"

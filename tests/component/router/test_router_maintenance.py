@@ -1,6 +1,6 @@
 """A replica an operator puts into Consul maintenance mode gets no requests (devcluster Consul).
 
-The router reads the health entries `caravan.consul_api` decoded, checks and all, so
+The router reads the health entries `caravan_llm.common.consul_api` decoded, checks and all, so
 Consul's maintenance check (`_service_maintenance:<id>`) reaches the one aggregate
 status and takes the endpoint out; turning maintenance off brings it back.
 """
@@ -17,7 +17,7 @@ from router_cluster import (
     wait_until,
 )
 
-from caravan.consul_api import CheckStatus, ConsulClient
+from caravan_llm.common.consul_api import CheckStatus, ConsulClient
 
 MODEL = "tiny"
 

@@ -19,9 +19,9 @@ from router_cluster import (
     wait_until,
 )
 
-from caravan.consul_api import ConsulClient
-from caravan.contract import ROUTER_SERVICE
-from devcluster.consul.server import ConsulServer
+from caravan_llm.common.consul_api import ConsulClient
+from caravan_llm.common.contract import ROUTER_SERVICE
+from caravan_llm.devcluster.consul.server import ConsulServer
 
 MODEL = "tiny"
 
@@ -42,7 +42,7 @@ async def test_caravan_router_command_registers_serves_and_deregisters_on_sigter
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "caravan_cli",
+            "caravan_llm.cli",
             "router",
             "--host",
             "127.0.0.1",

@@ -27,7 +27,7 @@ from router_cluster import (
     wait_until,
 )
 
-from caravan.consul_api import ConsulClient
+from caravan_llm.common.consul_api import ConsulClient
 
 HOLD_COMMENT = b": waiting for a replica\n\n"
 

@@ -22,11 +22,11 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from router_cluster import REPO, FakeEngine, chat_body, read_stream, register_replica, wait_until
 
-from caravan.consul_api import ConsulClient
-from caravan.contract import ROUTER_SERVICE
-from devcluster.consul.server import ConsulServer
-from scheduler.autoscale.loop import router_targets
-from scheduler.autoscale.scrape import scrape_routers
+from caravan_llm.common.consul_api import ConsulClient
+from caravan_llm.common.contract import ROUTER_SERVICE
+from caravan_llm.devcluster.consul.server import ConsulServer
+from caravan_llm.scheduler.autoscale.loop import router_targets
+from caravan_llm.scheduler.autoscale.scrape import scrape_routers
 
 MODEL = "tiny"
 
@@ -48,7 +48,7 @@ async def router_with_workers(server: ConsulServer, workers: int) -> AsyncIterat
         "CARAVAN_ROUTER_HEADER_READ_TIMEOUT_S": "1",
     }
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "caravan_cli", "router",
+        sys.executable, "-m", "caravan_llm.cli", "router",
         "--host", "127.0.0.1", "--port", "0", "--admin-port", "0",
         "--workers", str(workers), "--policy", "least_inflight",
         cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,

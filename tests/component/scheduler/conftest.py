@@ -15,10 +15,10 @@ from typing import Any
 import polling
 import pytest
 
-from caravan.contract import KVLayout
-from caravan_cli.local_stack import LocalStack, StackOptions, local_profile, local_stack
-from scheduler.model_store import ModelStore
-from scheduler.profiles import ModelProfile, load_profile
+from caravan_llm.cli.local_stack import LocalStack, StackOptions, local_profile, local_stack
+from caravan_llm.common.contract import KVLayout
+from caravan_llm.scheduler.model_store import ModelStore
+from caravan_llm.scheduler.profiles import ModelProfile, load_profile
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ROOT / "examples" / "profiles"

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from conftest import eventually
 
-from caravan.contract import KVLayout
-from caravan_cli.local_stack import LocalStack, StackOptions, local_stack
+from caravan_llm.cli.local_stack import LocalStack, StackOptions, local_stack
+from caravan_llm.common.contract import KVLayout
 
 NAME = "tiny-chat"
 GOOD = f"""\
@@ -60,7 +60,7 @@ async def caravan(stack: LocalStack, *args: str, timeout_s: float = 200) -> tupl
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "caravan_cli",
+        "caravan_llm.cli",
         *args,
         env=dict(stack.env),
         stdout=asyncio.subprocess.PIPE,
@@ -196,7 +196,7 @@ async def test_logs_of_a_replica_through_nomad(stack: LocalStack, tmp_path: Path
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "caravan_cli",
+        "caravan_llm.cli",
         "logs",
         NAME,
         "--stderr",

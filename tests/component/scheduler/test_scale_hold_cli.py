@@ -7,9 +7,9 @@ import time
 from conftest import example
 from test_scheduler_cli_and_api import caravan
 
-from caravan.contract import KVLayout, ScaleOverride
-from caravan_cli.local_stack import LocalStack
-from scheduler.model_store import ModelStore
+from caravan_llm.cli.local_stack import LocalStack
+from caravan_llm.common.contract import KVLayout, ScaleOverride
+from caravan_llm.scheduler.model_store import ModelStore
 
 AUTOSCALED = {"target_inflight": 4}
 

@@ -9,15 +9,15 @@ from pathlib import Path
 import aiohttp
 from conftest import EXAMPLES
 
-from caravan.contract import KVLayout
-from caravan_cli.local_stack import LocalStack
+from caravan_llm.cli.local_stack import LocalStack
+from caravan_llm.common.contract import KVLayout
 
 
 async def caravan(stack: LocalStack, *args: str, timeout_s: float = 120) -> tuple[int, str, str]:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "caravan_cli",
+        "caravan_llm.cli",
         *args,
         env=dict(stack.env),
         stdout=asyncio.subprocess.PIPE,

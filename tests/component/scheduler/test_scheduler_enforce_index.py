@@ -12,8 +12,8 @@ from typing import Any
 
 from conftest import eventually, example, submit
 
-from caravan.nomad_api import NomadClient, RegisterResult
-from caravan_cli.local_stack import LocalStack
+from caravan_llm.cli.local_stack import LocalStack
+from caravan_llm.common.nomad_api import NomadClient, RegisterResult
 
 
 class RacedNomad:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import aiohttp
 from conftest import eventually, example, submit
 
-from caravan.contract import model_service_name
-from caravan_cli.local_stack import LocalStack
+from caravan_llm.cli.local_stack import LocalStack
+from caravan_llm.common.contract import model_service_name
 
 
 async def running_allocs(stack: LocalStack, job_prefix: str) -> dict[str, tuple[str, str]]:

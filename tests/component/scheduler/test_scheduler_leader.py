@@ -16,8 +16,8 @@ import pytest
 from conftest import eventually, example, submit
 from prometheus_client.parser import text_string_to_metric_families
 
-from caravan.contract import model_service_name
-from caravan_cli.local_stack import LocalStack, StackOptions, local_stack
+from caravan_llm.cli.local_stack import LocalStack, StackOptions, local_stack
+from caravan_llm.common.contract import model_service_name
 
 LEADER_TTL_S = 3.0
 LOCK_DELAY_S = 1.0
@@ -42,7 +42,7 @@ async def start_scheduler(stack: LocalStack, port: int) -> asyncio.subprocess.Pr
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "caravan_cli",
+        "caravan_llm.cli",
         "scheduler",
         "--http-port",
         str(port),

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from conftest import eventually, example, store_of, submit
 
-from caravan.contract import model_service_name
-from caravan_cli.local_stack import LocalStack
-from scheduler.status import StatusReader
+from caravan_llm.cli.local_stack import LocalStack
+from caravan_llm.common.contract import model_service_name
+from caravan_llm.scheduler.status import StatusReader
 
 
 async def passing_nodes(stack: LocalStack, model: str) -> list[str]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from conftest import eventually, example, store_of, submit
 
-from caravan_cli.local_stack import LocalStack
-from scheduler.status import StatusReader
+from caravan_llm.cli.local_stack import LocalStack
+from caravan_llm.scheduler.status import StatusReader
 
 MODEL = "tiny-chat"
 PREFIX = f"caravan-{MODEL}-"

@@ -1,4 +1,5 @@
-"""scheduler.server: the process leads, serves its API, and shuts down in order on a stop."""
+"""caravan_llm.scheduler.server: the process leads, serves its API, and shuts down in order on a
+stop."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import aiohttp
 import pytest
 from conftest import eventually
 
-from caravan.consul_api import ConsulClient, ConsulSettings
-from caravan.contract import KVLayout
-from caravan_cli.local_stack import StackOptions, local_stack
-from scheduler.server import serve
-from scheduler.settings import SchedulerSettings
+from caravan_llm.cli.local_stack import StackOptions, local_stack
+from caravan_llm.common.consul_api import ConsulClient, ConsulSettings
+from caravan_llm.common.contract import KVLayout
+from caravan_llm.scheduler.server import serve
+from caravan_llm.scheduler.settings import SchedulerSettings
 
 
 def _free_port() -> int:
@@ -83,7 +84,8 @@ async def test_serve_resigns_leadership_before_closing_its_api_on_stop(
 async def test_python_m_scheduler_reads_the_environment_and_stops_cleanly_on_sigterm(
     tmp_path: Path,
 ) -> None:
-    """`python -m scheduler` configured by variables only (the KV prefix by its deprecated
+    """`python -m caravan_llm.scheduler` configured by variables only (the KV prefix by its
+    deprecated
     alias) leads under that prefix; SIGTERM releases the lock and exits 0."""
     options = StackOptions(
         prefer_real_llama_server=False, run_scheduler=False, autoscale=False, work_dir=tmp_path
@@ -105,7 +107,7 @@ async def test_python_m_scheduler_reads_the_environment_and_stops_cleanly_on_sig
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "scheduler",
+            "caravan_llm.scheduler",
             env=environ,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -149,7 +151,7 @@ async def test_python_m_scheduler_writes_its_first_info_line_while_running(
             process = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "scheduler",
+                "caravan_llm.scheduler",
                 env=environ,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=stderr,

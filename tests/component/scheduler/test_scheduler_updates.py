@@ -7,10 +7,15 @@ import time
 
 from conftest import eventually, example, store_of, submit
 
-from caravan.consul_api import HealthEntry
-from caravan.contract import ENGINE_KEY_ITEM, KVLayout, engine_key_path, model_service_name
-from caravan_cli.local_stack import LocalStack
-from scheduler.render import spec_hash
+from caravan_llm.cli.local_stack import LocalStack
+from caravan_llm.common.consul_api import HealthEntry
+from caravan_llm.common.contract import (
+    ENGINE_KEY_ITEM,
+    KVLayout,
+    engine_key_path,
+    model_service_name,
+)
+from caravan_llm.scheduler.render import spec_hash
 
 
 async def ready_not_draining(stack: LocalStack, model: str) -> set[str]:
@@ -83,7 +88,7 @@ async def test_scale_down_drains_the_replica_with_fewest_inflight_requests(tmp_p
     """With two replicas busy and one idle, scaling 3 -> 2 drains the idle one."""
     import aiohttp  # noqa: PLC0415 - only this test drives engines directly
 
-    from caravan_cli.local_stack import StackOptions, local_stack  # noqa: PLC0415
+    from caravan_llm.cli.local_stack import StackOptions, local_stack  # noqa: PLC0415
 
     options = StackOptions(
         prefer_real_llama_server=False,

@@ -21,15 +21,15 @@ import aiohttp
 import pytest
 from conftest import eventually, store_of
 
-from caravan.contract import KVLayout, ModelFailure, model_service_name
-from caravan.nomad_api import Allocation, JobStub
-from caravan_cli.local_stack import LocalStack, StackOptions, local_stack
-from devcluster.llama_server_build import find_llama_server
-from devcluster.nomad.settings import NodeSpec
-from scheduler.profile_policy import ProfilePolicy
-from scheduler.profiles import ModelProfile
-from scheduler.status import StatusReader
-from scheduler.weights import prefetch_job_id
+from caravan_llm.cli.local_stack import LocalStack, StackOptions, local_stack
+from caravan_llm.common.contract import KVLayout, ModelFailure, model_service_name
+from caravan_llm.common.nomad_api import Allocation, JobStub
+from caravan_llm.devcluster.llama_server_build import find_llama_server
+from caravan_llm.devcluster.nomad.settings import NodeSpec
+from caravan_llm.scheduler.profile_policy import ProfilePolicy
+from caravan_llm.scheduler.profiles import ModelProfile
+from caravan_llm.scheduler.status import StatusReader
+from caravan_llm.scheduler.weights import prefetch_job_id
 
 pytestmark = [
     pytest.mark.slow,

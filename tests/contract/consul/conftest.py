@@ -20,7 +20,7 @@ import consul.aio
 import pytest
 from consul_helpers import REAL, HealthTarget, Target, devcluster_config
 
-from devcluster.consul.server import ConsulServer
+from caravan_llm.devcluster.consul.server import ConsulServer
 
 
 @pytest.fixture

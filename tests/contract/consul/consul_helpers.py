@@ -11,7 +11,7 @@ import polling
 import pytest
 from aiohttp import web
 
-from devcluster.consul.server import ConsulConfig, ConsulServer
+from caravan_llm.devcluster.consul.server import ConsulConfig, ConsulServer
 
 T = TypeVar("T")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from devcluster.consul.acl_rules import Level, RulesError, merge_rules, parse_rules
+from caravan_llm.devcluster.consul.acl_rules import Level, RulesError, merge_rules, parse_rules
 
 
 def test_exact_rule_beats_any_prefix_and_longest_prefix_wins():

@@ -1,4 +1,5 @@
-"""caravan.consul_api.ConsulClient against the Consul target: typed results, mapped errors."""
+"""caravan_llm.common.consul_api.ConsulClient against the Consul target: typed results, mapped
+errors."""
 
 from __future__ import annotations
 
@@ -8,14 +9,14 @@ import socket
 import pytest
 from consul_helpers import HealthTarget, Target, eventually
 
-from caravan.consul_api import (
+from caravan_llm.common.consul_api import (
     ConsulClient,
     ConsulSettings,
     HttpCheck,
     ServiceRegistration,
     TtlCheck,
 )
-from caravan.errors import HashiBadRequest, HashiNotFound, HashiUnavailable
+from caravan_llm.common.errors import HashiBadRequest, HashiNotFound, HashiUnavailable
 
 
 @pytest.fixture

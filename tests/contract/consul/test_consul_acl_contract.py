@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from consul_helpers import REAL, Target, devcluster_config, raw_request
 
-from devcluster.consul.server import ConsulServer
+from caravan_llm.devcluster.consul.server import ConsulServer
 
 MANAGEMENT = os.environ.get("CONSUL_HTTP_TOKEN", "") if REAL else str(uuid.uuid4())
 

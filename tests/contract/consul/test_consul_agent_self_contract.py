@@ -14,7 +14,7 @@ import json
 import pytest
 from consul_helpers import REAL, Target, devcluster_config, raw_request
 
-from devcluster.consul.server import ConsulServer
+from caravan_llm.devcluster.consul.server import ConsulServer
 
 
 async def test_server_stats_name_the_leader_as_status_does(aio):

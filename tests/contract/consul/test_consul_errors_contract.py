@@ -11,9 +11,9 @@ import consul.aio
 import pytest
 from consul_helpers import REAL, Target, devcluster_config, raw_request
 
-from caravan.consul_api import ConsulClient, ConsulSettings
-from caravan.errors import HashiPermissionDenied
-from devcluster.consul.server import ConsulServer
+from caravan_llm.common.consul_api import ConsulClient, ConsulSettings
+from caravan_llm.common.errors import HashiPermissionDenied
+from caravan_llm.devcluster.consul.server import ConsulServer
 
 REGISTER = "/v1/agent/service/register"
 INTERVAL_ERROR = (

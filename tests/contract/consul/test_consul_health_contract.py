@@ -9,8 +9,8 @@ import consul
 import pytest
 from consul_helpers import HealthTarget, Target, raw_request
 
-from caravan.consul_api import ConsulClient, ConsulSettings
-from caravan.watch import BlockingWatch
+from caravan_llm.common.consul_api import ConsulClient, ConsulSettings
+from caravan_llm.common.watch import BlockingWatch
 
 
 async def _three_instances(aio, name: str) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from consul_helpers import Target
 
-from caravan.consul_api import (
+from caravan_llm.common.consul_api import (
     CheckStatus,
     ConsulClient,
     ConsulSettings,

@@ -11,8 +11,8 @@ import consul
 import pytest
 from consul_helpers import Target, eventually, raw_request
 
-from caravan.consul_api import ConsulClient, ConsulSettings
-from caravan.leader import ElectionSettings, LeaderElection
+from caravan_llm.common.consul_api import ConsulClient, ConsulSettings
+from caravan_llm.common.leader import ElectionSettings, LeaderElection
 
 
 async def test_put_and_get_round_trip_with_flags(aio, target: Target, unique):

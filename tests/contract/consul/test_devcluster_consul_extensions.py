@@ -1,4 +1,5 @@
-"""devcluster-only: simulated nodes over /v1/devcluster/*, and `python -m devcluster` itself."""
+"""devcluster-only: simulated nodes over /v1/devcluster/*, and `python -m caravan_llm.devcluster`
+itself."""
 
 from __future__ import annotations
 
@@ -139,11 +140,12 @@ def _children(pid: int) -> list[int]:
 
 
 async def test_python_m_devcluster_prints_exports_and_stops_on_sigterm():
-    """`python -m devcluster` prints the export lines, serves Consul, and exits 0 on SIGTERM."""
+    """`python -m caravan_llm.devcluster` prints the export lines, serves Consul, and exits 0 on
+    SIGTERM."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "devcluster",
+        "caravan_llm.devcluster",
         "--consul-port",
         "0",
         "--dns-port",

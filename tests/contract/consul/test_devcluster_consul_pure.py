@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from devcluster.consul.checks import Thresholds, http_status_verdict
-from devcluster.consul.decode import SERVICE_DEFINITION, DecodeError, decode_body
-from devcluster.consul.durations import format_go_duration_s, parse_go_duration_ns
-from devcluster.consul.filter import FilterError, compile_filter
-from devcluster.consul.kv import key_problem
-from devcluster.consul.records import CheckSpec
+from caravan_llm.devcluster.consul.checks import Thresholds, http_status_verdict
+from caravan_llm.devcluster.consul.decode import SERVICE_DEFINITION, DecodeError, decode_body
+from caravan_llm.devcluster.consul.durations import format_go_duration_s, parse_go_duration_ns
+from caravan_llm.devcluster.consul.filter import FilterError, compile_filter
+from caravan_llm.devcluster.consul.kv import key_problem
+from caravan_llm.devcluster.consul.records import CheckSpec
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from consul_helpers import REAL, Target, devcluster_config, raw_request
 
-from caravan.consul_api import ConsulClient, ConsulSettings, TxnCheckIndex, TxnSet
-from caravan.errors import HashiConflict, HashiPermissionDenied
-from devcluster.consul.server import ConsulServer
+from caravan_llm.common.consul_api import ConsulClient, ConsulSettings, TxnCheckIndex, TxnSet
+from caravan_llm.common.errors import HashiConflict, HashiPermissionDenied
+from caravan_llm.devcluster.consul.server import ConsulServer
 
 
 def _b64(text: str) -> str:

@@ -20,8 +20,8 @@ import aiohttp
 import pytest
 from nomad_contract_support import REAL, NomadTarget
 
-from devcluster.nomad.server import NomadServer
-from devcluster.nomad.settings import NodeSpec
+from caravan_llm.devcluster.nomad.server import NomadServer
+from caravan_llm.devcluster.nomad.settings import NodeSpec
 
 HEARTBEAT_GRACE_S = 1.0
 MIN_HEARTBEAT_TTL_S = 0.5

@@ -16,7 +16,7 @@ import nomad
 import polling
 import pytest
 
-from devcluster.nomad.server import NomadServer
+from caravan_llm.devcluster.nomad.server import NomadServer
 
 T = TypeVar("T")
 

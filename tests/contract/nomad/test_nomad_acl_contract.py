@@ -18,9 +18,9 @@ import aiohttp
 import pytest
 from nomad_contract_support import REAL, sleeper_job
 
-from caravan.preflight import PROBE_NAME
-from devcluster.nomad.server import NomadServer
-from scheduler.preflight import plan_probe_job
+from caravan_llm.common.preflight import PROBE_NAME
+from caravan_llm.devcluster.nomad.server import NomadServer
+from caravan_llm.scheduler.preflight import plan_probe_job
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ import copy
 import pytest
 from nomad_contract_support import NomadTarget, sleeper_job
 
-from caravan.errors import HashiBadRequest, JobModifyIndexConflict
-from caravan.nomad_api import JobStub, NomadClient, NomadSettings
+from caravan_llm.common.errors import HashiBadRequest, JobModifyIndexConflict
+from caravan_llm.common.nomad_api import JobStub, NomadClient, NomadSettings
 
 
 def client(target: NomadTarget) -> NomadClient:

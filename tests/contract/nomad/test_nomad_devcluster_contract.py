@@ -19,8 +19,8 @@ from nomad_contract_support import (
     sleeper_job,
 )
 
-from devcluster.nomad.server import NomadServer
-from devcluster.nomad.settings import NodeSpec
+from caravan_llm.devcluster.nomad.server import NomadServer
+from caravan_llm.devcluster.nomad.settings import NodeSpec
 
 
 async def test_outage_answers_500_until_lifted(

@@ -3,7 +3,7 @@
 The answers are Nomad's (`command/agent/fs_endpoint.go`, `client/fs_endpoint.go`,
 `nomad/client_fs_endpoint.go`); with CARAVAN_REAL_NOMAD=1 the same tests run
 against a real agent. `caravan logs` reads logs through
-`caravan.nomad_api.NomadClient.stream_logs`, tested here on the same target.
+`caravan_llm.common.nomad_api.NomadClient.stream_logs`, tested here on the same target.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 from nomad_contract_support import NomadTarget, eventually, running_allocs, sleeper_job
 
-from caravan.nomad_api import LogFrameDecoder, NomadClient, NomadSettings
+from caravan_llm.common.nomad_api import LogFrameDecoder, NomadClient, NomadSettings
 
 LINES = "".join(f"line {i}\n" for i in range(5))
 

@@ -17,9 +17,9 @@ import aiohttp
 import pytest
 from nomad_contract_support import DEVCLUSTER_ONLY, REAL, eventually, get_json
 
-from devcluster.consul.server import ConsulConfig, ConsulServer
-from devcluster.nomad.server import NomadServer
-from devcluster.nomad.settings import NodeSpec
+from caravan_llm.devcluster.consul.server import ConsulConfig, ConsulServer
+from caravan_llm.devcluster.nomad.server import NomadServer
+from caravan_llm.devcluster.nomad.settings import NodeSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REAL, reason=DEVCLUSTER_ONLY)]
 

@@ -7,7 +7,7 @@ import aiohttp
 import pytest
 from nomad_contract_support import NomadTarget, get_json, running_allocs, sleeper_job
 
-from devcluster.nomad.settings import NodeSpec
+from caravan_llm.devcluster.nomad.settings import NodeSpec
 
 
 async def test_built_in_pools_are_listed_with_nomads_descriptions(

@@ -14,8 +14,8 @@ import aiohttp
 from nomad_contract_support import NS, NomadTarget, eventually, get_json, sleeper_job
 from pydantic import SecretStr
 
-from caravan.nomad_api import NomadClient, NomadSettings
-from devcluster.nomad.server import NomadServer
+from caravan_llm.common.nomad_api import NomadClient, NomadSettings
+from caravan_llm.devcluster.nomad.server import NomadServer
 
 # Exits 3 unless the env var and the rendered file carry the variable's value,
 # else writes `ok` into the alloc dir and sleeps.

@@ -14,9 +14,9 @@ import aiohttp
 import pytest
 from nomad_contract_support import NomadTarget
 
-from caravan.errors import HashiBadRequest, HashiConflict
-from caravan.nomad_api import NomadClient, NomadSettings
-from devcluster.nomad.server import NomadServer
+from caravan_llm.common.errors import HashiBadRequest, HashiConflict
+from caravan_llm.common.nomad_api import NomadClient, NomadSettings
+from caravan_llm.devcluster.nomad.server import NomadServer
 
 METADATA_KEYS = {"Namespace", "Path", "CreateIndex", "CreateTime", "ModifyIndex", "ModifyTime"}
 

@@ -1,4 +1,5 @@
-"""caravan.consul_api: settings from CONSUL_* variables, payloads, results and error mapping."""
+"""caravan_llm.common.consul_api: settings from CONSUL_* variables, payloads, results and error
+mapping."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from consul import exceptions as consul_errors
 from tls_material import TlsMaterial
 
-from caravan.consul_api import (
+from caravan_llm.common.consul_api import (
     ConsulSettings,
     HealthEntry,
     HttpCheck,
@@ -21,7 +22,7 @@ from caravan.consul_api import (
     map_error,
     service_payload,
 )
-from caravan.errors import (
+from caravan_llm.common.errors import (
     HashiBadRequest,
     HashiConflict,
     HashiNotFound,

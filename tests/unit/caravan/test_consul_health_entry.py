@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from caravan.consul_api import CheckStatus, HealthCheck, HealthEntry, aggregate_status
+from caravan_llm.common.consul_api import CheckStatus, HealthCheck, HealthEntry, aggregate_status
 
 
 def entry(*checks: dict[str, Any]) -> HealthEntry:

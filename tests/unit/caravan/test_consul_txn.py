@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from caravan.consul_api import (
+from caravan_llm.common.consul_api import (
     TxnCas,
     TxnCheckIndex,
     TxnConflictError,
@@ -13,7 +13,7 @@ from caravan.consul_api import (
     parse_txn_answer,
     txn_op_payload,
 )
-from caravan.errors import HashiPermissionDenied, HashiUnavailable
+from caravan_llm.common.errors import HashiPermissionDenied, HashiUnavailable
 
 
 def test_op_payloads_are_consuls_shapes():

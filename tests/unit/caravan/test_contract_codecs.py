@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from caravan.contract import (
+from caravan_llm.common.contract import (
     MODEL_NAME_PATTERN,
     ContractError,
     DemandRecord,
@@ -28,7 +28,7 @@ from caravan.contract import (
     encode_models_revision,
     served_name_of,
 )
-from caravan.engine_metrics import MetricNames
+from caravan_llm.common.engine_metrics import MetricNames
 
 KEY = "caravan/some/key"
 finite = st.floats(allow_nan=False, allow_infinity=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from caravan.contract import (
+from caravan_llm.common.contract import (
     MAX_FAILURE_REASON_CHARS,
     ContractDecodeError,
     KVLayout,

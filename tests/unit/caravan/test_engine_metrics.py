@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from caravan.engine_metrics import (
+from caravan_llm.common.engine_metrics import (
     EngineLoad,
     EngineMetricsParseError,
     MetricNames,
@@ -14,8 +14,8 @@ from caravan.engine_metrics import (
     parse_engine_load,
     resolve_metric_names,
 )
-from scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES
-from scheduler.engines.vllm import VLLM_METRIC_NAMES
+from caravan_llm.scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES
+from caravan_llm.scheduler.engines.vllm import VLLM_METRIC_NAMES
 
 FIXTURES = Path(__file__).parents[2] / "fixtures" / "metrics"
 

@@ -10,16 +10,16 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from caravan.engine_metrics import EngineLoad
-from caravan.engine_scrape import (
+from caravan_llm.common.engine_metrics import EngineLoad
+from caravan_llm.common.engine_scrape import (
     ScrapeError,
     ScrapeFailure,
     fetch_metrics_text,
     relevant_lines,
     scrape_engine,
 )
-from scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES
-from scheduler.engines.vllm import VLLM_METRIC_NAMES
+from caravan_llm.scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES
+from caravan_llm.scheduler.engines.vllm import VLLM_METRIC_NAMES
 
 KEY = "sk-engine-secret-1234"
 

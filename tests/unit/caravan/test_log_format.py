@@ -6,7 +6,7 @@ import io
 import json
 import logging
 
-from caravan.log_format import (
+from caravan_llm.common.log_format import (
     JsonLineFormatter,
     RepeatLimiter,
     TextFormatter,
@@ -40,7 +40,9 @@ def test_text_line_lists_extra_fields_as_key_values() -> None:
 
 
 def warning(event: str = "profile_invalid", **extra: object) -> logging.LogRecord:
-    entry = logging.LogRecord("scheduler.controller", logging.ERROR, "c.py", 1, event, (), None)
+    entry = logging.LogRecord(
+        "caravan_llm.scheduler.controller", logging.ERROR, "c.py", 1, event, (), None
+    )
     for key, value in extra.items():
         setattr(entry, key, value)
     return entry
@@ -108,7 +110,9 @@ def test_configured_logging_with_batches_of_one_writes_each_info_line_at_once() 
     saved = root.handlers[:], root.level
     try:
         configure_logging("info", "text", batch_lines=1, stream=stream)
-        logging.getLogger("scheduler.app").info("scheduler_api_listening", extra={"port": 1})
+        logging.getLogger("caravan_llm.scheduler.app").info(
+            "scheduler_api_listening", extra={"port": 1}
+        )
         written = stream.getvalue()
     finally:
         root.handlers[:], level = saved

@@ -13,7 +13,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from tls_material import TlsMaterial
 
-from caravan.errors import (
+from caravan_llm.common.errors import (
     HashiBadRequest,
     HashiConflict,
     HashiNotFound,
@@ -21,7 +21,7 @@ from caravan.errors import (
     HashiUnavailable,
     JobModifyIndexConflict,
 )
-from caravan.nomad_api import Allocation, JobStub, Node, NomadClient, NomadSettings
+from caravan_llm.common.nomad_api import Allocation, JobStub, Node, NomadClient, NomadSettings
 
 TOKEN = "s3cret-token"
 

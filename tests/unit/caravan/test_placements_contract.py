@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from caravan.contract import (
+from caravan_llm.common.contract import (
     GROUP_NAME,
     KVLayout,
     PlacedAllocation,
@@ -18,7 +18,7 @@ from caravan.contract import (
     model_service_name,
     nomad_service_id,
 )
-from devcluster.nomad.consul_sync import service_id as devcluster_service_id
+from caravan_llm.devcluster.nomad.consul_sync import service_id as devcluster_service_id
 
 A = "00000000-0000-4000-8000-00000000000a"
 B = "00000000-0000-4000-8000-00000000000b"

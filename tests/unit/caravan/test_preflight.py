@@ -1,4 +1,5 @@
-"""caravan/preflight.py: a probe's answer says whether a grant is held; a fixed token recovers."""
+"""caravan_llm/common/preflight.py: a probe's answer says whether a grant is held; a fixed token
+recovers."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ import logging
 
 import pytest
 
-from caravan.errors import (
+from caravan_llm.common.errors import (
     HashiConflict,
     HashiNotFound,
     HashiPermissionDenied,
     HashiUnavailable,
 )
-from caravan.preflight import Capability, Outcome, Preflight, PreflightResult, classify
+from caravan_llm.common.preflight import Capability, Outcome, Preflight, PreflightResult, classify
 
 
 class Switch:

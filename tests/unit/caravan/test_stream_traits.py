@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from caravan.contract import (
+from caravan_llm.common.contract import (
     OPENAI_STREAM_TRAITS,
     ServiceMetaKey,
     StreamTraits,

@@ -1,4 +1,5 @@
-"""caravan.watch: Consul's blocking-client rules as pure functions, and the loop that uses them."""
+"""caravan_llm.common.watch: Consul's blocking-client rules as pure functions, and the loop that
+uses them."""
 
 from __future__ import annotations
 
@@ -7,8 +8,14 @@ import time
 
 import pytest
 
-from caravan.errors import HashiUnavailable
-from caravan.watch import BlockingWatch, TokenBucket, WatchStatus, backoff_delay_s, next_index
+from caravan_llm.common.errors import HashiUnavailable
+from caravan_llm.common.watch import (
+    BlockingWatch,
+    TokenBucket,
+    WatchStatus,
+    backoff_delay_s,
+    next_index,
+)
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from caravan_cli.model_commands import format_list, format_status
+from caravan_llm.cli.model_commands import format_list, format_status
 
 
 def model(**overrides):

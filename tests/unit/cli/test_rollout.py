@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from test_model_formatting import model, replica
 
-from caravan_cli.model_commands import wait_for_rollouts
-from caravan_cli.rollout import Outcome, judge_rollout
+from caravan_llm.cli.model_commands import wait_for_rollouts
+from caravan_llm.cli.rollout import Outcome, judge_rollout
 
 OLD_FAILURE = {"reason": "replica 0: the engine failed (old spec)", "since": 1.0}
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from caravan_cli.main import COMMAND_MODULES, command_module
+from caravan_llm.cli.main import COMMAND_MODULES, command_module
 
 DEMO_ONLY = ("devcluster", "openai", "gguf", "numpy", "dns", "nomad", "hcl2")
 
@@ -26,8 +26,8 @@ def loaded_after(statement: str) -> set[str]:
 @pytest.mark.parametrize(
     "statement",
     [
-        "import router.wiring.app, scheduler.app",
-        "import caravan_cli.main; caravan_cli.main.build_parser()",
+        "import caravan_llm.router.wiring.app, caravan_llm.scheduler.app",
+        "import caravan_llm.cli.main; caravan_llm.cli.main.build_parser()",
     ],
 )
 def test_runtime_imports_nothing_of_the_demo(statement: str):
@@ -46,5 +46,7 @@ def test_command_table_names_what_each_module_registers():
 
 def test_validate_loads_neither_process_nor_demo():
     """`caravan validate`'s parser loads the profile commands only."""
-    loaded = loaded_after("import caravan_cli.main; caravan_cli.main.build_parser('validate')")
+    loaded = loaded_after(
+        "import caravan_llm.cli.main; caravan_llm.cli.main.build_parser('validate')"
+    )
     assert {"aiohttp", "consul", "router"}.isdisjoint(loaded)

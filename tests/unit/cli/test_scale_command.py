@@ -8,7 +8,7 @@ import time
 import pytest
 from test_model_formatting import model
 
-from caravan_cli.model_commands import (
+from caravan_llm.cli.model_commands import (
     CommandError,
     _wait_ready,
     add_commands,
@@ -16,7 +16,7 @@ from caravan_cli.model_commands import (
     format_status,
     parse_duration,
 )
-from scheduler.api import _scale_request
+from caravan_llm.scheduler.api import _scale_request
 
 UNTIL = 1_700_003_600.0
 

@@ -6,10 +6,10 @@ import pytest
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
-from caravan.settings_help import SETTINGS_EXIT_CODE, print_settings_errors
-from caravan_cli.main import main
-from router.settings import RouterSettings
-from scheduler.settings import SchedulerSettings
+from caravan_llm.cli.main import main
+from caravan_llm.common.settings_help import SETTINGS_EXIT_CODE, print_settings_errors
+from caravan_llm.router.settings import RouterSettings
+from caravan_llm.scheduler.settings import SchedulerSettings
 
 
 @pytest.mark.parametrize(

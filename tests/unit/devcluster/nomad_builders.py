@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from devcluster.nomad.canonicalize import add_implied_constraints, canonicalize_job
-from devcluster.nomad.decode import JOB_REGISTER_REQUEST, decode_body
-from devcluster.nomad.fingerprint import loopback_address, node_from_spec
-from devcluster.nomad.model import AllocatedResources, Allocation, Node, TaskResources
-from devcluster.nomad.settings import NodeSpec
+from caravan_llm.devcluster.nomad.canonicalize import add_implied_constraints, canonicalize_job
+from caravan_llm.devcluster.nomad.decode import JOB_REGISTER_REQUEST, decode_body
+from caravan_llm.devcluster.nomad.fingerprint import loopback_address, node_from_spec
+from caravan_llm.devcluster.nomad.model import AllocatedResources, Allocation, Node, TaskResources
+from caravan_llm.devcluster.nomad.settings import NodeSpec
 
 FIXTURES = Path(__file__).parents[2] / "contract" / "nomad" / "fixtures"
 NS = 1_000_000_000

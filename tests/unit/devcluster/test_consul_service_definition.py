@@ -7,14 +7,14 @@ from typing import Any
 
 import pytest
 
-from devcluster.consul.decode import SERVICE_DEFINITION, DecodeError, decode_body
-from devcluster.consul.definitions import (
+from caravan_llm.devcluster.consul.decode import SERVICE_DEFINITION, DecodeError, decode_body
+from caravan_llm.devcluster.consul.definitions import (
     DefinitionError,
     is_go_ipv4,
     parse_go_ip,
     service_definition,
 )
-from devcluster.consul.records import Locality, ServiceAddress
+from caravan_llm.devcluster.consul.records import Locality, ServiceAddress
 
 
 def _service(**body: Any):

@@ -6,14 +6,18 @@ import random
 
 import pytest
 
-from devcluster.consul.serf import (
+from caravan_llm.devcluster.consul.serf import (
     SerfTiming,
     detection_delay_s,
     expected_confirmations,
     remaining_timeout_s,
     suspicion_bounds_s,
 )
-from devcluster.nomad.heartbeat import HeartbeatSettings, heartbeat_ttl_s, rate_scaled_interval_s
+from caravan_llm.devcluster.nomad.heartbeat import (
+    HeartbeatSettings,
+    heartbeat_ttl_s,
+    rate_scaled_interval_s,
+)
 
 
 def test_ttl_is_the_minimum_on_a_small_cluster_and_scales_with_nodes() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from devcluster.nomad.drivers import node_files
+from caravan_llm.devcluster.nomad.drivers import node_files
 
 
 def test_absolute_paths_present_under_the_node_root_are_mapped_with_a_note(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from devcluster.nomad.acl import (
+from caravan_llm.devcluster.nomad.acl import (
     AclRequestError,
     AclStore,
     Management,

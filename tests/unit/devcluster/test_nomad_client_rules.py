@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from nomad_builders import NS, cpu_job, make_alloc, make_node
 
-from devcluster.nomad.client import RestartTracker
-from devcluster.nomad.consul_sync import check_id, service_id, service_registration
-from devcluster.nomad.drivers import (
+from caravan_llm.devcluster.nomad.client import RestartTracker
+from caravan_llm.devcluster.nomad.consul_sync import check_id, service_id, service_registration
+from caravan_llm.devcluster.nomad.drivers import (
     DriverError,
     DriverSettings,
     ExitResult,
@@ -20,8 +20,8 @@ from devcluster.nomad.drivers import (
     resolve_launch,
     translate_container_args,
 )
-from devcluster.nomad.model import AllocatedDevice, AllocatedPort
-from devcluster.nomad.taskenv import interpolate, node_variables, task_environment
+from caravan_llm.devcluster.nomad.model import AllocatedDevice, AllocatedPort
+from caravan_llm.devcluster.nomad.taskenv import interpolate, node_variables, task_environment
 
 ALLOC_DIR = Path("/tmp/devcluster-test/alloc-1")
 PORTS = (AllocatedPort("http", 23456, 8000, "127.0.0.3"),)
@@ -116,7 +116,7 @@ def settings() -> DriverSettings:
 
 
 def test_vllm_image_runs_the_simulated_engine() -> None:
-    """`vllm/vllm-openai:*` maps to `python -m devcluster.engine --flavor vllm`."""
+    """`vllm/vllm-openai:*` maps to `python -m caravan_llm.devcluster.engine --flavor vllm`."""
     spec = resolve_launch(
         "docker",
         {
@@ -133,7 +133,7 @@ def test_vllm_image_runs_the_simulated_engine() -> None:
     assert (
         "/usr/bin/python3",
         "-m",
-        "devcluster.engine",
+        "caravan_llm.devcluster.engine",
         "--flavor",
         "vllm",
         "--model",

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from devcluster.nomad.canonicalize import add_implied_constraints, canonicalize_job
-from devcluster.nomad.decode import JOB_REGISTER_REQUEST, DecodeError, decode_body
-from devcluster.nomad.gotext import go_duration, multierror, parse_go_duration
+from caravan_llm.devcluster.nomad.canonicalize import add_implied_constraints, canonicalize_job
+from caravan_llm.devcluster.nomad.decode import JOB_REGISTER_REQUEST, DecodeError, decode_body
+from caravan_llm.devcluster.nomad.gotext import go_duration, multierror, parse_go_duration
 
 # Copies of the worked examples in nomad-consul-examples/ (the facts sheet).
 EXAMPLES = Path(__file__).parents[2] / "contract" / "nomad" / "fixtures"

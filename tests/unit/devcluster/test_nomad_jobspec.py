@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from devcluster.nomad.jobspec import JobspecError, parse_jobspec
+from caravan_llm.devcluster.nomad.jobspec import JobspecError, parse_jobspec
 
 ROUTER = (Path(__file__).resolve().parents[3] / "jobspecs" / "caravan-router.nomad.hcl").read_text()
 

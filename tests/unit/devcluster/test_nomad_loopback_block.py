@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from devcluster.nomad.fingerprint import loopback_address
+from caravan_llm.devcluster.nomad.fingerprint import loopback_address
 
 
 def test_block_zero_keeps_the_classic_addresses() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from devcluster.nomad.matching import (
+from caravan_llm.devcluster.nomad.matching import (
     Attribute,
     check_attribute_constraint,
     check_constraint,

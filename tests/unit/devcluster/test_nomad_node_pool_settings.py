@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from devcluster.nomad.node_pools import built_in_pools, name_problem, nodes_in_pool
-from devcluster.nomad.settings import NodeSpec, add_nomad_arguments, settings_from_args
+from caravan_llm.devcluster.nomad.node_pools import built_in_pools, name_problem, nodes_in_pool
+from caravan_llm.devcluster.nomad.settings import NodeSpec, add_nomad_arguments, settings_from_args
 
 
 def test_gpu_node_pool_flag_puts_only_the_gpu_nodes_in_it():

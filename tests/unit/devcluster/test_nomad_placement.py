@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from nomad_builders import admitted, cpu_job, example_job, make_alloc, make_node
 
-from devcluster.nomad.model import AllocatedDevice, Allocation, Node
-from devcluster.nomad.placement import (
+from caravan_llm.devcluster.nomad.model import AllocatedDevice, Allocation, Node
+from caravan_llm.devcluster.nomad.placement import (
     Placement,
     PlacementContext,
     PlacementFailure,

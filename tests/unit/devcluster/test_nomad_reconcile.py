@@ -10,8 +10,14 @@ from typing import Any
 
 from nomad_builders import NS, cpu_job, make_alloc, make_node
 
-from devcluster.nomad.model import Allocation, Evaluation, Node, RescheduleEvent, TaskState
-from devcluster.nomad.reconcile import (
+from caravan_llm.devcluster.nomad.model import (
+    Allocation,
+    Evaluation,
+    Node,
+    RescheduleEvent,
+    TaskState,
+)
+from caravan_llm.devcluster.nomad.reconcile import (
     ALLOC_LOST,
     ALLOC_MIGRATING,
     ALLOC_NOT_NEEDED,

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from devcluster.nomad.templates import (
+from caravan_llm.devcluster.nomad.templates import (
     MissingVariable,
     TemplateError,
     parse_env_file,
     render,
     render_task_templates,
 )
-from devcluster.nomad.variables import validate_path, workload_may_read
+from caravan_llm.devcluster.nomad.variables import validate_path, workload_may_read
 
 VARS = {"nomad/jobs/j": {"api_key": "K", "b": "B"}}
 

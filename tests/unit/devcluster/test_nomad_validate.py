@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from devcluster.nomad.canonicalize import add_implied_constraints, canonicalize_job
-from devcluster.nomad.validate import (
+from caravan_llm.devcluster.nomad.canonicalize import add_implied_constraints, canonicalize_job
+from caravan_llm.devcluster.nomad.validate import (
     constraint_errors,
     job_warnings,
     validate_job,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from nomad_builders import make_node
 
-from devcluster.nomad.volumes import (
+from caravan_llm.devcluster.nomad.volumes import (
     Mount,
     VolumeMountError,
     resolve_mounts,
@@ -80,7 +80,7 @@ def test_config_is_rewritten_throughout_and_untouched_without_mounts() -> None:
 def test_command_line_host_volumes_are_declared_by_every_node() -> None:
     import argparse  # noqa: PLC0415 - only this test parses flags
 
-    from devcluster.nomad.settings import add_nomad_arguments, settings_from_args  # noqa: PLC0415
+    from caravan_llm.devcluster.nomad.settings import add_nomad_arguments, settings_from_args  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(exit_on_error=False)
     add_nomad_arguments(parser)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from devcluster.vllm_build import MAX_MODEL_LEN, VllmBuild
-from devcluster.vllm_real import RealVllmOptions, launch, substitutions_for
+from caravan_llm.devcluster.vllm_build import MAX_MODEL_LEN, VllmBuild
+from caravan_llm.devcluster.vllm_real import RealVllmOptions, launch, substitutions_for
 
 BUILD = VllmBuild(python=Path("/cache/venv/bin/python"), model=Path("/cache/models/tiny"))
 OPTIONS = RealVllmOptions(build=BUILD, kv_blocks=48)

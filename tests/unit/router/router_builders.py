@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from caravan.consul_api import HealthEntry
-from caravan.engine_metrics import EngineLoad
-from router.core.endpoints import EndpointSnapshot, snapshot_from_health
-from router.core.live_state import EndpointLiveState, LiveStates, reconcile_live_state
+from caravan_llm.common.consul_api import HealthEntry
+from caravan_llm.common.engine_metrics import EngineLoad
+from caravan_llm.router.core.endpoints import EndpointSnapshot, snapshot_from_health
+from caravan_llm.router.core.live_state import EndpointLiveState, LiveStates, reconcile_live_state
 
 MODEL = "qwen2.5-7b-instruct"
 SERVICE = "caravan-qwen2-5-7b"
@@ -49,7 +49,7 @@ def health_entry(
     extra_checks: Iterable[dict[str, Any]] = (),
 ) -> HealthEntry:
     """One `/v1/health/service` entry (a node with serfHealth and an HTTP service check),
-    decoded as `caravan.consul_api` decodes Consul's JSON."""
+    decoded as `caravan_llm.common.consul_api` decodes Consul's JSON."""
     return HealthEntry.from_api({
         "Node": {"ID": f"id-{node}", "Node": node, "Address": node_address, "Datacenter": "dc1"},
         "Service": {

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from router_builders import endpoint_entry, snapshot_of
 
-from router.core.admission import (
+from caravan_llm.router.core.admission import (
     AdmissionPolicy,
     AdmissionQueues,
     Admit,
@@ -16,8 +16,8 @@ from router.core.admission import (
     UnknownModel,
     decide_admission,
 )
-from router.core.balancer import NoEndpointReason, NotPicked, Picked
-from router.core.errors import NoHealthyEndpoint, QueueFull, QueueTimeout
+from caravan_llm.router.core.balancer import NoEndpointReason, NotPicked, Picked
+from caravan_llm.router.core.errors import NoHealthyEndpoint, QueueFull, QueueTimeout
 
 POLICY = AdmissionPolicy(
     max_queue_per_model=2,

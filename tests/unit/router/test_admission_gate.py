@@ -10,14 +10,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 from router_builders import MODEL, endpoint_entry, snapshot_of
 
-from caravan.contract import KVLayout
-from router.core.admission import AdmissionPolicy
-from router.core.balancer import BalancerConfig, Policy, RequestFeatures
-from router.core.errors import ModelNotFound, NoHealthyEndpoint, QueueTimeout
-from router.core.live_state import Outcome, reconcile_live_state
-from router.core.routing_state import KnownModel, RoutingState, RoutingView
-from router.edge.admission_gate import AdmissionGate, DemandSignal
-from router.metrics import RouterMetrics
+from caravan_llm.common.contract import KVLayout
+from caravan_llm.router.core.admission import AdmissionPolicy
+from caravan_llm.router.core.balancer import BalancerConfig, Policy, RequestFeatures
+from caravan_llm.router.core.errors import ModelNotFound, NoHealthyEndpoint, QueueTimeout
+from caravan_llm.router.core.live_state import Outcome, reconcile_live_state
+from caravan_llm.router.core.routing_state import KnownModel, RoutingState, RoutingView
+from caravan_llm.router.edge.admission_gate import AdmissionGate, DemandSignal
+from caravan_llm.router.metrics import RouterMetrics
 
 
 class FakeStore:

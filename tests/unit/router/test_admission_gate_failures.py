@@ -9,16 +9,16 @@ import pytest
 from prometheus_client import CollectorRegistry
 from router_builders import MODEL, endpoint_entry, snapshot_of
 
-from caravan.consul_api import KVEntry
-from caravan.contract import KVLayout, ModelFailure
-from router.core.admission import AdmissionPolicy
-from router.core.balancer import BalancerConfig, Policy, RequestFeatures
-from router.core.errors import ModelUnavailable, error_body, retry_after_s
-from router.core.live_state import reconcile_live_state
-from router.core.routing_state import KnownModel, RoutingState, RoutingView
-from router.edge.admission_gate import AdmissionGate, DemandSignal
-from router.feeds.model_failures import ModelFailures, failures_from_kv
-from router.metrics import RouterMetrics
+from caravan_llm.common.consul_api import KVEntry
+from caravan_llm.common.contract import KVLayout, ModelFailure
+from caravan_llm.router.core.admission import AdmissionPolicy
+from caravan_llm.router.core.balancer import BalancerConfig, Policy, RequestFeatures
+from caravan_llm.router.core.errors import ModelUnavailable, error_body, retry_after_s
+from caravan_llm.router.core.live_state import reconcile_live_state
+from caravan_llm.router.core.routing_state import KnownModel, RoutingState, RoutingView
+from caravan_llm.router.edge.admission_gate import AdmissionGate, DemandSignal
+from caravan_llm.router.feeds.model_failures import ModelFailures, failures_from_kv
+from caravan_llm.router.metrics import RouterMetrics
 
 REASON = "replica 0: the engine failed and Nomad stopped restarting it (Not Restarting: x)"
 FAILURE = ModelFailure(reason=REASON, since=1_700_000_000.0)

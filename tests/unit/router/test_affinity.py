@@ -12,7 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.core.affinity import HashRing, affinity_key, load_bound, stable_hash, within_load_bound
+from caravan_llm.router.core.affinity import (
+    HashRing,
+    affinity_key,
+    load_bound,
+    stable_hash,
+    within_load_bound,
+)
 
 KEYS = [stable_hash(f"request-{n}") for n in range(4000)]
 ENDPOINT_IDS = st.lists(
@@ -186,7 +192,7 @@ class TestAffinityKey:
     def test_key_is_the_same_in_another_process(self) -> None:
         """The key does not depend on Python's per-process hash seed."""
         code = (
-            "from router.core.affinity import affinity_key;"
+            "from caravan_llm.router.core.affinity import affinity_key;"
             "print(affinity_key({'messages': [{'role': 'user', 'content': 'hello'}]}))"
         )
         results = {

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from router.edge.api_keys import (
+from caravan_llm.router.edge.api_keys import (
     MIN_PRIORITY,
     ApiKey,
     ApiKeyError,

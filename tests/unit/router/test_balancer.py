@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from router_builders import MODEL, endpoint_entry, live_for, loaded, snapshot_of
 
-from router.core.affinity import load_bound, stable_hash
-from router.core.balancer import (
+from caravan_llm.router.core.affinity import load_bound, stable_hash
+from caravan_llm.router.core.balancer import (
     BalancerConfig,
     Candidate,
     NoEndpointReason,
@@ -29,9 +29,9 @@ from router.core.balancer import (
     pick,
     queue_scores,
 )
-from router.core.breaker import BreakerPhase, BreakerState, allows_request
-from router.core.endpoints import CheckStatus, EndpointSnapshot
-from router.core.live_state import EndpointLiveState, LiveStates
+from caravan_llm.router.core.breaker import BreakerPhase, BreakerState, allows_request
+from caravan_llm.router.core.endpoints import CheckStatus, EndpointSnapshot
+from caravan_llm.router.core.live_state import EndpointLiveState, LiveStates
 
 CONFIG = BalancerConfig()
 NOW = 100.0

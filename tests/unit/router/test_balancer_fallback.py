@@ -6,8 +6,15 @@ import random
 
 from router_builders import MODEL, endpoint_entry, live_for, loaded, snapshot_of
 
-from router.core.affinity import stable_hash
-from router.core.balancer import BalancerConfig, Picked, PickerMemory, Policy, RequestFeatures, pick
+from caravan_llm.router.core.affinity import stable_hash
+from caravan_llm.router.core.balancer import (
+    BalancerConfig,
+    Picked,
+    PickerMemory,
+    Policy,
+    RequestFeatures,
+    pick,
+)
 
 
 def test_fallback_prefers_endpoints_within_the_bound_over_the_one_that_reported() -> None:

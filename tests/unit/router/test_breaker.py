@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.core.breaker import (
+from caravan_llm.router.core.breaker import (
     CLOSED,
     BreakerPhase,
     BreakerPolicy,

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from caravan.contract import StreamTraits
-from router.edge.continuation import (
+from caravan_llm.common.contract import StreamTraits
+from caravan_llm.router.edge.continuation import (
     DONE_EVENT,
     ContinuationRewriter,
     StreamAccount,
@@ -20,7 +20,7 @@ from router.edge.continuation import (
     request_blocker,
     split_complete_events,
 )
-from scheduler.engines.registry import Engine, adapter_for
+from caravan_llm.scheduler.engines.registry import Engine, adapter_for
 
 
 def traits_of(engine: str) -> StreamTraits:

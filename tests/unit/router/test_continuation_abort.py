@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from router.edge.continuation import cut_at_engine_stop
+from caravan_llm.router.edge.continuation import cut_at_engine_stop
 
 
 def event(payload: object) -> bytes:

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from router_builders import MODEL, endpoint_entry, live_for, snapshot_of
 
-from caravan.engine_metrics import EngineLoad, EngineMetricsParseError
-from router.core.balancer import (
+from caravan_llm.common.engine_metrics import EngineLoad, EngineMetricsParseError
+from caravan_llm.router.core.balancer import (
     BalancerConfig,
     NotPicked,
     Picked,
@@ -23,7 +23,7 @@ from router.core.balancer import (
     RequestFeatures,
     pick,
 )
-from router.core.cost_model import (
+from caravan_llm.router.core.cost_model import (
     CacheFigures,
     CostConfig,
     CostState,
@@ -38,15 +38,15 @@ from router.core.cost_model import (
     peer_rate_of,
     record_cache_figures,
 )
-from router.core.endpoints import EndpointSnapshot
-from router.core.live_state import (
+from caravan_llm.router.core.endpoints import EndpointSnapshot
+from caravan_llm.router.core.live_state import (
     EndpointLiveState,
     LiveStates,
     own_counts,
     record_load,
     start_request,
 )
-from router.core.prefix_index import PromptShape, ShapeConfig, prompt_shape
+from caravan_llm.router.core.prefix_index import PromptShape, ShapeConfig, prompt_shape
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "metrics"
 SHAPE = ShapeConfig(block_chars=32, chars_per_token=4.0)

@@ -10,14 +10,14 @@ import dataclasses
 import pytest
 from router_builders import health_entry, live_for, service_meta, snapshot_of
 
-from caravan.contract import (
+from caravan_llm.common.contract import (
     PrefillRateError,
     ServiceMetaKey,
     decode_prefill_rate,
     encode_prefill_rate,
 )
-from router.core.cost_model import CostConfig, prefill_rate
-from router.core.endpoints import MalformedEntryError, endpoint_from_entry
+from caravan_llm.router.core.cost_model import CostConfig, prefill_rate
+from caravan_llm.router.core.endpoints import MalformedEntryError, endpoint_from_entry
 
 KEY = ServiceMetaKey.PREFILL_TOKENS_PER_S
 COST = CostConfig()

@@ -7,10 +7,10 @@ from types import MappingProxyType
 
 from router_builders import service_meta
 
-from caravan.consul_api import HealthCheck, HealthEntry, KVEntry
-from router.core.endpoints import CheckStatus, snapshot_from_health
-from router.core.routing_state import KnownModel
-from router.feeds.discovery import (
+from caravan_llm.common.consul_api import HealthCheck, HealthEntry, KVEntry
+from caravan_llm.router.core.endpoints import CheckStatus, snapshot_from_health
+from caravan_llm.router.core.routing_state import KnownModel
+from caravan_llm.router.feeds.discovery import (
     draining_endpoint_ids,
     entry_job_id,
     keys_under,

@@ -10,16 +10,16 @@ from typing import Any
 import pytest
 from router_builders import MODEL, SERVICE, endpoint_entry, health_entry, service_meta, snapshot_of
 
-from caravan.consul_api import HealthCheck, HealthEntry, aggregate_status
-from caravan.engine_metrics import MetricNames
-from router.core.endpoints import (
+from caravan_llm.common.consul_api import HealthCheck, HealthEntry, aggregate_status
+from caravan_llm.common.engine_metrics import MetricNames
+from caravan_llm.router.core.endpoints import (
     EMPTY_SNAPSHOT,
     CheckStatus,
     Endpoint,
     snapshot_from_health,
 )
-from scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES
-from scheduler.engines.vllm import VLLM_METRIC_NAMES
+from caravan_llm.scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES
+from caravan_llm.scheduler.engines.vllm import VLLM_METRIC_NAMES
 
 REALISTIC = Path(__file__).parent / "consul_health_caravan_qwen.json"
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from router_builders import SERVICE, health_entry, service_meta, snapshot_of
 
-from caravan.contract import (
+from caravan_llm.common.contract import (
     OPENAI_STREAM_TRAITS,
     ServiceMetaKey,
     StreamTraits,
     encode_stream_traits,
 )
-from router.core.endpoints import snapshot_from_health
+from caravan_llm.router.core.endpoints import snapshot_from_health
 
 
 def test_traits_come_from_meta_whatever_the_engine_is_called() -> None:

@@ -8,14 +8,14 @@ from types import MappingProxyType
 import pytest
 from router_builders import health_entry, service_meta
 
-from caravan.consul_api import KVEntry
-from caravan.contract import (
+from caravan_llm.common.consul_api import KVEntry
+from caravan_llm.common.contract import (
     PlacedAllocation,
     Placements,
     encode_placements,
     nomad_service_id,
 )
-from router.core.endpoints import (
+from caravan_llm.router.core.endpoints import (
     PlacedAddress,
     TrustedService,
     UnverifiedEntry,
@@ -23,9 +23,9 @@ from router.core.endpoints import (
     snapshot_from_health,
     verify_entries,
 )
-from router.core.routing_state import KnownModel
-from router.feeds.discovery import placements_from_kv, trusted_services
-from router.settings import RouterSettings
+from caravan_llm.router.core.routing_state import KnownModel
+from caravan_llm.router.feeds.discovery import placements_from_kv, trusted_services
+from caravan_llm.router.settings import RouterSettings
 
 NAME = "qwen2-5-7b"
 SERVICE = "caravan-qwen2-5-7b"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from router_builders import MODEL, SERVICE, health_entry, service_meta, snapshot_of
 
-from caravan.contract import (
+from caravan_llm.common.contract import (
     DEFAULT_ENGINE_ROUTES,
     EngineRoute,
     EngineRoutesError,
@@ -13,7 +13,7 @@ from caravan.contract import (
     decode_engine_routes,
     encode_engine_routes,
 )
-from router.core.balancer import (
+from caravan_llm.router.core.balancer import (
     BalancerConfig,
     NoEndpointReason,
     NotPicked,
@@ -23,8 +23,8 @@ from router.core.balancer import (
     RequestFeatures,
     pick,
 )
-from router.core.endpoints import snapshot_from_health
-from router.core.live_state import reconcile_live_state
+from caravan_llm.router.core.endpoints import snapshot_from_health
+from caravan_llm.router.core.live_state import reconcile_live_state
 
 
 def test_routes_round_trip_through_meta() -> None:

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from router.core.errors import RequestTimeout, TooManyConnections
-from router.edge.http_limits import (
+from caravan_llm.router.core.errors import RequestTimeout, TooManyConnections
+from caravan_llm.router.edge.http_limits import (
     AcceptConnection,
     ConnectionView,
     EvictConnection,

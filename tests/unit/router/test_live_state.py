@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from router_builders import endpoint_entry, snapshot_of
 
-from caravan.engine_metrics import EngineLoad
-from router.core.breaker import BreakerPhase, BreakerPolicy
-from router.core.live_state import (
+from caravan_llm.common.engine_metrics import EngineLoad
+from caravan_llm.router.core.breaker import BreakerPhase, BreakerPolicy
+from caravan_llm.router.core.live_state import (
     EndpointLiveState,
     Outcome,
     finish_request,

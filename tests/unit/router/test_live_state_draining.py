@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from router_builders import endpoint_entry, snapshot_of
 
-from caravan.engine_metrics import EngineLoad
-from router.core.live_state import forget_load, reconcile_live_state, record_load
+from caravan_llm.common.engine_metrics import EngineLoad
+from caravan_llm.router.core.live_state import forget_load, reconcile_live_state, record_load
 
 
 def test_marked_endpoint_drains_and_unmarked_one_recovers() -> None:

@@ -12,10 +12,10 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from router_builders import SERVICE, health_entry, live_for, snapshot_of
 
-from caravan.engine_metrics import EngineLoad
-from router.core.routing_state import RoutingState, RoutingView
-from router.feeds.load_scraper import LoadScraper
-from router.metrics import RouterMetrics
+from caravan_llm.common.engine_metrics import EngineLoad
+from caravan_llm.router.core.routing_state import RoutingState, RoutingView
+from caravan_llm.router.feeds.load_scraper import LoadScraper
+from caravan_llm.router.metrics import RouterMetrics
 
 KEY = "sk-engine-secret-5678"
 NOW = 500.0

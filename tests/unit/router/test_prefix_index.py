@@ -7,7 +7,7 @@ import hashlib
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.core.prefix_index import BlockIndex, ShapeConfig, block_chain, prompt_shape
+from caravan_llm.router.core.prefix_index import BlockIndex, ShapeConfig, block_chain, prompt_shape
 
 SHAPE = ShapeConfig(block_chars=16, chars_per_token=4.0, key_blocks=2)
 

@@ -10,16 +10,16 @@ import pytest
 from prometheus_client import CollectorRegistry
 from router_builders import MODEL, endpoint_entry, snapshot_of
 
-from caravan.contract import KVLayout
-from router.core.admission import AdmissionPolicy, Queue, Reject, decide_admission
-from router.core.balancer import (
+from caravan_llm.common.contract import KVLayout
+from caravan_llm.router.core.admission import AdmissionPolicy, Queue, Reject, decide_admission
+from caravan_llm.router.core.balancer import (
     BalancerConfig,
     NoEndpointReason,
     NotPicked,
     Policy,
     RequestFeatures,
 )
-from router.core.errors import (
+from caravan_llm.router.core.errors import (
     NoHealthyEndpoint,
     ReplacementTimeout,
     UpstreamConnectError,
@@ -30,16 +30,16 @@ from router.core.errors import (
     UpstreamTimeout,
     error_body,
 )
-from router.core.live_state import reconcile_live_state
-from router.core.replacement import (
+from caravan_llm.router.core.live_state import reconcile_live_state
+from caravan_llm.router.core.replacement import (
     ReplacementOutcome,
     replacement_outcome,
     still_excluded,
     waits_for_replacement,
 )
-from router.core.routing_state import KnownModel, RoutingState, RoutingView
-from router.edge.admission_gate import AdmissionGate, Admitted, DemandSignal
-from router.metrics import RouterMetrics
+from caravan_llm.router.core.routing_state import KnownModel, RoutingState, RoutingView
+from caravan_llm.router.edge.admission_gate import AdmissionGate, Admitted, DemandSignal
+from caravan_llm.router.metrics import RouterMetrics
 
 POLICY = AdmissionPolicy(max_queue_per_model=2, cold_start_hold_s=300.0)
 NOW = 1_000.0

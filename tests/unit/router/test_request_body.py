@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.core.errors import InvalidField, InvalidRequest
-from router.edge.request_body import json_depth, parse_json_object, validate_body
+from caravan_llm.router.core.errors import InvalidField, InvalidRequest
+from caravan_llm.router.edge.request_body import json_depth, parse_json_object, validate_body
 
 _text = st.text(alphabet=st.sampled_from('ab[]{}"\\\n\u00e9'), max_size=6)
 _json = st.recursive(

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from caravan.contract import EngineRoute
-from router.edge.routes import (
+from caravan_llm.common.contract import EngineRoute
+from caravan_llm.router.edge.routes import (
     ROUTES,
     SseDialect,
     broken_stream_event,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from router.core.errors import (
+from caravan_llm.router.core.errors import (
     HeadersTooLarge,
     InvalidField,
     InvalidRequest,

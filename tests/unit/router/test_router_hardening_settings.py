@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from router.settings import RouterSettings
+from caravan_llm.router.settings import RouterSettings
 
 REPO = Path(__file__).resolve().parents[3]
 HARDENING_FIELDS = (

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from router.core.balancer import Policy
-from router.settings import RouterSettings
+from caravan_llm.router.core.balancer import Policy
+from caravan_llm.router.settings import RouterSettings
 
 
 def test_environment_sets_fields_and_splits_api_keys(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,11 +12,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from caravan.log_format import BufferedLineHandler, JsonLineFormatter
-from caravan_cli.router_command import add_commands, run_router
-from router.settings import RouterSettings
-from router.wiring.server import WorkerRole, _fast_request_log
-from router.wiring.workers import (
+from caravan_llm.cli.router_command import add_commands, run_router
+from caravan_llm.common.log_format import BufferedLineHandler, JsonLineFormatter
+from caravan_llm.router.settings import RouterSettings
+from caravan_llm.router.wiring.server import WorkerRole, _fast_request_log
+from caravan_llm.router.wiring.workers import (
     WorkerHealth,
     combined_health,
     exposition,

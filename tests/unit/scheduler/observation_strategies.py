@@ -14,13 +14,18 @@ from typing import Any
 from hypothesis import strategies as st
 from profile_builders import make_llamacpp, make_vllm
 
-from caravan.contract import DrainRecord
-from caravan.nomad_api import Allocation, Evaluation, Node, TaskEvent
-from scheduler.cluster_config import ClusterConfig
-from scheduler.profiles import ModelProfile
-from scheduler.render import secret_templates, spec_hash
-from scheduler.weights import ObservedPrefetch, PrefetchState, prefetch_job_id, render_prefetch
-from scheduler.world import DesiredModel, Observation, ObservedReplica
+from caravan_llm.common.contract import DrainRecord
+from caravan_llm.common.nomad_api import Allocation, Evaluation, Node, TaskEvent
+from caravan_llm.scheduler.cluster_config import ClusterConfig
+from caravan_llm.scheduler.profiles import ModelProfile
+from caravan_llm.scheduler.render import secret_templates, spec_hash
+from caravan_llm.scheduler.weights import (
+    ObservedPrefetch,
+    PrefetchState,
+    prefetch_job_id,
+    render_prefetch,
+)
+from caravan_llm.scheduler.world import DesiredModel, Observation, ObservedReplica
 
 NS = 1_000_000_000
 NOW = 1_000_000.0

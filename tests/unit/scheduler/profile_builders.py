@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from scheduler.profiles import ModelProfile
+from caravan_llm.scheduler.profiles import ModelProfile
 
 
 def vllm_document(**overrides: Any) -> dict[str, Any]:

@@ -6,15 +6,28 @@ from __future__ import annotations
 from hypothesis import given, settings
 from observation_strategies import NOW, worlds
 
-from caravan.contract import MANAGED_BY_VALUE, JobMetaKey
-from caravan.nomad_api import JobStub
-from scheduler.assess import Assessment, assess
-from scheduler.cluster_config import ClusterConfig
-from scheduler.model_store import DesiredState
-from scheduler.plan import Plan, PlanSettings, Register, RegisterPrefetch, Replace, StartDrain, plan
-from scheduler.status import model_status
-from scheduler.weights import NO_PREFETCH
-from scheduler.world import DesiredModel, Observation, PlannerMemory, replica_from_job_stub
+from caravan_llm.common.contract import MANAGED_BY_VALUE, JobMetaKey
+from caravan_llm.common.nomad_api import JobStub
+from caravan_llm.scheduler.assess import Assessment, assess
+from caravan_llm.scheduler.cluster_config import ClusterConfig
+from caravan_llm.scheduler.model_store import DesiredState
+from caravan_llm.scheduler.plan import (
+    Plan,
+    PlanSettings,
+    Register,
+    RegisterPrefetch,
+    Replace,
+    StartDrain,
+    plan,
+)
+from caravan_llm.scheduler.status import model_status
+from caravan_llm.scheduler.weights import NO_PREFETCH
+from caravan_llm.scheduler.world import (
+    DesiredModel,
+    Observation,
+    PlannerMemory,
+    replica_from_job_stub,
+)
 
 CONFIG = ClusterConfig()
 World = tuple[dict[str, DesiredModel], Observation]

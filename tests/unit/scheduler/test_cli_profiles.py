@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from caravan_cli.main import main
+from caravan_llm.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted(str(p) for p in (ROOT / "examples" / "profiles").glob("*.yaml"))
@@ -157,7 +157,7 @@ def test_a_closed_pipe_ends_the_cli_without_a_traceback():
     os.close(read_end)  # the reader is gone before anything is written
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "caravan_cli", "render", EXAMPLES[0]],
+            [sys.executable, "-m", "caravan_llm.cli", "render", EXAMPLES[0]],
             stdout=write_end,
             stderr=subprocess.PIPE,
             check=False,

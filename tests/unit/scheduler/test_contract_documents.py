@@ -1,12 +1,13 @@
-"""The scheduler writes and reads its Consul documents through caravan/contract.py's codecs."""
+"""The scheduler writes and reads its Consul documents through caravan_llm/common/contract.py's
+codecs."""
 
 from __future__ import annotations
 
 import pytest
 from profile_builders import make_llamacpp, make_vllm
 
-from caravan.consul_api import KVEntry
-from caravan.contract import (
+from caravan_llm.common.consul_api import KVEntry
+from caravan_llm.common.contract import (
     DemandRecord,
     DrainRecord,
     KVLayout,
@@ -16,13 +17,13 @@ from caravan.contract import (
     encode_desired_count,
     encode_drain,
 )
-from caravan.engine_metrics import MetricNames
-from scheduler.cluster_config import CLUSTER_CONFIG_CODEC, ClusterConfig
-from scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES
-from scheduler.engines.vllm import VLLM_METRIC_NAMES
-from scheduler.model_store import parse_desired_state
-from scheduler.profiles import ModelProfile, profile_to_json
-from scheduler.render import render
+from caravan_llm.common.engine_metrics import MetricNames
+from caravan_llm.scheduler.cluster_config import CLUSTER_CONFIG_CODEC, ClusterConfig
+from caravan_llm.scheduler.engines.llamacpp import LLAMACPP_METRIC_NAMES
+from caravan_llm.scheduler.engines.vllm import VLLM_METRIC_NAMES
+from caravan_llm.scheduler.model_store import parse_desired_state
+from caravan_llm.scheduler.profiles import ModelProfile, profile_to_json
+from caravan_llm.scheduler.render import render
 
 LAYOUT = KVLayout()
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from profile_builders import make_llamacpp
 
-from scheduler.cluster_config import ClusterConfig
-from scheduler.dry_run import Change, FieldChange, diff_documents, plan_model
-from scheduler.model_store import DesiredState
-from scheduler.render import spec_hash
-from scheduler.world import ObservedReplica
+from caravan_llm.scheduler.cluster_config import ClusterConfig
+from caravan_llm.scheduler.dry_run import Change, FieldChange, diff_documents, plan_model
+from caravan_llm.scheduler.model_store import DesiredState
+from caravan_llm.scheduler.render import spec_hash
+from caravan_llm.scheduler.world import ObservedReplica
 
 CONFIG = ClusterConfig()
 

@@ -6,11 +6,11 @@ from profile_builders import make_llamacpp
 from prometheus_client import CollectorRegistry
 from test_enforce_index import DictKV, EnforcingNomad, NoHealth
 
-from caravan.contract import KVLayout
-from scheduler.cluster_config import ClusterConfig
-from scheduler.controller import Controller
-from scheduler.metrics import SchedulerMetrics
-from scheduler.model_store import DesiredState, ModelStore
+from caravan_llm.common.contract import KVLayout
+from caravan_llm.scheduler.cluster_config import ClusterConfig
+from caravan_llm.scheduler.controller import Controller
+from caravan_llm.scheduler.metrics import SchedulerMetrics
+from caravan_llm.scheduler.model_store import DesiredState, ModelStore
 
 PROFILE = make_llamacpp(
     name="tiny", replicas={"min": 0, "max": 1, "initial": 1}, autoscaling={"target_inflight": 2}

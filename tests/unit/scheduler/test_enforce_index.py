@@ -12,10 +12,10 @@ from typing import Any
 from profile_builders import make_llamacpp
 from prometheus_client import CollectorRegistry
 
-from caravan.consul_api import HealthEntry, KVEntry
-from caravan.contract import KVLayout
-from caravan.errors import HashiUnavailable, JobModifyIndexConflict
-from caravan.nomad_api import (
+from caravan_llm.common.consul_api import HealthEntry, KVEntry
+from caravan_llm.common.contract import KVLayout
+from caravan_llm.common.errors import HashiUnavailable, JobModifyIndexConflict
+from caravan_llm.common.nomad_api import (
     Allocation,
     DeregisterResult,
     Evaluation,
@@ -24,10 +24,10 @@ from caravan.nomad_api import (
     QueryResult,
     RegisterResult,
 )
-from scheduler.cluster_config import ClusterConfig
-from scheduler.controller import CONFLICT_REPLANS, Controller
-from scheduler.metrics import SchedulerMetrics
-from scheduler.model_store import DesiredState, ModelStore
+from caravan_llm.scheduler.cluster_config import ClusterConfig
+from caravan_llm.scheduler.controller import CONFLICT_REPLANS, Controller
+from caravan_llm.scheduler.metrics import SchedulerMetrics
+from caravan_llm.scheduler.model_store import DesiredState, ModelStore
 
 PROFILE = make_llamacpp(name="tiny", replicas={"min": 1, "max": 1})
 
@@ -131,7 +131,8 @@ class EnforcingNomad:
 
 
 def raise_enforce(wanted: int, have: int) -> None:
-    # What caravan.nomad_api makes of Nomad's 500 (its mapping is tested in test_nomad_api.py).
+    # What caravan_llm.common.nomad_api makes of Nomad's 500 (its mapping is tested in
+    # test_nomad_api.py).
     raise JobModifyIndexConflict(
         f"Nomad PUT /v1/jobs: HTTP 500: Enforcing job modify index {wanted}: "
         f"job exists with conflicting job modify index: {have}",

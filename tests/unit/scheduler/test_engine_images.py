@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from profile_builders import make_llamacpp
 
-from scheduler.cluster_config import ClusterConfig
-from scheduler.profile_policy import ProfilePolicy, policy_problems
+from caravan_llm.scheduler.cluster_config import ClusterConfig
+from caravan_llm.scheduler.profile_policy import ProfilePolicy, policy_problems
 
 
 def test_profile_may_name_the_clusters_pinned_images_but_not_a_floating_tag():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from caravan.errors import HashiPermissionDenied
-from caravan.nomad_api import Allocation, LogFrame, TaskEvent
-from scheduler.engine_logs import (
+from caravan_llm.common.errors import HashiPermissionDenied
+from caravan_llm.common.nomad_api import Allocation, LogFrame, TaskEvent
+from caravan_llm.scheduler.engine_logs import (
     MAX_LINE_CHARS,
     MAX_LINES,
     TAIL_BYTES,
@@ -14,7 +14,7 @@ from scheduler.engine_logs import (
     crashed_alloc,
     tail_lines,
 )
-from scheduler.world import EngineLogTail, ObservedReplica
+from caravan_llm.scheduler.world import EngineLogTail, ObservedReplica
 
 EXIT_1 = TaskEvent("Terminated", "Exit Code: 1", 5, task="engine", exit_code=1)
 

@@ -5,16 +5,21 @@ from __future__ import annotations
 import pytest
 from profile_builders import make_llamacpp, make_vllm
 
-from caravan.contract import (
+from caravan_llm.common.contract import (
     EngineRoute,
     ServiceMetaKey,
     decode_engine_routes,
     decode_stream_traits,
 )
-from scheduler.engines.registry import Engine, adapter_for, all_adapters, engine_key_env_names
-from scheduler.profile_policy import DENIED_ENV, DENIED_FLAGS
-from scheduler.profiles import ENGINE_KEY_ENV_NAMES
-from scheduler.render import render
+from caravan_llm.scheduler.engines.registry import (
+    Engine,
+    adapter_for,
+    all_adapters,
+    engine_key_env_names,
+)
+from caravan_llm.scheduler.profile_policy import DENIED_ENV, DENIED_FLAGS
+from caravan_llm.scheduler.profiles import ENGINE_KEY_ENV_NAMES
+from caravan_llm.scheduler.render import render
 
 
 @pytest.mark.parametrize("engine", list(Engine))

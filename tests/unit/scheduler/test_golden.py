@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from nomad_facts import nomad_fact_violations
 
-from scheduler.profiles import load_profile
-from scheduler.render import render
+from caravan_llm.scheduler.profiles import load_profile
+from caravan_llm.scheduler.render import render
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "examples" / "profiles").glob("*.yaml"))

@@ -13,13 +13,17 @@ from profile_builders import make_llamacpp
 from prometheus_client import CollectorRegistry
 from world_builders import alloc, replica
 
-from caravan.consul_api import HealthEntry
-from caravan.contract import model_service_name
-from scheduler.autoscale.inflight import InflightView
-from scheduler.autoscale.loop import INFLIGHT_MAX_AGE_TICKS, Autoscaler, AutoscalerSettings
-from scheduler.metrics import SchedulerMetrics
-from scheduler.model_store import DesiredState
-from scheduler.profiles import ModelProfile
+from caravan_llm.common.consul_api import HealthEntry
+from caravan_llm.common.contract import model_service_name
+from caravan_llm.scheduler.autoscale.inflight import InflightView
+from caravan_llm.scheduler.autoscale.loop import (
+    INFLIGHT_MAX_AGE_TICKS,
+    Autoscaler,
+    AutoscalerSettings,
+)
+from caravan_llm.scheduler.metrics import SchedulerMetrics
+from caravan_llm.scheduler.model_store import DesiredState
+from caravan_llm.scheduler.profiles import ModelProfile
 
 T0 = 1_700_000_000.0
 

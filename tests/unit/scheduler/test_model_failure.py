@@ -8,18 +8,18 @@ from typing import Any
 
 from profile_builders import make_llamacpp
 
-from caravan.contract import JobMetaKey, ModelFailure
-from caravan.nomad_api import Allocation, JobStub
-from scheduler.assess import assess
-from scheduler.cluster_config import ClusterConfig
-from scheduler.model_failure import (
+from caravan_llm.common.contract import JobMetaKey, ModelFailure
+from caravan_llm.common.nomad_api import Allocation, JobStub
+from caravan_llm.scheduler.assess import assess
+from caravan_llm.scheduler.cluster_config import ClusterConfig
+from caravan_llm.scheduler.model_failure import (
     FailureUpdate,
     failure_updates,
     impossible_placement,
     model_failure,
 )
-from scheduler.placement_explain import ReplicaAsk
-from scheduler.world import DesiredModel, Observation, replica_from_job_stub
+from caravan_llm.scheduler.placement_explain import ReplicaAsk
+from caravan_llm.scheduler.world import DesiredModel, Observation, replica_from_job_stub
 
 NOT_RESTARTING = 'Exceeded allowed attempts 2 in interval 30m0s and mode is "fail"'
 

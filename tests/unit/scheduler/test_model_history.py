@@ -6,9 +6,9 @@ import json
 
 from profile_builders import make_llamacpp
 
-from caravan.consul_api import KVEntry, TxnCas, TxnDelete
-from caravan.contract import KVLayout
-from scheduler.model_history import (
+from caravan_llm.common.consul_api import KVEntry, TxnCas, TxnDelete
+from caravan_llm.common.contract import KVLayout
+from caravan_llm.scheduler.model_history import (
     ModelHistory,
     ProfileVersion,
     parse_history,
@@ -16,7 +16,7 @@ from scheduler.model_history import (
     stored_document,
     version_write,
 )
-from scheduler.profiles import profile_to_json
+from caravan_llm.scheduler.profiles import profile_to_json
 
 LAYOUT = KVLayout()
 

@@ -5,11 +5,18 @@ from __future__ import annotations
 import pytest
 from profile_builders import make_llamacpp
 
-from caravan.consul_api import KVEntry, TxnCas, TxnCheckIndex, TxnDelete, TxnDeleteCas, TxnSet
-from caravan.contract import KVLayout
-from scheduler.cluster_config import ClusterConfig
-from scheduler.model_service import SubmissionRejectedError, validate_submission
-from scheduler.model_store import (
+from caravan_llm.common.consul_api import (
+    KVEntry,
+    TxnCas,
+    TxnCheckIndex,
+    TxnDelete,
+    TxnDeleteCas,
+    TxnSet,
+)
+from caravan_llm.common.contract import KVLayout
+from caravan_llm.scheduler.cluster_config import ClusterConfig
+from caravan_llm.scheduler.model_service import SubmissionRejectedError, validate_submission
+from caravan_llm.scheduler.model_store import (
     StoredModels,
     delete_ops,
     parse_desired_state,
@@ -17,7 +24,7 @@ from scheduler.model_store import (
     scale_ops,
     submit_ops,
 )
-from scheduler.profiles import profile_to_json
+from caravan_llm.scheduler.profiles import profile_to_json
 
 LAYOUT = KVLayout()
 

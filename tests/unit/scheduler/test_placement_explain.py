@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from profile_builders import make_llamacpp, make_vllm
 
-from scheduler.placement_explain import ReplicaAsk, explain_failed_groups, explain_failed_placement
-from scheduler.render import render
+from caravan_llm.scheduler.placement_explain import (
+    ReplicaAsk,
+    explain_failed_groups,
+    explain_failed_placement,
+)
+from caravan_llm.scheduler.render import render
 
 
 def test_missing_gpus_say_how_many_of_which_class():

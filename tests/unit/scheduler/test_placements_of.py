@@ -4,20 +4,20 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from caravan.consul_api import KVEntry
-from caravan.contract import (
+from caravan_llm.common.consul_api import KVEntry
+from caravan_llm.common.contract import (
     KVLayout,
     PlacedAllocation,
     Placements,
     decode_placements,
     encode_placements,
 )
-from caravan.errors import HashiUnavailable
-from caravan.nomad_api import AllocatedPort, Allocation
-from scheduler.metrics import SchedulerMetrics
-from scheduler.model_store import ModelStore
-from scheduler.publish import Publisher, placements_of
-from scheduler.world import AllocEngine, ObservedReplica
+from caravan_llm.common.errors import HashiUnavailable
+from caravan_llm.common.nomad_api import AllocatedPort, Allocation
+from caravan_llm.scheduler.metrics import SchedulerMetrics
+from caravan_llm.scheduler.model_store import ModelStore
+from caravan_llm.scheduler.publish import Publisher, placements_of
+from caravan_llm.scheduler.world import AllocEngine, ObservedReplica
 
 RUNNING = "00000000-0000-4000-8000-000000000001"
 PENDING = "00000000-0000-4000-8000-000000000002"

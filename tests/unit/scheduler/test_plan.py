@@ -18,14 +18,14 @@ from world_builders import (
     world,
 )
 
-from caravan.contract import DrainRecord
-from scheduler.plan import (
+from caravan_llm.common.contract import DrainRecord
+from caravan_llm.scheduler.plan import (
     PlanSettings,
     Register,
     Replace,
     StartDrain,
 )
-from scheduler.world import PlannerMemory
+from caravan_llm.scheduler.world import PlannerMemory
 
 GPU = make_vllm(name="gpu", replicas={"min": 0, "max": 8})
 CPU = make_llamacpp(name="cpu", replicas={"min": 0, "max": 8})

@@ -7,10 +7,15 @@ from dataclasses import replace
 from profile_builders import make_vllm
 from world_builders import NOW, NS, alloc, desired, nodes, replica, run_plan, world
 
-from scheduler.cluster_config import ClusterConfig
-from scheduler.plan import Deregister, Register, RegisterPrefetch, Replace
-from scheduler.render import secret_templates
-from scheduler.weights import ObservedPrefetch, PrefetchState, prefetch_job_id, render_prefetch
+from caravan_llm.scheduler.cluster_config import ClusterConfig
+from caravan_llm.scheduler.plan import Deregister, Register, RegisterPrefetch, Replace
+from caravan_llm.scheduler.render import secret_templates
+from caravan_llm.scheduler.weights import (
+    ObservedPrefetch,
+    PrefetchState,
+    prefetch_job_id,
+    render_prefetch,
+)
 
 WEIGHTS = {"volume": {"type": "host", "source": "models"}, "path": "/models", "prefetch": {}}
 

@@ -2,7 +2,7 @@
 
 `consul kv put caravan/models/X @profile.yaml` stores YAML; the scheduler
 deployed it while routers ignored it as "not JSON". Both now read the
-document through `caravan.contract.decode_profile_document`, and both apply
+document through `caravan_llm.common.contract.decode_profile_document`, and both apply
 the contract's rule for a served name declared twice in KV.
 """
 
@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from caravan.consul_api import KVEntry
-from caravan.contract import (
+from caravan_llm.common.consul_api import KVEntry
+from caravan_llm.common.contract import (
     ContractError,
     KVLayout,
     ProfileDocumentError,
     decode_model_view,
     decode_profile_document,
 )
-from router.feeds.discovery import profiles_from_kv
-from scheduler.model_store import parse_desired_state
-from scheduler.profiles import ProfileError, load_profile, parse_profile_text
+from caravan_llm.router.feeds.discovery import profiles_from_kv
+from caravan_llm.scheduler.model_store import parse_desired_state
+from caravan_llm.scheduler.profiles import ProfileError, load_profile, parse_profile_text
 
 ROOT = Path(__file__).resolve().parents[3]
 LAYOUT = KVLayout()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from profile_builders import make_llamacpp, make_vllm
 
-from scheduler.profile_policy import ProfilePolicy, flag_name, policy_problems
-from scheduler.profiles import Engine
+from caravan_llm.scheduler.profile_policy import ProfilePolicy, flag_name, policy_problems
+from caravan_llm.scheduler.profiles import Engine
 
 DEFAULT = ProfilePolicy()
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from profile_builders import llamacpp_document, make_llamacpp, make_vllm, vllm_document
 
-from scheduler.profiles import (
+from caravan_llm.scheduler.profiles import (
     Engine,
     ProfileError,
     parse_profile_text,

@@ -9,10 +9,10 @@ import pytest
 from nomad_facts import nomad_fact_violations
 from profile_builders import make_llamacpp, make_vllm
 
-from caravan.contract import ServiceMetaKey
-from scheduler.cluster_config import ClusterConfig
-from scheduler.gpu_classes import GpuClass
-from scheduler.render import PlacementHints, RenderError, render, spec_hash
+from caravan_llm.common.contract import ServiceMetaKey
+from caravan_llm.scheduler.cluster_config import ClusterConfig
+from caravan_llm.scheduler.gpu_classes import GpuClass
+from caravan_llm.scheduler.render import PlacementHints, RenderError, render, spec_hash
 
 
 def group_of(body: dict[str, Any]) -> dict[str, Any]:

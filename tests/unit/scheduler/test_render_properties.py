@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nomad_facts import nomad_fact_violations
 
-from scheduler.gpu_classes import BUILTIN_GPU_CLASSES
-from scheduler.profiles import ModelProfile
-from scheduler.render import PlacementHints, render
+from caravan_llm.scheduler.gpu_classes import BUILTIN_GPU_CLASSES
+from caravan_llm.scheduler.profiles import ModelProfile
+from caravan_llm.scheduler.render import PlacementHints, render
 
 names = st.from_regex(r"[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?", fullmatch=True)
 node_ids = st.frozensets(st.uuids().map(str), max_size=4)

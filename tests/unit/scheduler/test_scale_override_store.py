@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from profile_builders import make_llamacpp
 
-from caravan.consul_api import KVEntry, TxnCheckIndex, TxnDelete, TxnSet
-from caravan.contract import KVLayout, ModelFailure, ScaleOverride
-from scheduler.model_store import (
+from caravan_llm.common.consul_api import KVEntry, TxnCheckIndex, TxnDelete, TxnSet
+from caravan_llm.common.contract import KVLayout, ModelFailure, ScaleOverride
+from caravan_llm.scheduler.model_store import (
     DEFAULT_OVERRIDE_S,
     ScaleOutOfBoundsError,
     parse_desired_state,
@@ -15,7 +15,7 @@ from scheduler.model_store import (
     scale_ops,
     scale_override_for,
 )
-from scheduler.profiles import profile_to_json
+from caravan_llm.scheduler.profiles import profile_to_json
 
 LAYOUT = KVLayout()
 NOW = 1_700_000_000.0

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from caravan.contract import KVLayout
-from caravan.errors import HashiPermissionDenied
-from caravan.nomad_api import QueryResult, VariableMetadata
-from caravan.preflight import PROBE_NAME, Preflight
-from scheduler.preflight import scheduler_capabilities
+from caravan_llm.common.contract import KVLayout
+from caravan_llm.common.errors import HashiPermissionDenied
+from caravan_llm.common.nomad_api import QueryResult, VariableMetadata
+from caravan_llm.common.preflight import PROBE_NAME, Preflight
+from caravan_llm.scheduler.preflight import scheduler_capabilities
 
 
 class NoSubmitNomad:

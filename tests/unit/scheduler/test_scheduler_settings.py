@@ -12,18 +12,18 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from caravan.consul_api import ConsulClient, ConsulSettings
-from caravan.leader import ElectionSettings
-from caravan.nomad_api import NomadClient, NomadSettings
-from caravan.settings_help import env_names, setting_docs, settings_error_lines
-from router.settings import RouterSettings
-from scheduler.app import build_scheduler
-from scheduler.autoscale.loop import AutoscalerSettings
-from scheduler.cluster_config import ClusterConfig
-from scheduler.controller import ControllerSettings
-from scheduler.plan import PlanSettings
-from scheduler.server import deprecated_alias_used
-from scheduler.settings import SchedulerSettings
+from caravan_llm.common.consul_api import ConsulClient, ConsulSettings
+from caravan_llm.common.leader import ElectionSettings
+from caravan_llm.common.nomad_api import NomadClient, NomadSettings
+from caravan_llm.common.settings_help import env_names, setting_docs, settings_error_lines
+from caravan_llm.router.settings import RouterSettings
+from caravan_llm.scheduler.app import build_scheduler
+from caravan_llm.scheduler.autoscale.loop import AutoscalerSettings
+from caravan_llm.scheduler.cluster_config import ClusterConfig
+from caravan_llm.scheduler.controller import ControllerSettings
+from caravan_llm.scheduler.plan import PlanSettings
+from caravan_llm.scheduler.server import deprecated_alias_used
+from caravan_llm.scheduler.settings import SchedulerSettings
 
 REPO = Path(__file__).resolve().parents[3]
 TOKEN = "t" * 32
@@ -204,7 +204,8 @@ def test_the_readme_table_lists_exactly_the_settings() -> None:
     ("module", "settings_cls"), [("scheduler", SchedulerSettings), ("router", RouterSettings)]
 )
 def test_help_lists_every_setting(module: str, settings_cls: type[SchedulerSettings]) -> None:
-    """`python -m scheduler --help` and `python -m router --help` name every variable, exit 0."""
+    """`python -m caravan_llm.scheduler --help` and `python -m caravan_llm.router --help` name
+    every variable, exit 0."""
     done = subprocess.run(
         [sys.executable, "-m", module, "--help"],
         capture_output=True,

@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from caravan.contract import ServiceMetaKey, decode_stream_traits
-from scheduler.cluster_config import ClusterConfig
-from scheduler.profile_policy import ProfilePolicy, policy_problems
-from scheduler.profiles import ModelProfile, ProfileError, profile_from_mapping
-from scheduler.render import render
+from caravan_llm.common.contract import ServiceMetaKey, decode_stream_traits
+from caravan_llm.scheduler.cluster_config import ClusterConfig
+from caravan_llm.scheduler.profile_policy import ProfilePolicy, policy_problems
+from caravan_llm.scheduler.profiles import ModelProfile, ProfileError, profile_from_mapping
+from caravan_llm.scheduler.render import render
 
 
 def sglang_document(**overrides: Any) -> dict[str, Any]:

@@ -16,15 +16,15 @@ from observation_strategies import NOW, worlds
 from prometheus_client import CollectorRegistry
 from test_enforce_index import DictKV
 
-from caravan.consul_api import HealthCheck, HealthEntry
-from caravan.contract import (
+from caravan_llm.common.consul_api import HealthCheck, HealthEntry
+from caravan_llm.common.contract import (
     MANAGED_BY_VALUE,
     JobMetaKey,
     KVLayout,
     ServiceMetaKey,
     model_service_name,
 )
-from caravan.nomad_api import (
+from caravan_llm.common.nomad_api import (
     Allocation,
     DeregisterResult,
     Evaluation,
@@ -33,13 +33,13 @@ from caravan.nomad_api import (
     QueryResult,
     RegisterResult,
 )
-from scheduler.cluster_config import ClusterConfig
-from scheduler.controller import Controller
-from scheduler.metrics import SchedulerMetrics
-from scheduler.model_store import DesiredState, ModelStore
-from scheduler.status import ModelStatus, StatusReader
-from scheduler.weights import PREFETCH_KIND, PREFETCH_KIND_KEY, PrefetchState
-from scheduler.world import DesiredModel, Observation
+from caravan_llm.scheduler.cluster_config import ClusterConfig
+from caravan_llm.scheduler.controller import Controller
+from caravan_llm.scheduler.metrics import SchedulerMetrics
+from caravan_llm.scheduler.model_store import DesiredState, ModelStore
+from caravan_llm.scheduler.status import ModelStatus, StatusReader
+from caravan_llm.scheduler.weights import PREFETCH_KIND, PREFETCH_KIND_KEY, PrefetchState
+from caravan_llm.scheduler.world import DesiredModel, Observation
 
 CONFIG = ClusterConfig()
 # What a prefetch job's only allocation does in each observed state (none: pending).

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from caravan.consul_api import HealthCheck, HealthEntry
-from scheduler.status import misconfigured_instances
+from caravan_llm.common.consul_api import HealthCheck, HealthEntry
+from caravan_llm.scheduler.status import misconfigured_instances
 
 
 def entry(output: str, node: str = "n1") -> HealthEntry:

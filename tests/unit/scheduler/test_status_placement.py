@@ -7,12 +7,12 @@ from typing import Any
 
 from profile_builders import make_llamacpp
 
-from caravan.nomad_api import Allocation, Evaluation, JobStub
-from scheduler.assess import assess
-from scheduler.cluster_config import ClusterConfig
-from scheduler.render import render
-from scheduler.status import replica_status
-from scheduler.world import DesiredModel, Observation, replica_from_job_stub
+from caravan_llm.common.nomad_api import Allocation, Evaluation, JobStub
+from caravan_llm.scheduler.assess import assess
+from caravan_llm.scheduler.cluster_config import ClusterConfig
+from caravan_llm.scheduler.render import render
+from caravan_llm.scheduler.status import replica_status
+from caravan_llm.scheduler.world import DesiredModel, Observation, replica_from_job_stub
 
 BLOCKED = {
     "Status": "blocked",

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 from nomad_facts import nomad_fact_violations
 
-from caravan.nomad_api import Allocation, JobStub
-from scheduler.cluster_config import ClusterConfig
-from scheduler.profiles import ProfileError, load_profile, profile_from_mapping
-from scheduler.render import RenderError, render, secret_templates
-from scheduler.weights import (
+from caravan_llm.common.nomad_api import Allocation, JobStub
+from caravan_llm.scheduler.cluster_config import ClusterConfig
+from caravan_llm.scheduler.profiles import ProfileError, load_profile, profile_from_mapping
+from caravan_llm.scheduler.render import RenderError, render, secret_templates
+from caravan_llm.scheduler.weights import (
     NS_PER_S,
     ObservedPrefetch,
     PrefetchState,
@@ -322,7 +322,7 @@ def _alloc(status: str, modify: int = 1, events: list[dict[str, Any]] | None = N
 
 
 def _observe(stub: dict[str, Any], allocs: list[dict[str, Any]]) -> ObservedPrefetch | None:
-    """Nomad's JSON decoded as caravan.nomad_api decodes it, then observed."""
+    """Nomad's JSON decoded as caravan_llm.common.nomad_api decodes it, then observed."""
     return observe_prefetch(JobStub.from_api(stub), [Allocation.from_api(a) for a in allocs])
 
 
@@ -364,8 +364,8 @@ def test_observed_prefetch_state_and_failure_come_from_nomads_allocations() -> N
 
 
 def test_status_names_a_failed_or_running_prefetch() -> None:
-    from scheduler.status import summarise_model  # noqa: PLC0415 - only this test needs it
-    from scheduler.weights import PrefetchGate  # noqa: PLC0415
+    from caravan_llm.scheduler.status import summarise_model  # noqa: PLC0415 - only this test needs it
+    from caravan_llm.scheduler.weights import PrefetchGate  # noqa: PLC0415
 
     profile = _profile(VLLM)
     failed = PrefetchGate(register=None, ready=False, status="failed: Exit Code: 3", failed=True)
@@ -376,7 +376,7 @@ def test_status_names_a_failed_or_running_prefetch() -> None:
     assert "prefetching" == summarise_model("qwen", profile, 2, [], prefetch=running).status
     assert "scaled to zero" == summarise_model("qwen", profile, 0, [], prefetch=running).status
     # Replicas of the previous weights still serve: the model is not down, the problem shows.
-    from scheduler.status import ReplicaStatus  # noqa: PLC0415
+    from caravan_llm.scheduler.status import ReplicaStatus  # noqa: PLC0415
 
     serving = ReplicaStatus(
         job_id="caravan-qwen-0", replica=0, state="ready", current=False, draining=False
@@ -389,7 +389,7 @@ def test_status_names_a_failed_or_running_prefetch() -> None:
 
 
 def test_caravan_render_prints_the_prefetch_job(capsys: pytest.CaptureFixture[str]) -> None:
-    from caravan_cli.main import main  # noqa: PLC0415 - only this test needs the CLI
+    from caravan_llm.cli.main import main  # noqa: PLC0415 - only this test needs the CLI
 
     (path,) = (str(p) for p in PREFETCH_EXAMPLES if p.stem == "llama-vllm-h100-cached")
     assert 0 == main(["render", path, "--prefetch"])

@@ -6,9 +6,9 @@ import itertools
 from dataclasses import replace
 from typing import Any
 
-from caravan.nomad_api import Allocation, Node
-from scheduler.cluster_config import ClusterConfig
-from scheduler.plan import (
+from caravan_llm.common.nomad_api import Allocation, Node
+from caravan_llm.scheduler.cluster_config import ClusterConfig
+from caravan_llm.scheduler.plan import (
     Action,
     ClearDrainMarker,
     Deregister,
@@ -19,9 +19,9 @@ from scheduler.plan import (
     drain_record_for,
     plan,
 )
-from scheduler.profiles import ModelProfile
-from scheduler.render import spec_hash
-from scheduler.world import (
+from caravan_llm.scheduler.profiles import ModelProfile
+from caravan_llm.scheduler.render import spec_hash
+from caravan_llm.scheduler.world import (
     DesiredModel,
     DrainRecord,
     Observation,

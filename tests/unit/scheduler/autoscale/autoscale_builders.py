@@ -6,10 +6,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.autoscale.memory import Memory
-from scheduler.autoscale.policy import ScaleDecision, decide
-from scheduler.autoscale.signals import ModelSignals, ReplicaLoad
-from scheduler.profiles import Autoscaling, Replicas
+from caravan_llm.scheduler.autoscale.memory import Memory
+from caravan_llm.scheduler.autoscale.policy import ScaleDecision, decide
+from caravan_llm.scheduler.autoscale.signals import ModelSignals, ReplicaLoad
+from caravan_llm.scheduler.profiles import Autoscaling, Replicas
 
 # Wall-clock seconds, as the loop passes them.
 T0 = 1_700_000_000.0

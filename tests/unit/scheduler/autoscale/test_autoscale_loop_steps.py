@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from scheduler.autoscale.loop import cold_start_step, next_tick_in
-from scheduler.autoscale.memory import Direction
+from caravan_llm.scheduler.autoscale.loop import cold_start_step, next_tick_in
+from caravan_llm.scheduler.autoscale.memory import Direction
 
 
 def test_a_scale_up_from_zero_begins_it_whatever_asked_for_it() -> None:

@@ -7,7 +7,7 @@ import json
 import pytest
 from autoscale_builders import T0
 
-from scheduler.autoscale.memory import (
+from caravan_llm.scheduler.autoscale.memory import (
     MAX_HISTORY,
     DecisionRecord,
     Direction,

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from caravan.contract import ModelFailure, ScaleOverride
-from scheduler.autoscale.memory import DecisionRecord, Direction, Memory, RecommendationSample
-from scheduler.autoscale.override import constrain, override_in_force
-from scheduler.autoscale.policy import ScaleDecision
+from caravan_llm.common.contract import ModelFailure, ScaleOverride
+from caravan_llm.scheduler.autoscale.memory import (
+    DecisionRecord,
+    Direction,
+    Memory,
+    RecommendationSample,
+)
+from caravan_llm.scheduler.autoscale.override import constrain, override_in_force
+from caravan_llm.scheduler.autoscale.policy import ScaleDecision
 
 NOW = 1_700_000_000.0
 EARLIER = DecisionRecord(Direction.UP, 3, "earlier scale", NOW - 500)

@@ -15,8 +15,13 @@ from autoscale_builders import (
     simulate,
 )
 
-from scheduler.autoscale.memory import Direction, Memory, memory_from_json, memory_to_json
-from scheduler.autoscale.policy import CheckResult, decide, preempt, target_value
+from caravan_llm.scheduler.autoscale.memory import (
+    Direction,
+    Memory,
+    memory_from_json,
+    memory_to_json,
+)
+from caravan_llm.scheduler.autoscale.policy import CheckResult, decide, preempt, target_value
 
 UP, NONE, DOWN = Direction.UP, Direction.NONE, Direction.DOWN
 

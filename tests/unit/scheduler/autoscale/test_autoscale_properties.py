@@ -10,7 +10,7 @@ from autoscale_builders import T0, counts, even_load, failed, load, make_signals
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.autoscale.memory import (
+from caravan_llm.scheduler.autoscale.memory import (
     DecisionRecord,
     Direction,
     Memory,
@@ -18,9 +18,9 @@ from scheduler.autoscale.memory import (
     memory_from_json,
     memory_to_json,
 )
-from scheduler.autoscale.policy import CheckResult, decide, preempt
-from scheduler.autoscale.signals import ReplicaLoad
-from scheduler.profiles import Autoscaling, Replicas
+from caravan_llm.scheduler.autoscale.policy import CheckResult, decide, preempt
+from caravan_llm.scheduler.autoscale.signals import ReplicaLoad
+from caravan_llm.scheduler.profiles import Autoscaling, Replicas
 
 intervals = st.sampled_from([1.0, 2.0, 5.0, 10.0])
 windows = st.sampled_from([0.0, 5.0, 15.0, 30.0, 60.0, 120.0])

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from caravan.engine_scrape import ScrapeError, ScrapeFailure
-from scheduler.autoscale.scrape import ReplicaTarget, RouterTarget, parse_router_queues
-from scheduler.engines.vllm import VLLM_METRIC_NAMES
+from caravan_llm.common.engine_scrape import ScrapeError, ScrapeFailure
+from caravan_llm.scheduler.autoscale.scrape import ReplicaTarget, RouterTarget, parse_router_queues
+from caravan_llm.scheduler.engines.vllm import VLLM_METRIC_NAMES
 
 ROUTER_TEXT = """\
 # HELP caravan_router_queue_depth Requests waiting for a replica.

@@ -8,7 +8,7 @@ from types import MappingProxyType
 import pytest
 from autoscale_builders import T0, failed, load, make_signals
 
-from scheduler.autoscale.signals import (
+from caravan_llm.scheduler.autoscale.signals import (
     RouterQueue,
     RouterQueueReport,
     aggregate,

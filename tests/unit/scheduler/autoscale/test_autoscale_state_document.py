@@ -5,9 +5,14 @@ from __future__ import annotations
 import json
 import math
 
-from scheduler.autoscale.loop import state_document
-from scheduler.autoscale.memory import Direction, Memory, memory_from_json, memory_to_json
-from scheduler.autoscale.policy import ScaleDecision
+from caravan_llm.scheduler.autoscale.loop import state_document
+from caravan_llm.scheduler.autoscale.memory import (
+    Direction,
+    Memory,
+    memory_from_json,
+    memory_to_json,
+)
+from caravan_llm.scheduler.autoscale.policy import ScaleDecision
 
 
 def test_state_document_keeps_the_memory_readable_and_adds_signals():

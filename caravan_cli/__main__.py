@@ -1,5 +1,0 @@
-import sys
-
-from caravan_cli.main import main
-
-sys.exit(main())
