@@ -506,7 +506,9 @@ def parse_jobspec(
 ) -> Json:
     """The one job of an HCL2 jobspec as Nomad's API JSON."""
     if not HCL_AVAILABLE:
-        raise JobspecError("devcluster needs python-hcl2 to parse HCL: pip install 'caravan-llm[demo]'")
+        raise JobspecError(
+            "devcluster needs python-hcl2 to parse HCL: pip install 'caravan-llm[demo]'"
+        )
     options = hcl2.SerializationOptions(
         strip_string_quotes=False, with_comments=False, explicit_blocks=True, preserve_heredocs=True
     )
