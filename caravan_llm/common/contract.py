@@ -928,6 +928,11 @@ class EngineRoute(StrEnum):
     SCORE = "score"
     TOKENIZE = "tokenize"
     DETOKENIZE = "detokenize"
+    # Anthropic's token counting: the prompt tokens of a /v1/messages body.
+    MESSAGES_COUNT_TOKENS = "messages_count_tokens"
+    # vLLM's pooling routes (mounted only for a pooling or classification model).
+    POOLING = "pooling"
+    CLASSIFY = "classify"
 
     @property
     def engine_path(self) -> str:
@@ -945,6 +950,9 @@ _ENGINE_PATHS: Mapping[EngineRoute, str] = {
     # vLLM and llama-server serve these without the /v1 prefix only; SGLang serves both.
     EngineRoute.TOKENIZE: "/tokenize",
     EngineRoute.DETOKENIZE: "/detokenize",
+    EngineRoute.MESSAGES_COUNT_TOKENS: "/v1/messages/count_tokens",
+    EngineRoute.POOLING: "/pooling",
+    EngineRoute.CLASSIFY: "/classify",
 }
 
 # What a replica that publishes no routes is taken to serve: the routes every

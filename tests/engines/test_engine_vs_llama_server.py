@@ -299,6 +299,7 @@ TYPED_REQUESTS = {
     ),
     "messages": ("/v1/messages", {"messages": MESSAGES, "max_tokens": 3}),
     "messages-stream": ("/v1/messages", {"messages": MESSAGES, "max_tokens": 3, "stream": True}),
+    "messages-count-tokens": ("/v1/messages/count_tokens", {"messages": MESSAGES}),
     "tokenize": ("/tokenize", {"content": "hello world"}),
     "tokenize-pieces": ("/tokenize", {"content": "hello world", "with_pieces": True}),
     "detokenize": ("/detokenize", {"tokens": [1, 2]}),

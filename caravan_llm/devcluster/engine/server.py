@@ -186,6 +186,7 @@ class SimulatedEngine:
                 web.get("/version", self._version),
                 web.get("/ping", self._health),
                 web.post("/v1/messages", self._messages),
+                web.post("/v1/messages/count_tokens", self._count_tokens),
                 web.post("/tokenize", self._tokenize),
                 web.post("/detokenize", self._detokenize),
             ]
@@ -198,6 +199,7 @@ class SimulatedEngine:
                 web.post("/chat/completions", self._chat),
                 web.post("/completions", self._completions),
                 web.post("/v1/messages", self._messages),
+                web.post("/v1/messages/count_tokens", self._count_tokens),
                 web.post("/tokenize", self._llamacpp_tokenize),
                 web.post("/detokenize", self._llamacpp_detokenize),
                 web.post("/v1/embeddings", self._llamacpp_embeddings),
@@ -596,6 +598,17 @@ class SimulatedEngine:
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         return await self._typed(request, "messages")
+
+    async def _count_tokens(self, request: web.Request) -> web.StreamResponse:
+        """/v1/messages/count_tokens: the prompt tokens the messages would take, nothing run."""
+        try:
+            body = await self._read_json(request)
+            parsed = parse_chat_request(messages_chat_body(body), self.settings.api_flavor)
+            self._check_model(parsed)
+            plan = self._plan(parsed)
+        except ApiError as err:
+            return self._error(err)
+        return _json_response({"input_tokens": plan.prompt_tokens})
 
     async def _typed(self, request: web.Request, api: TypedApi) -> web.StreamResponse:
         """/v1/responses and /v1/messages: the chat they describe, answered in their shape."""

@@ -104,23 +104,60 @@ def within_load_bound(in_flight: int, bound: int) -> bool:
 
 
 def affinity_key(
-    request_json: Mapping[str, Any], prefix_chars: int = DEFAULT_PREFIX_CHARS
+    request_json: Mapping[str, Any],
+    prefix_chars: int = DEFAULT_PREFIX_CHARS,
+    *,
+    responses: bool = False,
 ) -> int | None:
     """The affinity hash of an OpenAI request body, or None when it has no prompt to key on.
 
     Chat: the system prompt(s) and the first user message, each cut to
     `prefix_chars`; that pair names a conversation, and every later turn of it
-    repeats the pair, so the turns meet their own cached prefix. Completions: the
-    first `prefix_chars` characters of the prompt.
+    repeats the pair, so the turns meet their own cached prefix. Anthropic
+    messages and (`responses`: the body is one of the Responses API) Responses
+    requests are read as chats (`conversation`). Completions: the first
+    `prefix_chars` characters of the prompt.
     """
-    messages = request_json.get("messages")
-    if isinstance(messages, list):
+    messages = conversation(request_json, responses=responses)
+    if messages is not None:
         text = _chat_prefix(messages, prefix_chars)
     else:
         text = _prompt_prefix(request_json.get("prompt"), prefix_chars)
     if not text:
         return None
     return stable_hash(text)
+
+
+def conversation(payload: Mapping[str, Any], *, responses: bool = False) -> list[Any] | None:
+    """A request's prompt as chat messages, whichever API it came by; None for a plain prompt.
+
+    Chat completions: `messages`. Anthropic's Messages API: its top-level
+    `system` (a string or text blocks) before `messages`. The Responses API
+    (`responses`, since embeddings also have an `input`): `instructions` as the
+    system prompt, then `input`, a string (one user message) or a list of items,
+    of which those with a role are messages (tool calls and their outputs carry
+    no prompt prefix worth keying on).
+    """
+    messages = payload.get("messages")
+    if isinstance(messages, list):
+        system = payload.get("system")
+        if isinstance(system, str | list) and system:
+            return [{"role": "system", "content": system}, *messages]
+        return messages
+    if not responses:
+        return None
+    items = payload.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list):
+        return None
+    found: list[Any] = [
+        item for item in items if isinstance(item, Mapping) and isinstance(item.get("role"), str)
+    ]
+    instructions = payload.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        found.insert(0, {"role": "system", "content": instructions})
+    return found
 
 
 def _chat_prefix(messages: list[Any], prefix_chars: int) -> str | None:

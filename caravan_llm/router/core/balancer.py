@@ -108,11 +108,9 @@ class RequestFeatures:
     """What the balancer reads from a request (derived by the proxy from its ParsedRequest)."""
 
     model: str
-    affinity_key: int | None = None  # caravan_llm.router.core.affinity.affinity_key of the body
+    affinity_key: int | None = None  # core/affinity.py's affinity_key of the body
     exclude: frozenset[str] = frozenset()  # endpoint ids already tried by this request
-    prompt: PromptShape | None = (
-        None  # caravan_llm.router.core.prefix_index.prompt_shape of the body
-    )
+    prompt: PromptShape | None = None  # core/prefix_index.py's prompt_shape of the body
     # The OpenAI route it is for: only endpoints whose engine serves it are candidates
     # (None: any endpoint of the model).
     route: EngineRoute | None = None

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from caravan_llm.router.core.affinity import content_text, stable_hash
+from caravan_llm.router.core.affinity import content_text, conversation, stable_hash
 
 DEFAULT_BLOCK_CHARS = 128
 DEFAULT_CHARS_PER_TOKEN = 4.0
@@ -76,10 +76,15 @@ class PromptShape:
     ring_key: int | None
 
 
-def prompt_shape(payload: Mapping[str, Any], config: ShapeConfig) -> PromptShape | None:
-    """The shape of an OpenAI request body's prompt; None when it has none to speak of."""
-    messages = payload.get("messages")
-    if isinstance(messages, list):
+def prompt_shape(
+    payload: Mapping[str, Any], config: ShapeConfig, *, responses: bool = False
+) -> PromptShape | None:
+    """The shape of an OpenAI request body's prompt; None when it has none to speak of.
+
+    `responses`: the body is one of the Responses API (its `input` is the prompt).
+    """
+    messages = conversation(payload, responses=responses)
+    if messages is not None:
         text = _chat_text(messages)
     else:
         prompt = payload.get("prompt")

@@ -69,6 +69,7 @@ from caravan_llm.router.core.errors import (
     NoHealthyEndpoint,
     QueueTimeout,
     ReplacementTimeout,
+    RouteNotServed,
 )
 from caravan_llm.router.core.live_state import Lease, Outcome, finish_request, start_request
 from caravan_llm.router.core.replacement import still_excluded
@@ -304,6 +305,10 @@ class AdmissionGate:
         """Something may have freed capacity: hand it to waiting requests, in order."""
         if not self._waiters:
             return
+        for waiter in list(self._waiters.values()):
+            unserved = None if waiter.future.done() else self._route_unserved(waiter.features)
+            if unserved is not None:
+                waiter.future.set_exception(unserved)
         now = self._clock()
         for model in list(self._queues.depths()):
             self._drain(model, now)
@@ -329,6 +334,23 @@ class AdmissionGate:
         since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(failure.since))
         return ModelUnavailable(
             model, failure.reason, since, self._admission.cold_start_retry_after_s
+        )
+
+    def _route_unserved(self, features: RequestFeatures) -> RouteNotServed | None:
+        """The answer for a held request once the model's replicas show they lack its route.
+
+        A replica registers in Consul (with the routes its engine serves) while it
+        starts, so a request held on a cold start learns this as soon as the first
+        one appears, instead of waiting for the cold-start deadline.
+        """
+        route = features.route
+        endpoints = self._state.view.snapshot.for_model(features.model)
+        if route is None or endpoints is None or not endpoints.endpoints:
+            return None
+        if any(endpoint.serves(route) for endpoint in endpoints.endpoints):
+            return None
+        return RouteNotServed(
+            features.model, route.engine_path, "its engine does not serve this route"
         )
 
     def queue_depths(self) -> dict[str, int]:

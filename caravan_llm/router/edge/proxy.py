@@ -55,7 +55,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from caravan_llm.common.contract import OPENAI_STREAM_TRAITS
+from caravan_llm.common.contract import OPENAI_STREAM_TRAITS, EngineRoute
 from caravan_llm.router.core.affinity import affinity_key
 from caravan_llm.router.core.balancer import Policy, RequestFeatures
 from caravan_llm.router.core.endpoints import CheckStatus, Endpoint
@@ -384,6 +384,7 @@ class Proxy:
         self, request: web.Request, parsed: ParsedRequest, path: str, spec: RouteSpec
     ) -> Exchange:
         payload = parsed.payload
+        responses = spec.route is EngineRoute.RESPONSES
         return Exchange(
             request=request,
             parsed=parsed,
@@ -396,11 +397,15 @@ class Proxy:
                 model=parsed.model,
                 route=spec.route,
                 affinity_key=(
-                    affinity_key(payload, self._settings.affinity_prefix_chars)
+                    affinity_key(payload, self._settings.affinity_prefix_chars, responses=responses)
                     if self._use_affinity
                     else None
                 ),
-                prompt=prompt_shape(payload, self._shape) if self._use_cost else None,
+                prompt=(
+                    prompt_shape(payload, self._shape, responses=responses)
+                    if self._use_cost
+                    else None
+                ),
             ),
             headers=self._upstream_headers(request, parsed.request_id),
         )

@@ -85,6 +85,11 @@ ROUTES: Mapping[str, RouteSpec] = {
     "/v1/tokenize": _TOKENIZE,
     "/detokenize": _DETOKENIZE,
     "/v1/detokenize": _DETOKENIZE,
+    "/v1/messages/count_tokens": RouteSpec(
+        EngineRoute.MESSAGES_COUNT_TOKENS, requires=("messages",)
+    ),
+    "/pooling": RouteSpec(EngineRoute.POOLING),
+    "/classify": RouteSpec(EngineRoute.CLASSIFY),
 }
 
 # Event types that end a stream of each typed dialect (an `error` event ends it too).

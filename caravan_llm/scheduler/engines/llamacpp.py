@@ -110,9 +110,14 @@ def _has_flag(args: tuple[str, ...], flags: frozenset[str]) -> bool:
 
 
 # llama-server's routes (tools/server/server.cpp, seen on the built server):
-# no /v1/score. Embeddings answer 501 without `--embeddings`, rerank 501
-# without `--reranking` (both OpenAI-shaped, passed on as they are).
-LLAMACPP_ROUTES = frozenset(EngineRoute) - {EngineRoute.SCORE}
+# no /v1/score, /pooling or /classify (404 there). Embeddings answer 501
+# without `--embeddings`, rerank 501 without `--reranking` (both
+# OpenAI-shaped, passed on as they are); /v1/messages/count_tokens answers.
+LLAMACPP_ROUTES = frozenset(EngineRoute) - {
+    EngineRoute.SCORE,
+    EngineRoute.POOLING,
+    EngineRoute.CLASSIFY,
+}
 
 
 LLAMACPP_FACTS = EngineFacts(

@@ -105,9 +105,15 @@ DENIED_FLAGS = (
 DENIED_ENV = ("SGLANG_HOST_IP", "SGLANG_PORT", "SGLANG_LOGGING_CONFIG_PATH", API_KEY_ENV)
 
 
-# SGLang's http_server.py: every OpenAI route but Anthropic's messages; embeddings,
-# score and rerank answer only for a model served with `--is-embedding`.
-SGLANG_ROUTES = frozenset(EngineRoute) - {EngineRoute.MESSAGES}
+# SGLang's http_server.py: every OpenAI route but Anthropic's messages (and so
+# their token count) and vLLM's /pooling and /classify; embeddings, score and
+# rerank answer only for a model served with `--is-embedding`.
+SGLANG_ROUTES = frozenset(EngineRoute) - {
+    EngineRoute.MESSAGES,
+    EngineRoute.MESSAGES_COUNT_TOKENS,
+    EngineRoute.POOLING,
+    EngineRoute.CLASSIFY,
+}
 
 
 SGLANG_FACTS = EngineFacts(

@@ -89,7 +89,9 @@ DENIED_ENV = (
 # vLLM's OpenAI server (vllm/entrypoints/openai/api_server.py and the routers it
 # includes): the generative routes for a generate model; embeddings, score and
 # rerank only for a pooling model (`register_pooling_api_routers` mounts them by
-# the model's tasks; a generate model answers them 404 `{"detail":"Not Found"}`).
+# the model's tasks; a generate model answers them 404 `{"detail":"Not Found"}`;
+# /pooling and /classify likewise). /v1/messages/count_tokens answers for a
+# generate model (vllm/entrypoints/anthropic/api_router.py).
 VLLM_ROUTES = frozenset(EngineRoute)
 # vLLM's own default for --max-num-seqs.
 DEFAULT_MAX_NUM_SEQS = 256

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -11,7 +12,9 @@ import openai
 import pytest
 from aiohttp import web
 from router_cluster import (
+    LAYOUT,
     Engine,
+    declare_model,
     register_replica,
     routable_count,
     running_router,
@@ -287,3 +290,73 @@ async def test_a_relayed_stream_cut_by_its_engine_ends_with_an_error_event(
     assert b"event: response.created" in events[0]
     assert events[-1].startswith(b"event: error\n")
     assert b"[DONE]" not in raw
+
+
+@pytest.mark.parametrize("flavor", ["vllm", "llamacpp"])
+async def test_messages_count_tokens_answers_the_prompt_tokens(
+    flavor: str,
+    consul: ConsulClient,
+    tiny_engines: list[Engine],
+    llamacpp_engine: Engine,
+    http: aiohttp.ClientSession,
+) -> None:
+    """/v1/messages/count_tokens reaches vLLM and llama-server; a longer prompt counts more."""
+    engines = tiny_engines if flavor == "vllm" else [llamacpp_engine]
+    await _register_all(consul, engines, flavor=flavor)
+    counts = []
+    async with running_router(consul) as router:
+        await wait_until(
+            lambda: routable_count(router, MODEL) == len(engines), timeout_s=5, what="replicas"
+        )
+        for text in ["hi", "hi there, how is the caravan today"]:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
+            async with http.post(router.url + "/v1/messages/count_tokens", json=body) as response:
+                assert 200 == response.status
+                counts.append((await response.json())["input_tokens"])
+
+    assert 0 < counts[0] < counts[1]
+
+
+@pytest.mark.parametrize("path", ["/pooling", "/classify"])
+async def test_pooling_routes_on_a_generate_model_are_route_not_supported(
+    path: str, consul: ConsulClient, tiny_engines: list[Engine], http: aiohttp.ClientSession
+) -> None:
+    """vLLM mounts /pooling and /classify only for pooling models: OpenAI's 404, naming both."""
+    await _register_all(consul, tiny_engines)
+    body = {"model": MODEL, "input": "hello"}
+    async with running_router(consul) as router:
+        await wait_until(lambda: routable_count(router, MODEL) == 3, timeout_s=5, what="3 replicas")
+        async with http.post(router.url + path, json=body) as response:
+            answer = await response.json()
+
+    assert (404, "route_not_supported") == (response.status, answer["error"]["code"])
+    assert f"No replica of model '{MODEL}' serves {path}" in answer["error"]["message"]
+
+
+async def test_a_held_request_learns_at_once_that_the_starting_replica_lacks_its_route(
+    consul: ConsulClient, llamacpp_engine: Engine, http: aiohttp.ClientSession
+) -> None:
+    """A cold-start hold for /v1/score ends in route_not_supported as soon as a llama.cpp
+    replica registers, long before the cold-start deadline."""
+    model = "cold-score"
+    await declare_model(consul, model)
+    body = {"model": model, "text_1": "a", "text_2": "b"}
+    async with running_router(consul, cold_start_timeout_s=120.0) as router:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        request = asyncio.create_task(http.post(router.url + "/v1/score", json=body))
+
+        async def held() -> bool:
+            _, entry = await consul.kv_get(LAYOUT.demand_key(model))
+            return entry is not None and json.loads(entry.value)["waiting"] == 1
+
+        await wait_until(held, timeout_s=5, what="the cold-start hold")
+        assert not request.done()
+        await register_replica(consul, model, 0, llamacpp_engine.port, flavor="llamacpp")
+        async with await asyncio.wait_for(request, 30) as response:
+            answer = await response.json()
+        elapsed = loop.time() - started
+
+    assert (404, "route_not_supported") == (response.status, answer["error"]["code"])
+    assert f"No replica of model '{model}' serves /v1/score" in answer["error"]["message"]
+    assert elapsed < 60.0

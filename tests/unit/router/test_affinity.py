@@ -207,3 +207,49 @@ class TestAffinityKey:
         }
 
         assert {str(affinity_key(chat(("user", "hello"))))} == results
+
+
+def test_a_responses_request_keys_on_its_instructions_and_first_user_input() -> None:
+    """`instructions` + `input` name the conversation as system + user messages do in a chat."""
+    chat = {
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Plan a route."},
+        ]
+    }
+    as_string = {"instructions": "You are terse.", "input": "Plan a route."}
+    as_items = {
+        "instructions": "You are terse.",
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "Plan a route."}]},
+            {"type": "function_call_output", "call_id": "c1", "output": "42"},
+        ],
+    }
+    other = {"instructions": "You are verbose.", "input": "Plan a route."}
+
+    keys = [affinity_key(chat)] + [
+        affinity_key(body, responses=True) for body in (as_string, as_items, other)
+    ]
+
+    assert keys[0] is not None
+    assert keys[0] == keys[1] == keys[2]
+    assert keys[3] != keys[0]
+
+
+def test_an_anthropic_request_keys_on_its_top_level_system() -> None:
+    """Anthropic's `system` field is the system prompt of its messages."""
+    messages = [{"role": "user", "content": "Plan a route."}]
+    plain = affinity_key({"messages": messages})
+    with_system = affinity_key({"system": "You are terse.", "messages": messages})
+    as_chat = affinity_key(
+        {"messages": [{"role": "system", "content": "You are terse."}, *messages]}
+    )
+
+    assert with_system == as_chat
+    assert plain != with_system
+
+
+def test_embeddings_inputs_give_no_affinity() -> None:
+    """An embeddings `input` is no conversation: no key, as before."""
+    assert affinity_key({"input": "embed me"}) is None
+    assert affinity_key({"input": ["one", "two"]}, responses=True) is None

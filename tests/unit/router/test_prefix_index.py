@@ -135,3 +135,19 @@ def test_belief_never_exceeds_capacity(records: list[tuple[list[int], int]]) -> 
         index.record(chain, capacity)
         assert len(index) <= capacity
         assert index.matched(chain) == min(len(chain), capacity)
+
+
+def test_a_responses_request_has_the_shape_of_the_same_chat() -> None:
+    """instructions + input items are cut into the same blocks as the chat they describe."""
+    system = "You are a careful assistant. " * 8
+    question = "What is the capital of France?"
+    responses = {
+        "instructions": system,
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": question}]}],
+    }
+
+    as_chat = prompt_shape(chat(system, question), SHAPE)
+    as_responses = prompt_shape(responses, SHAPE, responses=True)
+
+    assert as_chat is not None
+    assert as_chat == as_responses
