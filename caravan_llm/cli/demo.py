@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -28,7 +29,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 import aiohttp
 from pydantic import SecretStr
@@ -92,6 +93,12 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "--timeout", type=float, default=None, help="readiness limit (s; 180, 420 with real vLLM)"
     )
     parser.add_argument(
+        "--json",
+        action="store_true",
+        help="narrate on stderr; once ready, print one JSON object on stdout (the addresses, "
+        "keys and tokens of the export lines, the models, each one's completion)",
+    )
+    parser.add_argument(
         "--keep-logs",
         action="store_true",
         help="keep devcluster's folder (engine logs, Nomad data) on exit; it is printed at start",
@@ -148,13 +155,18 @@ def run_demo(args: argparse.Namespace) -> int:
         if find_vllm() is None:
             print(f"error: --vllm real: {missing_build_message()}", file=sys.stderr)
             return 1
+    out = sys.stdout
     try:
-        return asyncio.run(_demo(args))
+        if args.json:
+            # The narration moves to stderr; stdout carries the one JSON object.
+            with contextlib.redirect_stdout(sys.stderr):
+                return asyncio.run(_demo(args, out))
+        return asyncio.run(_demo(args, out))
     except KeyboardInterrupt:
         return 130
 
 
-async def _demo(args: argparse.Namespace) -> int:
+async def _demo(args: argparse.Namespace, out: TextIO) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -173,8 +185,13 @@ async def _demo(args: argparse.Namespace) -> int:
             return 1
         await _wait_routable(running, [p.served_name for p in running.profiles], stop)
         await _show_refusal(running.router)
-        for profile in running.profiles:
-            await _stream_completion(running.router, profile.served_name)
+        completions = {
+            profile.served_name: await _stream_completion(running.router, profile.served_name)
+            for profile in running.profiles
+        }
+        if args.json:
+            print(json.dumps(_ready_document(running, completions), sort_keys=True), file=out)
+            out.flush()
         say(f"\nready in {time.monotonic() - started:.0f}s. In another shell:\n")
         say(f"export NOMAD_ADDR={running.nomad_addr}")
         say(f"export CONSUL_HTTP_ADDR={running.consul_addr}")
@@ -205,6 +222,22 @@ async def _demo(args: argparse.Namespace) -> int:
         await stop.wait()
         say("stopping everything")
     return 0
+
+
+def _ready_document(running: Running, completions: dict[str, str]) -> dict[str, object]:
+    """What `--json` prints once the demo is ready: the export lines' values, and more."""
+    return {
+        "nomad_addr": running.nomad_addr,
+        "consul_http_addr": running.consul_addr,
+        "openai_base_url": f"{running.router.base_url}/v1",
+        "openai_api_key": running.router.api_key,
+        "caravan_scheduler_addr": running.scheduler_url,
+        "caravan_api_token": running.scheduler_token,
+        "dns_port": running.dns_port,
+        "engine_logs": None if running.work_dir is None else str(running.work_dir / "nomad"),
+        "models": sorted(completions),
+        "completions": completions,
+    }
 
 
 def _caravan_command() -> str:
@@ -421,7 +454,7 @@ async def _show_refusal(router: RouterHandle) -> None:
         say(f"\na request without the API key: HTTP {response.status} (refused)")
 
 
-async def _stream_completion(router: RouterHandle, model: str) -> None:
+async def _stream_completion(router: RouterHandle, model: str) -> str:
     import openai  # noqa: PLC0415 - the demo extra, imported only when the demo runs
 
     client = openai.AsyncOpenAI(
@@ -429,6 +462,7 @@ async def _stream_completion(router: RouterHandle, model: str) -> None:
     )
     say(f'\n{model} > "{PROMPT}"')
     print(f"{model} < ", end="", flush=True)
+    pieces: list[str] = []
     try:
         stream = await client.chat.completions.create(
             model=model,
@@ -438,7 +472,9 @@ async def _stream_completion(router: RouterHandle, model: str) -> None:
         )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
-                print(chunk.choices[0].delta.content, end="", flush=True)
+                pieces.append(chunk.choices[0].delta.content)
+                print(pieces[-1], end="", flush=True)
     finally:
         await client.close()
     say()
+    return "".join(pieces)

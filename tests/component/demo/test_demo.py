@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -98,6 +99,35 @@ async def test_demo_once_streams_a_completion_and_exits_zero():
     assert completion.removeprefix("tiny-chat < ").strip(), "no streamed text"
     for variable in ("NOMAD_ADDR", "CONSUL_HTTP_ADDR", "OPENAI_BASE_URL", "CARAVAN_DNS_PORT"):
         assert f"\nexport {variable}=" in text
+
+
+@pytest.mark.slow
+async def test_demo_json_prints_one_object_with_the_exports_and_narrates_on_stderr():
+    """`caravan demo --once --json`: stdout is one JSON object a script can read; the
+    narration goes to stderr; the key and token it gives work as the export lines' do."""
+    process = await start_demo("--once", "--json")
+    out, err = await asyncio.wait_for(process.communicate(), 240)
+    assert process.returncode == 0, err.decode()
+    (line,) = out.decode().splitlines()
+    ready = json.loads(line)
+
+    assert {
+        "nomad_addr",
+        "consul_http_addr",
+        "openai_base_url",
+        "openai_api_key",
+        "caravan_scheduler_addr",
+        "caravan_api_token",
+        "dns_port",
+        "engine_logs",
+        "models",
+        "completions",
+    } == set(ready)
+    assert ["qwen2.5-7b-instruct", "tiny-chat"] == ready["models"]
+    assert all(text.strip() for text in ready["completions"].values())
+    assert ready["openai_api_key"]
+    assert ready["caravan_api_token"]
+    assert "tiny-chat: 3/3 ready" in err.decode()
 
 
 async def router_srv(dns_port: int) -> list[int]:
