@@ -11,7 +11,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from caravan_llm.common.consul_api import TxnConflictError
-from caravan_llm.common.contract import JOB_PREFIX
+from caravan_llm.common.contract import (
+    JOB_PREFIX,
+    ProfileDocumentError,
+    decode_profile_document,
+)
 from caravan_llm.scheduler.cluster_config import ClusterConfig
 from caravan_llm.scheduler.dry_run import SubmissionPlan, plan_submission
 from caravan_llm.scheduler.model_history import ModelHistory, ProfileVersion
@@ -22,8 +26,8 @@ from caravan_llm.scheduler.model_store import (
     UnknownModelError,
     WriteConflictError,
 )
-from caravan_llm.scheduler.profile_policy import policy_problems
-from caravan_llm.scheduler.profiles import ModelProfile, ProfileError, parse_profile_text
+from caravan_llm.scheduler.profile_policy import document_policy_problems, policy_problems
+from caravan_llm.scheduler.profiles import ModelProfile, ProfileError, profile_from_mapping
 from caravan_llm.scheduler.render import RenderError, render
 from caravan_llm.scheduler.status import ModelStatus, StatusReader
 from caravan_llm.scheduler.world import ObservedReplica, replica_from_job_stub
@@ -176,9 +180,24 @@ def validate_submission(
         )
     for source, text in documents:
         try:
-            profile = parse_profile_text(text, source)
+            document = decode_profile_document(text, source=source)
+        except ProfileDocumentError as exc:
+            problems.append(SubmissionProblem(source, exc.problem))
+            continue
+        except RecursionError:
+            problems.append(SubmissionProblem(source, "the document is nested too deeply"))
+            continue
+        try:
+            profile = profile_from_mapping(document, source)
         except ProfileError as exc:
-            problems.extend(SubmissionProblem(source, p) for p in exc.problems)
+            # Every problem in one run: the policy's too, on what could be read.
+            found_now = [
+                *exc.problems,
+                *document_policy_problems(
+                    document, config.profile_policy, cluster_images=config.engine_images
+                ),
+            ]
+            problems.extend(SubmissionProblem(source, p) for p in found_now)
             continue
         except RecursionError:
             # A hostile document (thousands of nested lists) must be a problem, not a 500.

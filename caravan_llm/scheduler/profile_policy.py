@@ -239,6 +239,36 @@ def prefetch_problems(
     return problems
 
 
+def document_policy_problems(
+    document: Mapping[str, object], policy: ProfilePolicy, *, cluster_images: Iterable[str] = ()
+) -> list[str]:
+    """What the policy refuses in a profile document that failed its schema, as far as readable.
+
+    So that one run names every problem: the schema's and, beside them, the
+    policy's on the fields that could be read (`env`, `secrets`,
+    `engine_args` of a known `engine`, `image`). Fields of the wrong type are
+    the schema's problem and are skipped here.
+    """
+
+    def names(value: object) -> list[str]:
+        return [key for key in value if isinstance(key, str)] if isinstance(value, Mapping) else []
+
+    found = [
+        *env_problems(names(document.get("env")), policy),
+        *env_problems(names(document.get("secrets")), policy, field="secrets"),
+    ]
+    engine = document.get("engine")
+    args = document.get("engine_args")
+    if engine in set(Engine) and isinstance(args, list):
+        found += engine_arg_problems(
+            Engine(str(engine)), [arg for arg in args if isinstance(arg, str)], policy
+        )
+    image = document.get("image")
+    if isinstance(image, str):
+        found += image_problems(image, policy, cluster_images)
+    return found
+
+
 def policy_problems(
     profile: ModelProfile, policy: ProfilePolicy, *, cluster_images: Iterable[str] = ()
 ) -> list[str]:

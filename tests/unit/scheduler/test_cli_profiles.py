@@ -127,6 +127,24 @@ def test_validate_reports_policy_and_render_problems_in_one_run(
     assert "unknown GPU class 'h900'" in err
 
 
+def test_validate_reports_schema_and_policy_problems_in_one_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    """A file that fails its schema still gets the policy's lines on the fields it could read."""
+    bad = write(
+        tmp_path,
+        "p.yaml",
+        "name: x\nmodel: m\nengine: vllm\ngpu: {class: h100}\nmax_concurrency: -1\n"
+        "env: {LD_PRELOAD: /x.so}\nengine_args: ['--trust-remote-code']\n",
+    )
+    assert main(["validate", bad]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert 3 == len(lines)
+    assert lines[0].startswith(f"{bad}: max_concurrency: ")
+    assert "LD_PRELOAD" in lines[1]
+    assert "--trust-remote-code" in lines[2]
+
+
 @pytest.mark.parametrize("command", ["validate", "render"])
 def test_non_utf8_profile_is_a_problem_not_a_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
