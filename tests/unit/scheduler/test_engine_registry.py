@@ -59,12 +59,21 @@ def test_rendered_meta_publishes_the_adapters_routes(profile) -> None:
     ("engine", "missing"),
     [
         (Engine.VLLM, set()),
-        (Engine.LLAMACPP, {EngineRoute.SCORE}),
-        (Engine.SGLANG, {EngineRoute.MESSAGES}),
+        (Engine.LLAMACPP, {EngineRoute.SCORE, EngineRoute.POOLING, EngineRoute.CLASSIFY}),
+        (
+            Engine.SGLANG,
+            {
+                EngineRoute.MESSAGES,
+                EngineRoute.MESSAGES_COUNT_TOKENS,
+                EngineRoute.POOLING,
+                EngineRoute.CLASSIFY,
+            },
+        ),
     ],
 )
 def test_each_engine_declares_the_routes_its_server_mounts(
     engine: Engine, missing: set[EngineRoute]
 ) -> None:
-    """vLLM serves every route; llama-server has no score, SGLang no Anthropic messages."""
+    """vLLM serves every route; llama-server has no score, pooling or classify; SGLang no
+    Anthropic messages (nor their token count), pooling or classify."""
     assert set(EngineRoute) - missing == set(adapter_for(engine).facts.routes)

@@ -1,7 +1,7 @@
 """The scheduler's modules import one way: no import circle among them.
 
 lint-imports' contracts keep the packages apart; this keeps the modules of
-`scheduler/` (and of the shared `caravan/`) from closing a circle (observe ->
+`caravan_llm.scheduler` (and of the shared `caravan_llm.common`) from closing a circle (observe ->
 assess -> plan -> controller must stay a line, never a loop back through the
 controller; the engine adapters never import the profile that names them).
 """
@@ -13,13 +13,14 @@ from collections.abc import Iterator
 import grimp
 
 
-def circles(graph: grimp.ImportGraph) -> Iterator[frozenset[str]]:
-    """The strongly connected components of more than one module (Tarjan, iteratively)."""
+def circles(graph: grimp.ImportGraph, package: str) -> Iterator[frozenset[str]]:
+    """The strongly connected components of more than one module of `package` (Tarjan)."""
+    modules = {m for m in graph.modules if m == package or m.startswith(package + ".")}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     on_stack: set[str] = set()
-    for root in sorted(graph.modules):
+    for root in sorted(modules):
         if root in index:
             continue
         work = [(root, iter(sorted(graph.find_modules_directly_imported_by(root))))]
@@ -30,7 +31,7 @@ def circles(graph: grimp.ImportGraph) -> Iterator[frozenset[str]]:
             module, children = work[-1]
             child = next(children, None)
             if child is not None:
-                if child not in graph.modules:
+                if child not in modules:
                     continue
                 if child not in index:
                     index[child] = low[child] = len(index)
@@ -60,8 +61,8 @@ def circles(graph: grimp.ImportGraph) -> Iterator[frozenset[str]]:
 
 def test_the_scheduler_has_no_import_circle_at_runtime() -> None:
     """What Python imports when the scheduler starts is a line, never a circle."""
-    graph = grimp.build_graph("scheduler", exclude_type_checking_imports=True, cache_dir=None)
-    assert [] == list(circles(graph))
+    graph = grimp.build_graph("caravan_llm", exclude_type_checking_imports=True, cache_dir=None)
+    assert [] == list(circles(graph, "caravan_llm.scheduler"))
 
 
 def test_type_only_imports_close_no_circle_either() -> None:
@@ -71,10 +72,12 @@ def test_type_only_imports_close_no_circle_either() -> None:
     typed against the profile (issue 22): adapters now read a profile through
     `EngineProfile`, and the schema of `weights:` sits below both.
     """
-    graph = grimp.build_graph("scheduler", cache_dir=None)
-    assert [] == list(circles(graph))
+    graph = grimp.build_graph("caravan_llm", cache_dir=None)
+    assert [] == list(circles(graph, "caravan_llm.scheduler"))
 
 
 def test_the_shared_package_has_no_import_circle() -> None:
-    """`caravan/`, which both processes import, is a line too, type-only imports counted."""
-    assert [] == list(circles(grimp.build_graph("caravan", cache_dir=None)))
+    """`caravan_llm.common`, which both processes import, is a line too, type-only imports
+    counted."""
+    graph = grimp.build_graph("caravan_llm", cache_dir=None)
+    assert [] == list(circles(graph, "caravan_llm.common"))
