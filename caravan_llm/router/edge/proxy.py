@@ -99,6 +99,7 @@ from caravan_llm.router.edge.continuation import (
     error_event,
     split_complete_events,
 )
+from caravan_llm.router.edge.field_types import field_problem
 from caravan_llm.router.edge.parsed_request import (
     PARSED_REQUEST,
     PRIORITY_HEADER,
@@ -415,6 +416,9 @@ class Proxy:
         missing = missing_field(exchange.spec, exchange.parsed.payload)
         if missing is not None:
             raise InvalidField(missing, f"`{missing}` is required on {exchange.path}.")
+        wrong = field_problem(exchange.spec.route, exchange.parsed.payload)
+        if wrong is not None:
+            raise InvalidField(*wrong)
         model = exchange.parsed.model
         endpoints = self._state.view.snapshot.for_model(model)
         route = exchange.spec.route

@@ -360,3 +360,32 @@ async def test_a_held_request_learns_at_once_that_the_starting_replica_lacks_its
     assert (404, "route_not_supported") == (response.status, answer["error"]["code"])
     assert f"No replica of model '{model}' serves /v1/score" in answer["error"]["message"]
     assert elapsed < 60.0
+
+
+async def test_malformed_bodies_are_the_clients_400_and_no_replica_leaves_rotation(
+    consul: ConsulClient, llamacpp_engine: Engine, http: aiohttp.ClientSession
+) -> None:
+    """200 bodies whose `tools` llama-server would answer with a 500 are 400s naming the
+    field; the replica stays routable and then serves a good request."""
+    await _register_all(consul, [llamacpp_engine], flavor="llamacpp")
+    bad = [True, 0, {"a": [None]}, "x"]
+    async with running_router(consul) as router:
+        await wait_until(lambda: routable_count(router, MODEL) == 1, timeout_s=5, what="replica")
+
+        async def send(tools: object) -> tuple[int, str]:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+            async with http.post(
+                router.url + "/v1/chat/completions", json={**body, "tools": tools}
+            ) as response:
+                return response.status, (await response.json())["error"]["param"]
+
+        answers = await asyncio.gather(*(send(bad[i % len(bad)]) for i in range(200)))
+        routable_after = routable_count(router, MODEL)
+        async with http.post(
+            router.url + "/v1/chat/completions",
+            json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+        ) as good:
+            good_status = good.status
+
+    assert {(400, "tools")} == set(answers)
+    assert (1, 200) == (routable_after, good_status)
