@@ -30,6 +30,8 @@ HANDSHAKE_TIMEOUT_MS = 10_000
 class KvSubscriber:
     socket: zmq.Socket[bytes]
     batches: list[EventBatch] = field(default_factory=list)
+    # The frames as received, beside their decoded batches (same order).
+    frames: list[list[bytes]] = field(default_factory=list)
 
     @classmethod
     @contextlib.contextmanager
@@ -71,6 +73,7 @@ class KvSubscriber:
                 parts = self.socket.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return self.batches
+            self.frames.append(parts)
             self.batches.append(decode_frame(parts))
 
     async def batches_until(
