@@ -302,6 +302,8 @@ BAD_FRAMES: dict[str, Any] = {
     ],
     "map key not a string": [b"kv", SEQ, b"\x92\x00\x91\x81\x01\x02"],
     "deeply nested": [b"kv", SEQ, b"\x91" * 100_000],
+    "huge declared array": [b"kv", SEQ, b"\xdd\xff\xff\xff\xff"],
+    "huge declared string": [b"kv", SEQ, b"\x92\x00\x91\xdb\xff\xff\xff\xff"],
 }
 
 
