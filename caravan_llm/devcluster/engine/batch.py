@@ -24,13 +24,20 @@ are registered in the prefix cache under a hash chain of their tokens; when no
 sequence holds them any more they stay cached and are evicted least recently
 used first when a block is needed. Usage counts the blocks held by sequences,
 as vLLM's `kv_cache_usage_perc` does (cached but idle blocks count as free).
+
+Cache events (vLLM's KV events, when asked for with `record_cache_events`):
+each step's outcome carries what happened to the prefix cache since the
+previous step, in order: `BlocksStored` for each run of consecutive prompt
+blocks a sequence put in the cache (a block already cached is shared and
+stored again by no one), `BlockEvicted` for each idle cached block given to
+another use, and `CacheCleared` after `reset_prefix_cache`.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -95,6 +102,34 @@ class SequenceSpec:
     prompt_len: int
     block_hashes: tuple[int, ...]
     output_len: int
+    # The prompt's token ids, for the cache events' `token_ids` (empty when none are recorded).
+    prompt_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksStored:
+    """Consecutive full prompt blocks just put in the prefix cache, in prefix order."""
+
+    block_hashes: tuple[int, ...]
+    # The block before the first one here; None when they start the prompt.
+    parent_block_hash: int | None
+    # The blocks' tokens (block_size per block), when the sequence gave its token ids.
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockEvicted:
+    """An idle cached block taken for another use: its prefix is no longer cached."""
+
+    block_hash: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheCleared:
+    """The whole prefix cache was dropped (`reset_prefix_cache`)."""
+
+
+CacheEvent = BlocksStored | BlockEvicted | CacheCleared
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +174,8 @@ class StepOutcome:
     decode_seqs: int
     busy_seqs: int
     duration: float
+    # What happened to the prefix cache since the previous step (when recorded).
+    cache_events: tuple[CacheEvent, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,12 +214,13 @@ class _Seq:
 class BlockPool:
     """Fixed KV blocks: private to a sequence, or cached under a prompt-block hash."""
 
-    def __init__(self, total_blocks: int) -> None:
+    def __init__(self, total_blocks: int, *, on_evict: Callable[[int], None] | None = None) -> None:
         self.total = total_blocks
         self.free = total_blocks
         self._refs: dict[int, int] = {}
         # Cached blocks no sequence holds, least recently used first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._on_evict = on_evict
 
     @property
     def available(self) -> int:
@@ -221,8 +259,20 @@ class BlockPool:
             evicted, _ = self._evictable.popitem(last=False)
             del self._refs[evicted]
             self.free += 1
+            if self._on_evict is not None:
+                self._on_evict(evicted)
         self.free -= count
         return True
+
+    def in_use(self) -> bool:
+        """Whether any block is held by a sequence (private, or cached and referenced)."""
+        return self.available < self.total
+
+    def clear_cache(self) -> None:
+        """Forget every cached block; only valid when none is in use."""
+        self.free += len(self._evictable)
+        self._evictable.clear()
+        self._refs.clear()
 
     def free_private(self, count: int) -> None:
         self.free += count
@@ -238,9 +288,13 @@ class BlockPool:
 class BatchCore:
     """One engine instance's scheduler: a FIFO queue, a running batch and a KV cache."""
 
-    def __init__(self, model: PerfModel) -> None:
+    def __init__(self, model: PerfModel, *, record_cache_events: bool = False) -> None:
         self.model = model
-        self._pool = BlockPool(model.total_blocks)
+        self._record = record_cache_events
+        self._cache_events: list[CacheEvent] = []
+        self._pool = BlockPool(
+            model.total_blocks, on_evict=self._evicted if record_cache_events else None
+        )
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
         self._by_id: dict[str, _Seq] = {}
@@ -293,6 +347,15 @@ class BatchCore:
 
     def running_ids(self) -> list[str]:
         return [seq.spec.request_id for seq in self._running]
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block (vLLM's `reset_prefix_cache`); False while any is in use."""
+        if self._pool.in_use():
+            return False
+        self._pool.clear_cache()
+        if self._record:
+            self._cache_events.append(CacheCleared())
+        return True
 
     def stats(self) -> CoreStats:
         return CoreStats(
@@ -388,6 +451,7 @@ class BatchCore:
             decode_seqs=plan.decode_seqs,
             busy_seqs=len(plan.chunks),
             duration=plan.duration,
+            cache_events=self._take_cache_events(),
         )
 
     # --- internals ------------------------------------------------------
@@ -458,14 +522,46 @@ class BatchCore:
     def _publish_prompt_blocks(self, seq: _Seq) -> None:
         """Put the prompt's newly completed full blocks into the prefix cache."""
         full = min(seq.computed, seq.spec.prompt_len) // self.model.block_size
+        stored: list[int] = []  # indexes of the blocks this sequence stored first
         for index in range(len(seq.cached_hashes), min(full, len(seq.spec.block_hashes))):
             block_hash = seq.spec.block_hashes[index]
-            if not self._pool.register(block_hash):
+            if self._pool.register(block_hash):
+                stored.append(index)
+            else:
                 # Another sequence computed the same block first: share its copy.
                 self._pool.acquire(block_hash)
                 self._pool.free_private(1)
             seq.cached_hashes.append(block_hash)
             seq.private_blocks -= 1
+        if self._record and stored:
+            self._record_stored(seq.spec, stored)
+
+    def _record_stored(self, spec: SequenceSpec, indexes: Sequence[int]) -> None:
+        """One BlocksStored per run of consecutive block indexes."""
+        bs = self.model.block_size
+        runs: list[list[int]] = []
+        for index in indexes:
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        for run in runs:
+            first, last = run[0], run[-1]
+            self._cache_events.append(
+                BlocksStored(
+                    block_hashes=spec.block_hashes[first : last + 1],
+                    parent_block_hash=spec.block_hashes[first - 1] if first > 0 else None,
+                    token_ids=spec.prompt_token_ids[first * bs : (last + 1) * bs],
+                )
+            )
+
+    def _evicted(self, block_hash: int) -> None:
+        self._cache_events.append(BlockEvicted(block_hash))
+
+    def _take_cache_events(self) -> tuple[CacheEvent, ...]:
+        events = tuple(self._cache_events)
+        self._cache_events.clear()
+        return events
 
     def _finish(self, seq: _Seq, now: float) -> Finished:
         self._running.remove(seq)

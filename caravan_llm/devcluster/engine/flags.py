@@ -24,11 +24,18 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Literal
 
 from caravan_llm.devcluster.engine.batch import PerfModel
+from caravan_llm.devcluster.engine.kv_events import (
+    ENCODINGS,
+    KvEventsConfig,
+    KvEventsConfigError,
+    parse_kv_events_config,
+)
+from caravan_llm.kvrelay.wire import Encoding
 
 Flavor = Literal["vllm", "llamacpp", "sglang"]
 FLAVORS: tuple[Flavor, ...] = ("vllm", "llamacpp", "sglang")
@@ -176,6 +183,9 @@ SIM_KNOBS = (
     SimKnob("disconnect_rate", "share of streams whose connection drops mid-stream"),
     SimKnob("hang_rate", "share of requests that never answer"),
     SimKnob("seed", "seed of generated text and of fault draws"),
+    SimKnob(
+        "kv_events_encoding", "map|array: how KV events are encoded (vLLM before PR #42892: array)"
+    ),
 )
 
 
@@ -216,6 +226,11 @@ class EngineSettings:
     # vLLM's --num-gpu-blocks-override and whether --block-size was given (cache_config_info).
     num_gpu_blocks_override: int | None = None
     user_specified_block_size: bool = False
+    # vLLM's --kv-events-config, and the event encoding (`--sim-kv-events-encoding`).
+    kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
+    kv_events_encoding: Encoding = "map"
+    # VLLM_SERVER_DEV_MODE=1: vLLM's development routes (`POST /reset_prefix_cache`).
+    dev_mode: bool = False
 
     @property
     def api_flavor(self) -> ApiFlavor:
@@ -304,6 +319,7 @@ def vllm_parser() -> argparse.ArgumentParser:
         "--enable-force-include-usage", action=argparse.BooleanOptionalAction, default=False
     )
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--kv-events-config", default=None)
     ignored = parser.add_argument_group("accepted and ignored by the simulator")
     for flag in VLLM_IGNORED_VALUE_FLAGS:
         names = [flag, _VLLM_SHORT_FLAGS[flag]] if flag in _VLLM_SHORT_FLAGS else [flag]
@@ -470,6 +486,33 @@ def _sim_settings(values: Mapping[str, str]) -> SimSettings:
     )
 
 
+def _kv_events(raw: str | None) -> KvEventsConfig:
+    if raw is None:
+        return KvEventsConfig()
+    try:
+        return parse_kv_events_config(raw)
+    except KvEventsConfigError as exc:
+        raise FlagError(str(exc)) from None
+
+
+def _kv_events_encoding(values: Mapping[str, str]) -> Encoding:
+    raw = values.get("kv_events_encoding", "map").strip().lower()
+    for encoding in ENCODINGS:
+        if raw == encoding:
+            return encoding
+    knob = _knob("kv_events_encoding")
+    raise FlagError(f"{knob.flag} / {knob.env}: map or array, got {values['kv_events_encoding']!r}")
+
+
+def _dev_mode(env: Mapping[str, str]) -> bool:
+    """vLLM's `VLLM_SERVER_DEV_MODE`: `bool(int(value))`, off when unset."""
+    raw = env.get("VLLM_SERVER_DEV_MODE", "0")
+    try:
+        return bool(int(raw))
+    except ValueError:
+        raise FlagError(f"VLLM_SERVER_DEV_MODE: expected 0 or 1, got {raw!r}") from None
+
+
 def _positive(flag: str, value: int) -> int:
     if value < 1:
         raise FlagError(f"{flag}: must be at least 1, got {value}")
@@ -522,6 +565,9 @@ def _vllm_settings(args: argparse.Namespace, env: Mapping[str, str]) -> EngineSe
         api_keys=tuple(key for key in [args.api_key or env.get("VLLM_API_KEY") or ""] if key),
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         user_specified_block_size=args.block_size is not None,
+        kv_events=_kv_events(args.kv_events_config),
+        kv_events_encoding=_kv_events_encoding(values),
+        dev_mode=_dev_mode(env),
     )
 
 

@@ -20,21 +20,23 @@ import random
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from aiohttp import web
 
 from caravan_llm.devcluster.engine import sglang
 from caravan_llm.devcluster.engine.batch import (
     BatchCore,
+    CacheEvent,
     RequestTooLargeError,
     SequenceSpec,
     StepOutcome,
     prompt_block_hashes,
 )
 from caravan_llm.devcluster.engine.flags import LLAMACPP_TRAINED_CONTEXT, EngineSettings
+from caravan_llm.devcluster.engine.kv_events import KvEventPublisher
 from caravan_llm.devcluster.engine.loop import EngineLoop, RequestHandle
 from caravan_llm.devcluster.engine.metrics import (
     PROMETHEUS_TEXT_CONTENT_TYPE,
@@ -97,6 +99,12 @@ LLAMACPP_PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
+class KvEventSink(Protocol):
+    """Where each step's prefix-cache events go (the simulated vLLM's KV-event publisher)."""
+
+    def publish(self, events: Sequence[CacheEvent]) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class _Plan:
     request: GenerateRequest
@@ -119,10 +127,15 @@ class SimulatedEngine:
     """One simulated vLLM or llama.cpp instance: state, metrics and routes."""
 
     def __init__(
-        self, settings: EngineSettings, *, clock: Callable[[], float] = time.monotonic
+        self,
+        settings: EngineSettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        kv_events: KvEventSink | None = None,
     ) -> None:
         self.settings = settings
-        self.core = BatchCore(settings.perf)
+        self._kv_events = kv_events
+        self.core = BatchCore(settings.perf, record_cache_events=kv_events is not None)
         self.loop = EngineLoop(self.core, clock=clock, observers=(self._observe,))
         self.ready = asyncio.Event()
         self._faults = random.Random(settings.sim.seed)
@@ -185,11 +198,15 @@ class SimulatedEngine:
             routes += [
                 web.get("/version", self._version),
                 web.get("/ping", self._health),
+                web.get("/kv_event_sources", self._kv_event_sources),
                 web.post("/v1/messages", self._messages),
                 web.post("/v1/messages/count_tokens", self._count_tokens),
                 web.post("/tokenize", self._tokenize),
                 web.post("/detokenize", self._detokenize),
             ]
+            if self.settings.dev_mode:
+                # vLLM mounts its cache-reset route only with VLLM_SERVER_DEV_MODE=1.
+                routes.append(web.post("/reset_prefix_cache", self._reset_prefix_cache))
         else:
             routes += [
                 web.get("/v1/health", self._health),
@@ -264,6 +281,8 @@ class SimulatedEngine:
         return response
 
     def _observe(self, outcome: StepOutcome) -> None:
+        if self._kv_events is not None:
+            self._kv_events.publish(outcome.cache_events)
         if self._sglang_metrics is not None:
             self._sglang_metrics.observe_step(outcome)
         if self._vllm_metrics is not None:
@@ -286,6 +305,15 @@ class SimulatedEngine:
 
     async def _version(self, _: web.Request) -> web.Response:
         return _json_response({"version": VLLM_SIM_VERSION})
+
+    async def _kv_event_sources(self, _: web.Request) -> web.Response:
+        return _json_response(self.settings.kv_events.sources())
+
+    async def _reset_prefix_cache(self, _: web.Request) -> web.Response:
+        # The AllBlocksCleared event goes out with the next step's batch, as in vLLM.
+        if not self.core.reset_prefix_cache():
+            return _json_response({"detail": "Prefix cache reset failed."}, status=409)
+        return web.Response(status=200)
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
@@ -903,6 +931,12 @@ class SimulatedEngine:
             prompt_len=n_prompt,
             block_hashes=prompt_block_hashes(prompt_tokens, s.perf.block_size),
             output_len=len(output.tokens),
+            # Only the KV events carry token ids (BlockStored.token_ids).
+            prompt_token_ids=(
+                tuple(self._vocab.id_of(token) for token in prompt_tokens)
+                if self._kv_events is not None
+                else ()
+            ),
         )
         return _Plan(request=parsed, spec=spec, output=output, prompt_tokens=n_prompt)
 
@@ -1164,7 +1198,15 @@ async def run_engine(
     Returns at once with the bound port; the model "loads" in the background
     (`engine.ready` is set when it is served). Port 0 picks a free port.
     """
-    engine = SimulatedEngine(settings, clock=clock)
+    publisher: KvEventPublisher | None = None
+    if settings.flavor == "vllm" and settings.kv_events.publishes:
+        # vLLM opens its publisher with the engine, before the API listens.
+        publisher = KvEventPublisher(
+            settings.kv_events,
+            block_size=settings.perf.block_size,
+            encoding=settings.kv_events_encoding,
+        )
+    engine = SimulatedEngine(settings, clock=clock, kv_events=publisher)
     # A short shutdown: in-flight streams are cut rather than waited for.
     runner = web.AppRunner(
         engine.make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
@@ -1187,6 +1229,8 @@ async def run_engine(
 
         tasks.append(asyncio.create_task(engine.loop.run(), name="engine-batch-loop"))
         tasks.append(asyncio.create_task(load(sock), name="engine-load"))
+        if publisher is not None:
+            tasks.append(asyncio.create_task(publisher.run(), name="engine-kv-events"))
         yield RunningEngine(engine=engine, host=settings.host, port=int(sock.getsockname()[1]))
     finally:
         for task in tasks:
@@ -1197,3 +1241,5 @@ async def run_engine(
         await runner.cleanup()
         if sock is not None:
             sock.close()
+        if publisher is not None:
+            publisher.close()
