@@ -263,7 +263,7 @@ def test_bad_construction_is_refused() -> None:
             relay(**overrides)
 
 
-@settings(max_examples=300, derandomize=True)
+@settings(max_examples=150, derandomize=True)
 @given(batches=batches_st(), max_blocks=st.sampled_from([3, 16, 1000]))
 def test_the_relay_holds_what_the_model_holds(batches: list[Batch], max_blocks: int) -> None:
     """Under any stores, removals, clears, gaps and restarts the relay's digests are the model's.
