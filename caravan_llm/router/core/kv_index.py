@@ -29,9 +29,10 @@ replicas that left discovery.
 
 **Cost.** A lookup is one set lookup per leading block (64 at 8k tokens in
 blocks of 128): `cached_prefixes` over 8 replicas holding up to 56 of a
-64-block chain took about 60 us on the loaded dev machine. Memory, measured with tracemalloc over a set of a million
-random 64-bit digests: about 70 MB per million cached digests (36 bytes per
-int, the rest the set's table), whichever replicas they belong to.
+64-block chain took about 60 us on the loaded dev machine. Memory, measured
+with tracemalloc over a set of a million random 64-bit digests: about 70 MB
+per million cached digests (36 bytes per int, the rest the set's table),
+whichever replicas they belong to.
 
 Pure: no clock (`now` is a parameter), no I/O. Not thread-safe (one loop).
 """
