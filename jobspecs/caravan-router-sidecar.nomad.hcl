@@ -38,6 +38,12 @@ variable "namespace" {
   default     = "default"
 }
 
+variable "caravan_namespace" {
+  type        = string
+  description = "caravan's Nomad namespace, where the scheduler keeps the engines' API keys the router reads"
+  default     = "caravan"
+}
+
 variable "region" {
   type        = string
   description = "Nomad region of this job"
@@ -128,6 +134,7 @@ job "chat-app" {
       env {
         CONSUL_HTTP_ADDR                   = var.consul_addr != "" ? var.consul_addr : "http://${attr.unique.network.ip-address}:8500"
         NOMAD_ADDR                         = var.nomad_addr != "" ? var.nomad_addr : "http://${attr.unique.network.ip-address}:4646"
+        NOMAD_NAMESPACE                    = var.caravan_namespace
         CARAVAN_ROUTER_REGISTER_SERVICE    = "false"
         CARAVAN_ROUTER_SCRAPE_INTERVAL_S   = "2"
         CARAVAN_ROUTER_SHUTDOWN_TIMEOUT_S  = "10"

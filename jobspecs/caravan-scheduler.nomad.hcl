@@ -167,9 +167,12 @@ job "caravan-scheduler" {
         ]
       }
 
+      # No NOMAD_NAMESPACE here: Nomad gives the task its job's namespace, so the
+      # scheduler submits and reads the replica jobs where it runs itself, even
+      # when `nomad job run -namespace` (or NOMAD_NAMESPACE) put the job
+      # elsewhere than var.namespace says.
       env {
         NOMAD_ADDR       = var.nomad_addr
-        NOMAD_NAMESPACE  = var.namespace
         NOMAD_REGION     = var.region
         CONSUL_HTTP_ADDR = var.consul_addr
       }

@@ -57,7 +57,11 @@ from caravan_llm.devcluster.nomad.settings import NomadServerSettings, default_n
 from caravan_llm.router.settings import RouterSettings
 from caravan_llm.router.wiring.app import RUNTIME, app_runner, create_app
 from caravan_llm.scheduler.app import SchedulerProcess, build_scheduler
-from caravan_llm.scheduler.cluster_config import ClusterConfig, LlamaCppSettings
+from caravan_llm.scheduler.cluster_config import (
+    ClusterConfig,
+    LlamaCppSettings,
+    with_nomad_namespace,
+)
 from caravan_llm.scheduler.profile_policy import ProfilePolicy
 from caravan_llm.scheduler.profiles import ModelProfile
 from caravan_llm.scheduler.settings import SchedulerSettings
@@ -118,6 +122,10 @@ class StackOptions:
     # Nomad ACLs on, the scheduler and router each with a token of its own policy
     # (None: devcluster's Nomad without ACLs).
     nomad_acl: NomadAcl | None = None
+    # The Nomad namespace caravan runs in, as on a real cluster (docs/deploy.md
+    # creates `caravan`): created first, and NOMAD_NAMESPACE of every component
+    # and of `env`. `default` (Nomad's own) needs no creating.
+    nomad_namespace: str = "default"
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,6 +401,10 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
         token = new_secret() if options.secure else None
         async with DevCluster(dev_config) as cluster:
             env = _client_env(cluster)
+            if options.nomad_namespace != "default":
+                await _create_nomad_namespace(cluster, options)
+                env["NOMAD_NAMESPACE"] = options.nomad_namespace
+                config = with_nomad_namespace(config, options.nomad_namespace)
             if token is not None:
                 env["CARAVAN_API_TOKEN"] = token
             consul_tokens = {} if acl is None else await _create_consul_tokens(cluster, acl)
@@ -508,6 +520,18 @@ async def _acl_write(
             raise RuntimeError(msg)
     answer: Mapping[str, Any] = json.loads(text) if text.strip() else {}
     return answer
+
+
+async def _create_nomad_namespace(cluster: DevCluster, options: StackOptions) -> None:
+    """`nomad namespace apply NAME` (with the management token when ACLs are on)."""
+    acl = options.nomad_acl
+    headers = {} if acl is None else {"X-Nomad-Token": acl.management_token}
+    name = options.nomad_namespace
+    async with aiohttp.ClientSession(headers=headers) as session:
+        await _acl_write(
+            session, "PUT", f"{cluster.nomad.address}/v1/namespace/{name}",
+            {"Name": name, "Description": "caravan"}, f"Nomad refused namespace {name}",
+        )  # fmt: skip
 
 
 async def _create_nomad_tokens(cluster: DevCluster, acl: NomadAcl) -> dict[str, Mapping[str, Any]]:

@@ -351,11 +351,15 @@ def build_scheduler(
 
 @contextlib.asynccontextmanager
 async def scheduler_clients(
-    environ: Mapping[str, str],
+    environ: Mapping[str, str], *, namespace: str | None = None
 ) -> AsyncIterator[tuple[ConsulClient, NomadClient]]:
-    """Consul and Nomad clients configured from the standard environment variables."""
+    """Consul and Nomad clients configured from the standard environment variables; the
+    Nomad client works in `namespace` (the cluster config's) when given."""
+    nomad_settings = NomadSettings.from_env(environ)
+    if namespace:
+        nomad_settings = nomad_settings.model_copy(update={"namespace": namespace})
     async with (
         ConsulClient(ConsulSettings.from_env(environ)) as consul,
-        NomadClient(NomadSettings.from_env(environ)) as nomad,
+        NomadClient(nomad_settings) as nomad,
     ):
         yield consul, nomad

@@ -41,6 +41,7 @@ __all__ = [
     "LlamaCppSettings",
     "NodePools",
     "load_cluster_config",
+    "with_nomad_namespace",
 ]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -143,6 +144,29 @@ def load_cluster_config(path: Path | str | None) -> ClusterConfig:
     except ValidationError as exc:
         lines = "; ".join(describe_validation_error(exc))
         raise ClusterConfigError(f"{path}: {lines}") from None
+
+
+def with_nomad_namespace(config: ClusterConfig, nomad_namespace: str | None) -> ClusterConfig:
+    """The config with the one Nomad namespace the scheduler works in (pure).
+
+    The scheduler registers the replica jobs in the config's `namespace` and
+    reads them, their allocations and logs and its Variables, through its Nomad
+    client, which sends NOMAD_NAMESPACE with every request (and Nomad places a
+    job in the request's namespace over the job's own). So the two must be one:
+    a config that names no namespace takes NOMAD_NAMESPACE; one that names
+    another than NOMAD_NAMESPACE is refused (ClusterConfigError).
+    """
+    if not nomad_namespace:
+        return config
+    if "namespace" not in config.model_fields_set:
+        return config.model_copy(update={"namespace": nomad_namespace})
+    if config.namespace != nomad_namespace:
+        raise ClusterConfigError(
+            f"cluster config namespace {config.namespace!r} differs from NOMAD_NAMESPACE "
+            f"{nomad_namespace!r}: the scheduler submits and reads the replica jobs in one "
+            "namespace; leave one of them unset or set both alike"
+        )
+    return config
 
 
 # The codec of `<prefix>cluster-config` (caravan_llm/common/contract.py lists every document's

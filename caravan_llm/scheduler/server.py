@@ -35,6 +35,7 @@ from caravan_llm.scheduler.cluster_config import (
     ClusterConfig,
     ClusterConfigError,
     load_cluster_config,
+    with_nomad_namespace,
 )
 from caravan_llm.scheduler.settings import DEPRECATED_KV_PREFIX_ENV, ENV_PREFIX, SchedulerSettings
 
@@ -54,7 +55,7 @@ async def serve(
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
-    async with scheduler_clients(environ) as (consul, nomad):
+    async with scheduler_clients(environ, namespace=config.namespace) as (consul, nomad):
         process = build_scheduler(settings, config=config, consul=consul, nomad=nomad)
         await _run_until(process, stop)
     log.info("scheduler_clients_closed")
@@ -93,7 +94,7 @@ def run(settings: SchedulerSettings, environ: Mapping[str, str]) -> int:
 
     Exit codes: 0 after a signal; 1 for an unusable client setting or token
     (SettingsError, one line naming the variable and file) or a port that cannot
-    be bound; 2 for an invalid cluster config.
+    be bound; 2 for an invalid cluster config (or one whose namespace is not NOMAD_NAMESPACE).
     """
     # Every line at once: the scheduler logs little, and an operator watching
     # its start must see each line when it happens.
@@ -111,11 +112,16 @@ def run(settings: SchedulerSettings, environ: Mapping[str, str]) -> int:
     try:
         # Read now, so a bad TLS file or token is one line before anything starts.
         ConsulSettings.from_env(environ)
-        NomadSettings.from_env(environ)
+        nomad_settings = NomadSettings.from_env(environ)
         settings.token_source()
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)  # noqa: T201
         return 1
+    try:
+        config = with_nomad_namespace(config, nomad_settings.namespace)
+    except ClusterConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)  # noqa: T201
+        return 2
     try:
         asyncio.run(serve(settings, config, environ))
     except OSError as exc:

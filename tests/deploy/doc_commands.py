@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +57,12 @@ class Launch:
 
     component: str  # "scheduler" or "router"
     variables: Mapping[str, str] = field(default_factory=dict)
+    # The -namespace flag; without it the job's own (`-var namespace=`), as Nomad decides.
+    namespace: str = ""
+
+    @property
+    def job_namespace(self) -> str:
+        return self.namespace or self.variables.get("namespace") or "default"
 
 
 def parse_flags(
@@ -120,6 +127,11 @@ def nomad_acl_token_create(args: Sequence[str], cwd: Path) -> Request:
     return Request("nomad", "POST", "/v1/acl/token", body, output="json" if "json" in flags else "")
 
 
+def _query(params: Mapping[str, str]) -> str:
+    given = "&".join(f"{k}={urllib.parse.quote(v)}" for k, v in params.items() if v)
+    return f"?{given}" if given else ""
+
+
 def nomad_var_put(args: Sequence[str], cwd: Path) -> Request:
     flags, rest = parse_flags(args, {"namespace"}, {"force"})
     path, *pairs = rest
@@ -130,14 +142,25 @@ def nomad_var_put(args: Sequence[str], cwd: Path) -> Request:
             raise NoTranslation(f"item {pair!r} is not key=value")
         items[key] = _file_or_text(value, cwd)
     namespace = _one(flags, "namespace", "default")
-    # Without -force the CLI writes only a variable that does not exist yet.
-    query = "" if "force" in flags else "?cas=0"
+    # Without -force the CLI writes only a variable that does not exist yet; the
+    # -namespace flag is the request's namespace too (the API client's query).
+    query = _query({"cas": "" if "force" in flags else "0", "namespace": _one(flags, "namespace")})
     body = {"Namespace": namespace, "Path": path, "Items": items}
     return Request("nomad", "PUT", f"/v1/var/{path}{query}", body)
 
 
+def nomad_namespace_apply(args: Sequence[str], cwd: Path) -> Request:
+    """`nomad namespace apply [-description D] NAME`: a new namespace (the CLI reads an
+    existing one first and changes only what is given; the docs create it)."""
+    flags, rest = parse_flags(args, {"description"}, set())
+    if len(rest) != 1 or (cwd / rest[0]).is_file():
+        raise NoTranslation("namespace apply takes one NAME (specification files have no row)")
+    body = {"Name": rest[0], "Description": _one(flags, "description")}
+    return Request("nomad", "PUT", "/v1/namespace", body)
+
+
 def nomad_job_run(args: Sequence[str], cwd: Path) -> Launch:
-    flags, rest = parse_flags(args, {"var"}, set())
+    flags, rest = parse_flags(args, {"var", "namespace"}, set())
     (jobspec,) = rest
     component = {
         "caravan-scheduler.nomad.hcl": "scheduler",
@@ -146,7 +169,7 @@ def nomad_job_run(args: Sequence[str], cwd: Path) -> Launch:
     if component is None:
         raise NoTranslation(f"no process for jobspec {jobspec}")
     variables = dict(v.partition("=")[::2] for v in flags.get("var", []))
-    return Launch(component, variables)
+    return Launch(component, variables, namespace=_one(flags, "namespace"))
 
 
 def consul_acl_policy_create(args: Sequence[str], cwd: Path) -> Request:
@@ -185,6 +208,7 @@ TABLE: Mapping[tuple[str, ...], Row] = {
     ("nomad", "acl", "policy", "apply"): nomad_acl_policy_apply,
     ("nomad", "acl", "token", "create"): nomad_acl_token_create,
     ("nomad", "var", "put"): nomad_var_put,
+    ("nomad", "namespace", "apply"): nomad_namespace_apply,
     ("nomad", "job", "run"): nomad_job_run,
     ("consul", "acl", "policy", "create"): consul_acl_policy_create,
     ("consul", "acl", "token", "create"): consul_acl_token_create,
@@ -212,7 +236,11 @@ def _send(request: Request, env: Mapping[str, str]) -> bytes:
         base = base if "://" in base else f"http://{base}"
         header, token = "X-Consul-Token", "CONSUL_HTTP_TOKEN"
     data = request.raw if request.raw is not None else json.dumps(request.body).encode()
-    call = urllib.request.Request(f"{base}{request.path}", data=data, method=request.method)
+    path = request.path
+    if request.agent == "nomad" and env.get("NOMAD_NAMESPACE") and "namespace=" not in path:
+        # The Nomad API client sends NOMAD_NAMESPACE with every request.
+        path += ("&" if "?" in path else "?") + f"namespace={env['NOMAD_NAMESPACE']}"
+    call = urllib.request.Request(f"{base}{path}", data=data, method=request.method)
     if env.get(token):
         call.add_header(header, env[token])
     try:
@@ -232,13 +260,16 @@ def _free_port() -> int:
 def _launch(launch: Launch, env: Mapping[str, str]) -> None:
     """Start the jobspec's task as a process; its pid and port go to $DOCS_LAUNCH_DIR."""
     job = f"caravan-{launch.component}"
-    answer = _send(Request("nomad", "GET", f"/v1/var/nomad/jobs/{job}"), env)
+    namespace = launch.job_namespace
+    answer = _send(Request("nomad", "GET", f"/v1/var/nomad/jobs/{job}?namespace={namespace}"), env)
     items: Mapping[str, str] = json.loads(answer)["Items"]
     folder = Path(env["DOCS_LAUNCH_DIR"])
     secrets = folder / f"{job}-secrets"
     secrets.mkdir(parents=True, exist_ok=True)
     task_env = {k: v for k, v in env.items() if not k.startswith(("NOMAD_", "CONSUL_"))}
     task_env.update(NOMAD_ADDR=env["NOMAD_ADDR"], CONSUL_HTTP_ADDR=env["CONSUL_HTTP_ADDR"])
+    # Nomad gives every task its job's namespace (the jobspecs leave it to Nomad).
+    task_env["NOMAD_NAMESPACE"] = namespace
     port = _free_port()
     prefix = launch.variables.get("kv_prefix", "caravan/")
     # The jobspec's template: each key of the variable, as the task's env.
@@ -266,7 +297,8 @@ def _launch(launch: Launch, env: Mapping[str, str]) -> None:
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    (folder / f"{job}.json").write_text(json.dumps({"pid": process.pid, "port": port}))
+    record = {"pid": process.pid, "port": port, "namespace": namespace}
+    (folder / f"{job}.json").write_text(json.dumps(record))
     sys.stdout.write(f"==> started {job} (pid {process.pid})\n")
 
 

@@ -1,9 +1,10 @@
 """The least-privilege ACL policies in terraform/policies/, as Consul and Nomad would read them.
 
 The templates are rendered with the module's defaults (KV prefix `caravan/`,
-namespace `default`), parsed as HCL, and the grants are evaluated with
-Consul's rule: the longest matching prefix decides, and an exact `key` rule
-beats any prefix.
+namespace `default`), or with the namespace `caravan` where the docs show
+them (deploy.md and security.md create caravan's own), parsed as HCL, and
+the grants are evaluated with Consul's rule: the longest matching prefix
+decides, and an exact `key` rule beats any prefix.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ DEFAULTS = {
     "kv_history_prefix": KVLayout().history,
     "namespace": "default",
 }
+# The namespace the docs create and render the policies with (deploy.md section 2).
+DOCS_NAMESPACE = "caravan"
 RANK = {"deny": 0, "read": 1, "list": 1, "write": 2}
 
 
-def render(name: str) -> str:
+def render(name: str, *, namespace: str = DEFAULTS["namespace"]) -> str:
     text = (POLICIES / name).read_text(encoding="utf-8")
-    for variable, value in DEFAULTS.items():
+    for variable, value in {**DEFAULTS, "namespace": namespace}.items():
         text = text.replace("${" + variable + "}", value)
     assert "${" not in text, name
     return text
@@ -151,10 +154,11 @@ def test_router_nomad_policy_only_reads_variables():
 
 
 def test_security_doc_shows_the_rendered_policies():
-    """docs/security.md carries every policy exactly as the module creates it with the defaults."""
+    """docs/security.md carries every policy exactly as the module creates it with the defaults
+    and `namespace = "caravan"`."""
     doc = SECURITY_DOC.read_text(encoding="utf-8")
     for path in sorted(POLICIES.glob("*.tftpl")):
-        assert render(path.name).strip() in doc, path.name
+        assert render(path.name, namespace=DOCS_NAMESPACE).strip() in doc, path.name
 
 
 def test_docs_name_no_policy_file_that_does_not_exist():
@@ -192,13 +196,13 @@ def test_deploy_doc_policies_are_the_rendered_templates():
     }
     assert expected == set(shown) & expected
     for name in sorted(expected):
-        assert render(name).strip() == shown[name], name
+        assert render(name, namespace=DOCS_NAMESPACE).strip() == shown[name], name
 
 
 def test_deploy_doc_scheduler_nomad_policy_may_write_the_engine_keys():
     """The scheduler's policy in deploy.md reaches the engine keys' Variables (finding 1)."""
     rules = parse_hcl_text(deploy_doc_policies()["caravan-scheduler.nomad.hcl.tftpl"])
-    namespace = labelled_blocks(rules, "namespace")["default"]
+    namespace = labelled_blocks(rules, "namespace")[DOCS_NAMESPACE]
     paths = {
         path: body["capabilities"]
         for variables in namespace["variables"]

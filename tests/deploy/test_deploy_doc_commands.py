@@ -101,3 +101,27 @@ def test_job_run_starts_the_jobspecs_task_and_unknown_commands_fail(cwd: Path):
         translate(["nomad", "job", "stop", "x"], cwd)
     with pytest.raises(NoTranslation):
         translate(["consul", "acl", "token", "create", "-secret", "s"], cwd)
+
+
+def test_namespace_apply_and_namespaced_commands(cwd: Path):
+    """`nomad namespace apply` writes the namespace; -namespace goes with var put and job run."""
+    apply = translate(["nomad", "namespace", "apply", "-description", "d", "caravan"], cwd)
+    assert Request(
+        "nomad", "PUT", "/v1/namespace", {"Name": "caravan", "Description": "d"}
+    ) == apply  # fmt: skip
+    put = translate(["nomad", "var", "put", "-namespace", "caravan", "a/b", "k=v"], cwd)
+    assert Request(
+        "nomad", "PUT", "/v1/var/a/b?cas=0&namespace=caravan",
+        {"Namespace": "caravan", "Path": "a/b", "Items": {"k": "v"}},
+    ) == put  # fmt: skip
+    run = translate(
+        ["nomad", "job", "run", "-var", "namespace=caravan", "jobspecs/caravan-router.nomad.hcl"],
+        cwd,
+    )
+    assert isinstance(run, Launch)
+    assert "caravan" == run.job_namespace
+    flagged = translate(
+        ["nomad", "job", "run", "-namespace", "ops", "jobspecs/caravan-router.nomad.hcl"], cwd
+    )
+    assert isinstance(flagged, Launch)
+    assert "ops" == flagged.job_namespace

@@ -1,6 +1,6 @@
 """Issue 23, deliver 1: deploy.md's setup, run literally, serves a model on a cluster with ACLs on.
 
-Every ```sh block of deploy.md's sections 2 ("Tokens and policies") and 3
+Every ```sh block of deploy.md's sections 2 ("Namespace, tokens and policies") and 3
 ("Deploy with the jobspecs", up to the sidecar alternative) is run by bash, in
 order, as written: policies, tokens, Nomad Variables, secrets bindings,
 `caravan validate` / `caravan render`, the jobs, the KV put. Each ```hcl block
@@ -15,7 +15,9 @@ test_deploy_doc_commands.py); `nomad job run` of caravan's jobspecs starts the
 process the jobspec's task runs, with the tokens its template renders from the
 job's Nomad Variable. `caravan`, `jq` and `openssl` run as they are. The test
 ends with a streamed completion through the router so started, which holds
-exactly the tokens the doc gave it.
+exactly the tokens the doc gave it. Everything of caravan's is in the
+namespace the doc creates, `caravan`: the jobs, their Variables, the replica
+jobs and the engine keys; nothing is left in `default`.
 """
 
 from __future__ import annotations
@@ -46,12 +48,13 @@ HERE = Path(__file__).resolve().parent
 DEPLOY_DOC = ROOT / "docs" / "deploy.md"
 # (first heading, heading that ends it): the setup the test runs.
 SETUP_SECTIONS = [
-    ("## 2. Tokens and policies", "## 3. Deploy with the jobspecs"),
+    ("## 2. Namespace, tokens and policies", "## 3. Deploy with the jobspecs"),
     ("## 3. Deploy with the jobspecs", "### The router: a system job, or a sidecar"),
 ]
 _FENCE = re.compile(r"^([ \t]*)```(sh|hcl)\n(.*?)^\1```", re.DOTALL | re.MULTILINE)
 _NAMED = re.compile(r"\A# ([\w.-]+\.hcl)\n")
 MANAGEMENT = "00000000-0000-4000-8000-00000000beef"
+NAMESPACE = "caravan"
 SERVED = "qwen2.5-7b-instruct"
 
 pytestmark = pytest.mark.slow
@@ -71,12 +74,14 @@ def test_the_setup_sections_hold_the_commands_the_issue_names():
     """The extracted setup has policies, tokens, variables, the jobs and the KV put."""
     script = "\n".join(body for kind, body in setup_blocks() if kind == "sh")
     for command in [
+        "nomad namespace apply -description",
         "nomad acl policy apply",
         "nomad acl token create",
         "consul acl policy create",
         "consul acl token create",
-        "nomad var put nomad/jobs/caravan-scheduler",
-        "nomad var put nomad/jobs/caravan-router",
+        f"nomad var put -namespace {NAMESPACE} nomad/jobs/caravan-scheduler",
+        f"nomad var put -namespace {NAMESPACE} nomad/jobs/caravan-router",
+        f"-var namespace={NAMESPACE}",
         "nomad job run",
         "consul kv put caravan/models/",
         "caravan validate",
@@ -199,5 +204,30 @@ async def test_deploy_doc_setup_run_literally_serves_a_streamed_completion(tmp_p
                     return None
 
                 text = await eventually(answered, 90, f"a streamed completion\n{logs()[-4000:]}")
+                placed = await _caravan_objects(session, cluster.nomad.address)
             assert text
             assert "HTTP 403" not in logs()
+            assert {NAMESPACE} == {router["namespace"]}
+            assert "caravan-qwen2-5-7b-0" in placed[NAMESPACE]["jobs"]
+            assert placed[NAMESPACE]["engine_keys"]
+            assert {"jobs": [], "engine_keys": []} == placed["default"]
+
+
+async def _caravan_objects(
+    session: aiohttp.ClientSession, nomad: str
+) -> dict[str, dict[str, list[str]]]:
+    """Per namespace: the replica jobs (`caravan-<model>-<N>`) and the engine-key Variables."""
+    headers = {"X-Nomad-Token": MANAGEMENT}
+    found: dict[str, dict[str, list[str]]] = {}
+    for namespace in (NAMESPACE, "default"):
+        query = f"namespace={namespace}"
+        async with session.get(f"{nomad}/v1/jobs?{query}&prefix=caravan-", headers=headers) as got:
+            jobs = [job["ID"] for job in await got.json()]
+        keys = "nomad/jobs/caravan-engine-keys"
+        async with session.get(f"{nomad}/v1/vars?{query}&prefix={keys}", headers=headers) as got:
+            variables = [var["Path"] for var in await got.json()]
+        found[namespace] = {
+            "jobs": sorted(jobs),
+            "engine_keys": variables,
+        }
+    return found

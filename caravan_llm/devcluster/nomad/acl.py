@@ -432,6 +432,17 @@ class Acl:
         caps = self._namespace_caps(namespace)
         return caps is not None and any(op in caps for op in ops)
 
+    def allow_namespace(self, namespace: str) -> bool:
+        """AllowNamespace: some capability and no `deny` in the namespace (`*`: in any)."""
+        if self.management:
+            return True
+        if namespace == "*":
+            every = [*self.namespaces.values(), *self.wildcard_namespaces.values()]
+            if any(caps and DENY not in caps for caps in every):
+                return True
+        caps = self._namespace_caps(namespace)
+        return bool(caps) and DENY not in (caps or ())
+
     def allow_variable_op(self, namespace: str, path: str, op: str) -> bool:
         """AllowVariableOperation for an HTTP caller (no workload claim)."""
         if self.management:
@@ -604,7 +615,7 @@ def requirement(method: str, path: str) -> Requirement:
     parts = path.removeprefix("/v1/").split("/")
     head = parts[0]
     write = method in {"PUT", "POST", "DELETE"}
-    if head == "acl":
+    if head in {"acl", "namespace", "namespaces"}:
         return Checked()
     if head == "var":
         var_path = path.removeprefix("/v1/var/")

@@ -53,6 +53,9 @@ class AnyJSON:
 class Struct:
     name: str
     fields: dict[str, Schema] = field(default_factory=dict)
+    # The Go package of the type: `api` for most bodies, `structs` where the
+    # agent decodes into a server struct (namespaces).
+    package: str = "api"
 
     def lookup(self, key: str) -> str | None:
         if key in self.fields:
@@ -451,8 +454,8 @@ def _type_name(schema: Schema) -> str:
             return f"map[string]{star}{_type_name(element)}"
         case AnyJSON(go_type=go_type):
             return go_type
-        case Struct(name=name):
-            return f"api.{name}"
+        case Struct(name=name, package=package):
+            return f"{package}.{name}"
 
 
 @dataclass(slots=True)
@@ -592,7 +595,7 @@ def decode_body(body: bytes, schema: Struct) -> dict[str, Any]:
     if not isinstance(document, dict):
         raise DecodeError(
             f"json: cannot unmarshal {_json_kind(document).split(' ')[0]} "
-            f"into Go value of type api.{schema.name}"
+            f"into Go value of type {schema.package}.{schema.name}"
         )
     return _decode_struct(document, schema, _Context(schema.name, []))
 

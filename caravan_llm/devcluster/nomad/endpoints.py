@@ -28,6 +28,7 @@ from caravan_llm.devcluster.nomad.model import (
     Node,
     task_groups,
 )
+from caravan_llm.devcluster.nomad.namespaces import DEFAULT_NAMESPACE, driver_problem
 from caravan_llm.devcluster.nomad.node_pools import (
     NODE_POOL_ALL,
     NODE_POOL_DEFAULT,
@@ -53,8 +54,6 @@ from caravan_llm.devcluster.nomad.worker import Scheduler, new_evaluation
 
 Json = dict[str, Any]
 
-NAMESPACES = frozenset({"default"})
-
 
 class ApiError(Exception):
     """An error Nomad answers with this HTTP status and plain-text body."""
@@ -66,7 +65,14 @@ class ApiError(Exception):
 
 
 def _namespace_for(job: Json, query_namespace: str | None) -> str:
-    return str(job.get("Namespace") or query_namespace or "default")
+    return str(job.get("Namespace") or query_namespace or DEFAULT_NAMESPACE)
+
+
+def request_namespace(job: Json, query_namespace: str | None, body_namespace: Any = None) -> str:
+    """The namespace a job write goes to (`namespaceForJob`): the `namespace` query
+    parameter (the CLI's -namespace / NOMAD_NAMESPACE) first, then the request
+    body's `Namespace`, then the job's own."""
+    return str(query_namespace or body_namespace or job.get("Namespace") or DEFAULT_NAMESPACE)
 
 
 def _field_diffs(
@@ -186,20 +192,34 @@ class Endpoints:
 
     # -- admission ----------------------------------------------------------
 
-    def admit(self, decoded_job: Json, query_namespace: str | None) -> tuple[Json, list[str]]:
+    def admit(self, decoded_job: Json, namespace: str) -> tuple[Json, list[str]]:
         """Canonicalize, add implied constraints, validate: Nomad's admission controllers."""
         job = dict(decoded_job)
-        job["Namespace"] = _namespace_for(job, query_namespace)
+        job["Namespace"] = namespace
         job = add_implied_constraints(canonicalize_job(job))
-        # Nomad's node pool hook runs before jobValidate; their errors are one multierror.
-        errors = [*self._node_pool_problems(job), *validate_job(job)]
+        # Nomad's namespace and node pool hooks run before jobValidate; their
+        # errors are one multierror.
+        errors = [
+            *self._namespace_problems(job),
+            *self._node_pool_problems(job),
+            *validate_job(job),
+        ]
         if errors:
             raise ApiError(500, validation_failure_text(errors))
-        if job["Namespace"] not in NAMESPACES:
-            raise ApiError(
-                500, f'job "{job["ID"]}" is in nonexistent namespace "{job["Namespace"]}"'
-            )
         return job, job_warnings(job)
+
+    def _namespace_problems(self, job: Json) -> list[str]:
+        """`jobNamespaceConstraintCheckHook`: the namespace exists and allows the drivers."""
+        namespace = self.state.namespaces.get(str(job["Namespace"]))
+        if namespace is None:
+            return [f'job "{job["ID"]}" is in nonexistent namespace "{job["Namespace"]}"']
+        drivers = [
+            str(task.get("Driver") or "")
+            for group in task_groups(job)
+            for task in group.get("Tasks") or []
+        ]
+        problem = driver_problem(namespace, drivers)
+        return [] if problem is None else [problem]
 
     def _node_pool_problems(self, job: Json) -> list[str]:
         pool = str(job.get("NodePool") or NODE_POOL_DEFAULT)
@@ -300,7 +320,9 @@ class Endpoints:
         priority = int(request.get("EvalPriority", 0))
         if priority != 0 and not 1 <= priority <= 100:
             raise ApiError(400, "Eval priority must be between 1 and 100 inclusively")
-        job, warnings = self.admit(decoded, query_namespace)
+        job, warnings = self.admit(
+            decoded, request_namespace(decoded, query_namespace, request.get("Namespace"))
+        )
         enforce = int(request.get("JobModifyIndex", 0)) if request.get("EnforceIndex") else None
         existing = self.state.job(job["Namespace"], job["ID"])
         try:
@@ -349,7 +371,9 @@ class Endpoints:
 
     def plan_job(self, request: Json, path_job_id: str | None, query_namespace: str | None) -> Json:
         decoded = self._require_job(request, path_job_id, plan=True)
-        job, warnings = self.admit(decoded, query_namespace)
+        job, warnings = self.admit(
+            decoded, request_namespace(decoded, query_namespace, request.get("Namespace"))
+        )
         existing = self.state.job(job["Namespace"], job["ID"])
         candidate = dict(job)
         if existing is None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from caravan_llm.devcluster.nomad import acl_http, fs_logs, http_ops
+from caravan_llm.devcluster.nomad import acl_http, fs_logs, http_ops, namespace_http
 from caravan_llm.devcluster.nomad.acl import (
     PERMISSION_DENIED,
     TOKEN_NOT_FOUND,
@@ -38,7 +38,7 @@ from caravan_llm.devcluster.nomad.decode import (
     DecodeError,
     decode_body,
 )
-from caravan_llm.devcluster.nomad.endpoints import ApiError
+from caravan_llm.devcluster.nomad.endpoints import ApiError, request_namespace
 from caravan_llm.devcluster.nomad.events import TopicQueryError, event_matches, parse_topics
 from caravan_llm.devcluster.nomad.gotext import NS_PER_S, parse_go_duration
 from caravan_llm.devcluster.nomad.model import Allocation, Evaluation
@@ -152,6 +152,7 @@ async def _decode(request: web.Request, schema: Any) -> Json:
 
 # Shared with the handler modules (`http_ops`).
 json_response = _json_response
+block_on = _block
 server_of = _server
 namespace_of = _namespace
 decode_request = _decode
@@ -203,7 +204,9 @@ async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
             return _error(403, text)
         request[RESOLVED_KEY] = resolved
         need = requirement(request.method, path)
-        if not allowed(resolved.acl, need, _namespace(request)):
+        if not _checks_job_namespace(request) and not allowed(
+            resolved.acl, need, _namespace(request)
+        ):
             return _error(403, PERMISSION_DENIED)
     if server.outage and not path.startswith("/v1/devcluster/"):
         return _error(500, OUTAGE_TEXT)
@@ -211,6 +214,29 @@ async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     except ApiError as exc:
         return _error(exc.status, exc.text)
+
+
+def _checks_job_namespace(request: web.Request) -> bool:
+    """Job register and plan: the handler checks the namespace the job goes to
+    (`namespaceForJob`), which may not be the query's."""
+    if request.method not in {"PUT", "POST"}:
+        return False
+    parts = request.path.removeprefix("/v1/").split("/")
+    return parts == ["jobs"] or (
+        len(parts) in {2, 3} and parts[0] == "job" and parts[2:] in ([], ["plan"])
+    )
+
+
+def _check_job_write(request: web.Request, decoded: Json, *, volumes: bool) -> None:
+    """Nomad's Job.Register / Job.Plan ACL checks, in the job's own namespace
+    (only a register checks the volumes it mounts)."""
+    job = decoded.get("Job") or {}
+    namespace = request_namespace(job, request.query.get("namespace"), decoded.get("Namespace"))
+    acl = resolved_of(request).acl
+    if not allowed(acl, requirement(request.method, request.path), namespace):
+        raise ApiError(403, PERMISSION_DENIED)
+    if volumes and not job_volumes_allowed(acl, namespace, job):
+        raise ApiError(403, PERMISSION_DENIED)
 
 
 @web.middleware
@@ -268,14 +294,7 @@ async def list_jobs(request: web.Request) -> web.Response:
 async def register_job(request: web.Request) -> web.Response:
     decoded = await _decode(request, JOB_REGISTER_REQUEST)
     path_id = request.match_info.get("job_id")
-    job = decoded.get("Job") or {}
-    namespace = str(job.get("Namespace") or request.query.get("namespace") or "default")
-    acl = resolved_of(request).acl
-    # Nomad checks the job's own namespace (the middleware checked the query's).
-    if not allowed(acl, requirement(request.method, request.path), namespace):
-        raise ApiError(403, PERMISSION_DENIED)
-    if not job_volumes_allowed(acl, namespace, job):
-        raise ApiError(403, PERMISSION_DENIED)
+    _check_job_write(request, decoded, volumes=True)
     result = _server(request).endpoints.register_job(
         decoded, path_id, request.query.get("namespace")
     )
@@ -355,6 +374,7 @@ async def job_versions(request: web.Request) -> web.Response:
 
 async def plan_job(request: web.Request) -> web.Response:
     decoded = await _decode(request, JOB_PLAN_REQUEST)
+    _check_job_write(request, decoded, volumes=False)
     result = _server(request).endpoints.plan_job(
         decoded, request.match_info["job_id"], request.query.get("namespace")
     )
@@ -866,6 +886,7 @@ def build_app(server: NomadServer) -> web.Application:
     route.add_put("/v1/devcluster/outage", devcluster_outage)
     route.add_post("/v1/devcluster/outage", devcluster_outage)
     http_ops.add_routes(route)
+    namespace_http.add_routes(route)
     # Dispatched children have a `/` in their ID (`<parent>/dispatch-<time>-<id>`).
     child = "{job_id:[^{}]+/dispatch-[^{}/]+}"
     route.add_get(f"/v1/job/{child}", get_job)

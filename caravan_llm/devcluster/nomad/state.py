@@ -24,11 +24,21 @@ from caravan_llm.devcluster.nomad.model import (
     Node,
     task_groups,
 )
+from caravan_llm.devcluster.nomad.namespaces import Namespace, built_in_namespaces
 from caravan_llm.devcluster.nomad.node_pools import NodePool, built_in_pools
 
 Json = dict[str, Any]
 
-TABLES = ("jobs", "allocs", "evals", "deployment", "nodes", "job_summary", "node_pools")
+TABLES = (
+    "jobs",
+    "allocs",
+    "evals",
+    "deployment",
+    "nodes",
+    "job_summary",
+    "node_pools",
+    "namespaces",
+)
 # Server-set job fields that do not make a new version (`Job.SpecChanged`).
 SERVER_JOB_FIELDS = frozenset(
     {
@@ -150,6 +160,7 @@ class ClusterState:
         self.deployments: dict[str, Deployment] = {}
         self.nodes: dict[str, Node] = {}
         self.node_pools: dict[str, NodePool] = built_in_pools()
+        self.namespaces: dict[str, Namespace] = built_in_namespaces()
         self.broker = EventBroker()
         self._changed = asyncio.Event()
 
@@ -582,6 +593,25 @@ class ClusterState:
         index = self._next()
         del self.node_pools[name]
         self._finish(index, ["node_pools"], [])
+        return index
+
+    # -- namespaces ---------------------------------------------------------
+
+    def upsert_namespace(self, namespace: Namespace) -> int:
+        index = self._next()
+        previous = self.namespaces.get(namespace.name)
+        self.namespaces[namespace.name] = dataclasses.replace(
+            namespace,
+            create_index=previous.create_index if previous else index,
+            modify_index=index,
+        )
+        self._finish(index, ["namespaces"], [])
+        return index
+
+    def delete_namespace(self, name: str) -> int:
+        index = self._next()
+        del self.namespaces[name]
+        self._finish(index, ["namespaces"], [])
         return index
 
     # -- deployments --------------------------------------------------------

@@ -25,8 +25,11 @@ provider "consul" {}
 module "caravan" {
   source = "../.."
 
-  image          = var.image
-  datacenters    = var.datacenters
+  image       = var.image
+  datacenters = var.datacenters
+  # caravan's own namespace, created first (docs/deploy.md section 2:
+  # `nomad namespace apply caravan`); the replica jobs go there too.
+  namespace      = "caravan"
   cluster_config = file("${path.module}/cluster.yaml")
 
   profile_files = [

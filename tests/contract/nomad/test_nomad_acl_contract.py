@@ -310,3 +310,72 @@ async def test_the_schedulers_submit_job_probe_plans_and_registers_nothing(
     assert 200 == status, plan
     assert plan["FailedTGAllocs"] is None
     assert 404 == after[0]
+
+
+async def test_namespaces_are_written_by_management_and_read_by_capabilities(
+    acl_target: AclTarget, unique: str
+) -> None:
+    """Namespace writes need the management token; a token reads and lists only the
+    namespaces where it holds a capability (a variables-only rule is not one)."""
+    mine, other = f"mine-{unique}", f"other-{unique}"
+    for name in (mine, other):
+        status, answer = await call(
+            acl_target, "PUT", f"/v1/namespace/{name}", acl_target.management, {"Name": name}
+        )
+        assert 200 == status, answer
+    rules = {
+        "ns-reader": f'namespace "{mine}" {{\n  capabilities = ["read-job"]\n}}\n',
+        "ns-vars": (
+            f'namespace "{other}" {{\n  variables {{\n    path "*" {{\n'
+            '      capabilities = ["read"]\n    }\n  }\n}\n'
+        ),
+    }
+    token = (await token_with(acl_target, rules, unique))["SecretID"]
+    assert (403, "Permission denied") == await call(
+        acl_target, "PUT", f"/v1/namespace/x-{unique}", token, {"Name": f"x-{unique}"}
+    )
+    assert (403, "Permission denied") == await call(
+        acl_target, "DELETE", f"/v1/namespace/{mine}", token
+    )
+    status, found = await call(acl_target, "GET", f"/v1/namespace/{mine}", token)
+    assert (200, mine) == (status, found["Name"])
+    for refused in (other, "default"):
+        assert (403, "Permission denied") == await call(
+            acl_target, "GET", f"/v1/namespace/{refused}", token
+        )
+    status, listed = await call(acl_target, "GET", "/v1/namespaces", token)
+    assert (200, [mine]) == (status, [ns["Name"] for ns in listed])
+    for name in (mine, other):
+        status, answer = await call(
+            acl_target, "DELETE", f"/v1/namespace/{name}", acl_target.management
+        )
+        assert 200 == status, answer
+
+
+async def test_a_job_write_is_checked_in_the_namespace_it_goes_to(
+    acl_target: AclTarget, unique: str
+) -> None:
+    """submit-job in the job's namespace registers it there, with or without the query."""
+    name = f"jobs-{unique}"
+    status, answer = await call(
+        acl_target, "PUT", f"/v1/namespace/{name}", acl_target.management, {"Name": name}
+    )
+    assert 200 == status, answer
+    rules = {"submitter": f'namespace "{name}" {{\n  capabilities = ["submit-job"]\n}}\n'}
+    token = (await token_with(acl_target, rules, unique))["SecretID"]
+    job = sleeper_job(f"ns-acl-{unique}")
+    status, _ = await call(acl_target, "PUT", "/v1/jobs", token, job)
+    assert 403 == status
+    job["Job"]["Namespace"] = name
+    status, answer = await call(acl_target, "PUT", "/v1/jobs", token, job)
+    assert 200 == status, answer
+    job["Job"]["Namespace"] = "default"
+    status, answer = await call(acl_target, "PUT", f"/v1/jobs?namespace={name}", token, job)
+    assert 200 == status, answer
+    status, answer = await call(
+        acl_target,
+        "DELETE",
+        f"/v1/job/ns-acl-{unique}?purge=true&namespace={name}",
+        acl_target.management,
+    )
+    assert 200 == status, answer
