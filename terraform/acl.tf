@@ -13,7 +13,7 @@ locals {
     namespace         = var.namespace
   }
   consul_policies = var.manage_acl_policies ? toset(["scheduler", "router", "operator"]) : toset([])
-  nomad_policies  = var.manage_acl_policies ? toset(["scheduler", "router"]) : toset([])
+  nomad_policies  = var.manage_acl_policies ? toset(["scheduler", "router", "operator"]) : toset([])
 }
 
 resource "consul_acl_policy" "caravan" {

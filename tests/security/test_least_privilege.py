@@ -274,6 +274,24 @@ async def test_components_work_on_exactly_their_least_privilege_policies(
 
             await eventually(serves, 60, "a streamed completion through the router")
 
+            # The operator's CLI reads status and logs on its own Nomad policy alone.
+            operator_env = {
+                **env,
+                "NOMAD_TOKEN": await nomad_token_for(
+                    stack.nomad_addr,
+                    options.nomad_acl.management_token,
+                    "caravan-operator",
+                    rendered_nomad_policy("operator"),
+                ),
+            }
+            code, out, err = await caravan(operator_env, "status", MODEL)
+            assert (code, err) == (0, ""), (out, err)
+            assert "unavailable" not in out, out
+            code, out, err = await caravan(
+                operator_env, "logs", MODEL, "--replica", "0", "--stderr", "--tail", "-n", "5"
+            )
+            assert code == 0, (out, err)
+
             code, out, err = await caravan(env, "scale", MODEL, "2")
             assert (code, err) == (0, ""), (out, err)
             await eventually(lambda: passing(2), 120, "2 passing replicas after scaling")
