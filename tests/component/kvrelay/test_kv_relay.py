@@ -16,8 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
+import signal
+import socket
 import struct
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -27,6 +31,8 @@ from pathlib import Path
 import aiohttp
 import msgpack
 import pytest
+import zmq
+import zmq.asyncio
 from kv_subscriber import KvSubscriber
 from polling import eventually
 from prometheus_client.parser import text_string_to_metric_families
@@ -396,3 +402,173 @@ async def test_no_token_id_of_the_prompt_crosses_to_the_router(
     assert b"event: snapshot" in sent
     assert b"event: delta" in sent
     assert not carries_token_ids(sent, tokens)
+
+
+# --- losing the engine, losing batches --------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def engine_process(endpoint: str) -> AsyncIterator[asyncio.subprocess.Process]:
+    """A simulated vLLM as its own process (so it can be SIGKILLed), ready when yielded."""
+    port = free_port()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "caravan_llm.devcluster.engine",
+        *engine_args(endpoint),
+        "--port",
+        str(port),
+        env={**os.environ, "VLLM_API_KEY": KEY},
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    base_url = f"http://127.0.0.1:{port}"
+
+    async def healthy() -> bool:
+        try:
+            async with aiohttp.ClientSession() as session, session.get(base_url + "/health") as r:
+                return r.status == 200
+        except aiohttp.ClientError:
+            return False
+
+    try:
+        await eventually(healthy, 60, "the engine process healthy")
+        process.base_url = base_url  # type: ignore[attr-defined]
+        yield process
+    finally:
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+
+
+def epoch_after(router: Follower, old: int | None) -> int | None:
+    epoch = router.epoch()
+    return epoch if epoch is not None and epoch != old else None
+
+
+async def test_a_killed_engine_empties_the_routers_index_in_a_new_epoch_within_the_bound(
+    http: aiohttp.ClientSession, ipc_dir: Path
+) -> None:
+    """SIGKILL the engine: routers hold nothing of it within the bound; the restarted engine's
+    blocks arrive in the new epoch."""
+    endpoint = f"ipc://{ipc_dir}/kv.ipc"
+    async with running_relay(relay_settings(endpoint)) as relay, follow(http, relay.port) as router:
+        async with engine_process(endpoint) as first:
+            url = first.base_url  # type: ignore[attr-defined]
+            await eventually(lambda: relay.relay.engine_connected, WAIT_S, "the engine connected")
+            tokens = await prompt_tokens(http, url, "before the crash")
+            await chat(http, url, "before the crash")
+            await eventually(
+                lambda: set(digests_of(tokens)) <= router.digests(), WAIT_S, "the blocks"
+            )
+            old_epoch = router.epoch()
+            os.kill(first.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            await eventually(
+                lambda: epoch_after(router, old_epoch) is not None and not router.digests(),
+                RESYNC_BOUND_S,
+                "the routers told of the lost engine",
+            )
+            told_after_s = time.monotonic() - killed_at
+            new_epoch = router.epoch()
+        async with engine_process(endpoint) as second:
+            url = second.base_url  # type: ignore[attr-defined]
+            await eventually(lambda: relay.relay.engine_connected, WAIT_S, "the new engine")
+            await chat(http, url, "after the restart")
+            tokens = await prompt_tokens(http, url, "after the restart")
+            await eventually(
+                lambda: set(digests_of(tokens)) <= router.digests(), WAIT_S, "the new blocks"
+            )
+            assert new_epoch == router.epoch()
+        assert told_after_s < RESYNC_BOUND_S
+
+
+@contextlib.asynccontextmanager
+async def lossy_forwarder(source: str, target: str, drop: set[int]) -> AsyncIterator[list[int]]:
+    """Forward the engine's frames from `source` to `target`, dropping those with a seq in
+    `drop`; yields the seqs forwarded so far."""
+    context = zmq.asyncio.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    pub = context.socket(zmq.PUB)
+    pub.bind(target)
+    sub.connect(source)
+    forwarded: list[int] = []
+
+    async def run() -> None:
+        while True:
+            frame = await sub.recv_multipart()
+            seq = int.from_bytes(frame[1], "big")
+            if seq not in drop:
+                forwarded.append(seq)
+                await pub.send_multipart(frame)
+
+    task = asyncio.create_task(run())
+    try:
+        yield forwarded
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        sub.close(linger=0)
+        pub.close(linger=0)
+        context.term()
+
+
+@pytest.mark.parametrize("replay", [True, False])
+async def test_a_lost_batch_is_replayed_or_starts_a_new_epoch(
+    http: aiohttp.ClientSession, ipc_dir: Path, replay: bool
+) -> None:
+    """With a replay endpoint the relay fills the gap (same epoch, every prompt's blocks);
+    without one it starts a new epoch holding only what it saw after the gap."""
+    engine_events = f"ipc://{ipc_dir}/engine.ipc"
+    replay_endpoint = f"ipc://{ipc_dir}/replay.ipc"
+    relayed = f"ipc://{ipc_dir}/relayed.ipc"
+    overrides = {"replay_endpoint": replay_endpoint} if replay else {}
+    users = [f"topic{i}" for i in range(3)]
+
+    async def send(url: str, i: int) -> tuple[BlockDigest, ...]:
+        body = {
+            "model": "m",
+            "messages": [{"role": "system", "content": f"{users[i]} {SYSTEM}"}],
+            "max_tokens": 1,
+        }
+        async with http.post(url + "/v1/chat/completions", json=body, headers=AUTH) as answer:
+            assert 200 == answer.status
+        body.pop("max_tokens")
+        async with http.post(url + "/tokenize", json=body, headers=AUTH) as answer:
+            return digests_of((await answer.json())["tokens"])
+
+    async with (
+        engine(engine_events, replay_endpoint=replay_endpoint) as sim,
+        lossy_forwarder(engine_events, relayed, drop={1}) as forwarded,
+        running_relay(relay_settings(relayed, **overrides)) as relay,
+        follow(http, relay.port) as router,
+    ):
+        await eventually(lambda: relay.relay.engine_connected, WAIT_S, "the forwarder connected")
+        prompts = [await send(sim.base_url, 0)]
+        await eventually(lambda: set(prompts[0]) <= router.digests(), WAIT_S, "batch 0")
+        old_epoch = router.epoch()
+        prompts += [await send(sim.base_url, 1), await send(sim.base_url, 2)]
+        await eventually(lambda: forwarded == [0, 2], WAIT_S, "batch 1 dropped, 2 forwarded")
+        if replay:
+            expected = set(prompts[0]) | set(prompts[1]) | set(prompts[2])
+            await eventually(lambda: router.digests() == expected, WAIT_S, "the gap filled")
+            assert old_epoch == router.epoch()
+        else:
+            await eventually(
+                lambda: epoch_after(router, old_epoch) and router.digests() == set(prompts[2]),
+                WAIT_S,
+                "a new epoch after the gap",
+            )
+        async with http.get(f"http://127.0.0.1:{relay.port}/metrics") as answer:
+            text = await answer.text()
+    resyncs = metric(text, "caravan_kv_relay_resyncs_total", reason="gap")
+    filled = metric(text, "caravan_kv_relay_replays_total", outcome="filled")
+    assert ((None, 1.0) if replay else (1.0, None)) == (resyncs, filled)
