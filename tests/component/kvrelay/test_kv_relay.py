@@ -572,3 +572,64 @@ async def test_a_lost_batch_is_replayed_or_starts_a_new_epoch(
     resyncs = metric(text, "caravan_kv_relay_resyncs_total", reason="gap")
     filled = metric(text, "caravan_kv_relay_replays_total", outcome="filled")
     assert ((None, 1.0) if replay else (1.0, None)) == (resyncs, filled)
+
+
+async def test_the_relay_process_refuses_a_wildcard_endpoint_naming_the_setting() -> None:
+    """`caravan kv-relay` with tcp://* exits 2 naming events_endpoint, before opening anything."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "caravan_llm.cli",
+        "kv-relay",
+        "--events-endpoint",
+        "tcp://*:5557",
+        "--block-size",
+        str(BLOCK),
+        env={**os.environ, "VLLM_API_KEY": KEY},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert 2 == process.returncode
+    assert "error: events_endpoint:" in err.decode()
+    assert KEY not in (out + err).decode()
+
+
+async def test_the_relay_process_ends_its_streams_and_exits_cleanly_on_sigterm(
+    http: aiohttp.ClientSession, ipc_dir: Path
+) -> None:
+    """`python -m caravan_llm.kvrelay`: SIGTERM ends each router's stream and exits 0; the key
+    never appears in its output."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "caravan_llm.kvrelay",
+        env={
+            **os.environ,
+            "CARAVAN_KV_RELAY_EVENTS_ENDPOINT": f"ipc://{ipc_dir}/kv.ipc",
+            "CARAVAN_KV_RELAY_BLOCK_SIZE": str(BLOCK),
+            "CARAVAN_KV_RELAY_LOG_LEVEL": "debug",
+            "NOMAD_IP_kv": "127.0.0.1",
+            "NOMAD_PORT_kv": "0",
+            "VLLM_API_KEY": KEY,
+        },
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    assert process.stderr is not None
+    try:
+        line = await asyncio.wait_for(process.stdout.readline(), timeout=60)
+        port = int(line.decode().rsplit(":", 1)[1])
+        async with follow(http, port) as router:
+            process.send_signal(signal.SIGTERM)
+            await eventually(lambda: router.ended, WAIT_S, "the stream ended")
+        code = await asyncio.wait_for(process.wait(), timeout=WAIT_S)
+        logs = (await process.stderr.read()).decode()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert 0 == code
+    assert "kv_relay_stopped" in logs
+    assert KEY not in logs + line.decode()
