@@ -53,6 +53,7 @@ COMMAND_MODULES: dict[str, tuple[str, ...]] = {
     "caravan_llm.cli.logs_command": ("logs",),
     "caravan_llm.cli.scheduler_command": ("scheduler",),
     "caravan_llm.cli.router_command": ("router",),
+    "caravan_llm.cli.kv_relay_command": ("kv-relay",),
     "caravan_llm.cli.demo": ("demo",),
 }
 
