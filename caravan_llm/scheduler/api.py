@@ -18,6 +18,8 @@
                                       503 "misconfigured" with the "missing" grants
                                       when its tokens lack one (scheduler/preflight.py)
     GET    /metrics                   Prometheus exposition
+    GET    /openapi.json              this API as an OpenAPI 3.1 document
+                                      (scheduler/openapi.py)
 
 Errors are JSON `{"error": {"message": ..., "type": ..., "problems": [...]}}`.
 
@@ -52,6 +54,7 @@ from caravan_llm.scheduler.model_store import (
     WriteConflictError,
     hold_seconds,
 )
+from caravan_llm.scheduler.openapi import api_document
 from caravan_llm.scheduler.profiles import ProfileError
 from caravan_llm.scheduler.status import InvalidStoredProfileError
 
@@ -59,6 +62,7 @@ SERVICE_KEY = web.AppKey("model_service", ModelService)
 REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
 LEADER_KEY: web.AppKey[Callable[[], bool]] = web.AppKey("is_leader")
 MISSING_GRANTS_KEY: web.AppKey[Callable[[], tuple[str, ...]]] = web.AppKey("missing_grants")
+OPENAPI_KEY: web.AppKey[dict[str, Any]] = web.AppKey("openapi")
 MAX_PROFILE_BYTES = 1 << 20
 
 
@@ -298,6 +302,10 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[OPENAPI_KEY])
+
+
 def create_api(
     service: ModelService,
     registry: CollectorRegistry,
@@ -318,17 +326,20 @@ def create_api(
     app[REGISTRY_KEY] = registry
     app[LEADER_KEY] = is_leader
     app[MISSING_GRANTS_KEY] = missing_grants
-    app.router.add_get("/v1/models", list_models)
+    app[OPENAPI_KEY] = api_document()
+    # No implicit HEAD routes: the routes are exactly the document's operations.
+    app.router.add_get("/v1/models", list_models, allow_head=False)
     app.router.add_post("/v1/models", post_models)
-    app.router.add_get("/v1/models/{name}", get_model)
+    app.router.add_get("/v1/models/{name}", get_model, allow_head=False)
     app.router.add_put("/v1/models/{name}", put_model)
     app.router.add_delete("/v1/models/{name}", delete_model)
     app.router.add_post("/v1/models/{name}/scale", scale_model)
     app.router.add_post("/v1/plan", plan_models)
-    app.router.add_get("/v1/models/{name}/history", model_history)
+    app.router.add_get("/v1/models/{name}/history", model_history, allow_head=False)
     app.router.add_post("/v1/models/{name}/revert", revert_model)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health, allow_head=False)
+    app.router.add_get("/metrics", metrics, allow_head=False)
+    app.router.add_get("/openapi.json", openapi, allow_head=False)
     return app
 
 
