@@ -133,6 +133,9 @@ _BACKEND_ERRORS = {
 }
 _NOT_FOUND = {"404": _error("No model (or kept version) by that name.", "not_found")}
 _TOO_LARGE = {"413": _error("The body is larger than 1 MiB.", "too_large")}
+_UNSUPPORTED = {
+    "415": _error("The body's Content-Type is not one the route reads.", "unsupported_media_type")
+}
 _CONFLICT = _error(
     "Another writer won the race 4 times, or the stored profile does not validate; "
     "nothing was written.",
@@ -255,7 +258,7 @@ def _paths(types: Mapping[str, Any]) -> dict[str, Any]:
                     "oneOf": [
                         _object(
                             {"replicas": {"type": "integer", "minimum": 0}},
-                            {"hold_s": {"type": "number", "exclusiveMinimum": 0}},
+                            {"hold_s": {"type": ["number", "null"], "exclusiveMinimum": 0}},
                         ),
                         _object({"auto": {"const": True}}),
                     ]
@@ -269,7 +272,9 @@ def _paths(types: Mapping[str, Any]) -> dict[str, Any]:
         "description": "The profile, as JSON or YAML; its `name` must be the path's.",
         "content": {
             JSON: {"schema": types["ModelProfile"], "example": dict(EXAMPLE_PROFILE)},
-            "application/yaml": {"schema": _STRING, "example": _EXAMPLE_YAML},
+            # The same document as YAML (Schemathesis writes the generated object as YAML).
+            "application/yaml": {"schema": types["ModelProfile"], "example": dict(EXAMPLE_PROFILE)},
+            "text/plain": {"schema": _STRING, "example": _EXAMPLE_YAML},
         },
     }
     revert_body = {
@@ -294,6 +299,7 @@ def _paths(types: Mapping[str, Any]) -> dict[str, Any]:
                     "400": invalid_profile,
                     "409": _CONFLICT,
                     **_TOO_LARGE,
+                    **_UNSUPPORTED,
                     **_BACKEND_ERRORS,
                 },
                 body=_DOCUMENTS_BODY,
@@ -324,6 +330,7 @@ def _paths(types: Mapping[str, Any]) -> dict[str, Any]:
                     "400": invalid_profile,
                     "409": _CONFLICT,
                     **_TOO_LARGE,
+                    **_UNSUPPORTED,
                     **_BACKEND_ERRORS,
                 },
                 body=profile_body,
@@ -354,6 +361,7 @@ def _paths(types: Mapping[str, Any]) -> dict[str, Any]:
                         "invalid_request",
                         "out_of_bounds",
                     ),
+                    **_UNSUPPORTED,
                     **_NOT_FOUND,
                     "409": _CONFLICT,
                     **_BACKEND_ERRORS,
@@ -383,6 +391,7 @@ def _paths(types: Mapping[str, Any]) -> dict[str, Any]:
                     ),
                     "400": invalid_profile,
                     **_NOT_FOUND,
+                    **_UNSUPPORTED,
                     "409": _error(
                         "That version is the current profile, another writer won the race, "
                         "or the stored profile does not validate.",
@@ -404,6 +413,7 @@ def _paths(types: Mapping[str, Any]) -> dict[str, Any]:
                     "400": invalid_profile,
                     "409": _error("A stored profile does not validate.", "invalid_stored_profile"),
                     **_TOO_LARGE,
+                    **_UNSUPPORTED,
                     **_BACKEND_ERRORS,
                 },
                 body=_DOCUMENTS_BODY,
