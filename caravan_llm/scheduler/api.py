@@ -222,7 +222,8 @@ async def _json_body(request: web.Request) -> Any:
 
 
 async def get_model(request: web.Request) -> web.Response:
-    status = await request.app[SERVICE_KEY].describe(_model_name(request))
+    name = _model_name(request)
+    status = await request.app[SERVICE_KEY].describe(name)
     return web.json_response(status.to_json())
 
 
@@ -302,7 +303,8 @@ async def plan_models(request: web.Request) -> web.Response:
 
 
 async def model_history(request: web.Request) -> web.Response:
-    history = await request.app[SERVICE_KEY].history(_model_name(request))
+    name = _model_name(request)
+    history = await request.app[SERVICE_KEY].history(name)
     return web.json_response(history.to_json())
 
 
