@@ -196,7 +196,9 @@ def _model_name(request: web.Request) -> str:
     return name
 
 
-JSON_MEDIA_TYPES = frozenset({"application/json"})
+# JSON routes read a body typed text/plain as JSON too (what `data=` sends in
+# most clients); a form, multipart or binary body is refused.
+JSON_MEDIA_TYPES = frozenset({"application/json", "text/plain"})
 # A profile is JSON or YAML; text/plain is what `curl --data-binary` and most clients send.
 PROFILE_MEDIA_TYPES = frozenset(
     {"application/json", "application/yaml", "application/x-yaml", "text/yaml", "text/plain"}

@@ -106,6 +106,10 @@ def _error_schema(kinds: tuple[str, ...]) -> Any:
     )
 
 
+# A JSON body may also come as text/plain (read as JSON all the same).
+_AS_TEXT = {"text/plain": {"schema": {"type": "string", "description": "The same JSON, as text."}}}
+
+
 def _json(schema: Any, description: str, **extra: Any) -> Any:
     return {"description": description, "content": {JSON: {"schema": schema}}, **extra}
 
@@ -173,7 +177,8 @@ _DOCUMENTS_BODY = {
                 }
             ),
             "example": {"documents": [{"source": "tiny.yaml", "text": _EXAMPLE_YAML}]},
-        }
+        },
+        **_AS_TEXT,
     },
 }
 
@@ -264,7 +269,8 @@ def _paths(types: Mapping[str, Any]) -> dict[str, Any]:
                     ]
                 },
                 "example": {"replicas": 2},
-            }
+            },
+            **_AS_TEXT,
         },
     }
     profile_body = {
@@ -279,7 +285,10 @@ def _paths(types: Mapping[str, Any]) -> dict[str, Any]:
     }
     revert_body = {
         "required": True,
-        "content": {JSON: {"schema": _object({"version": _VERSION}), "example": {"version": 0}}},
+        "content": {
+            JSON: {"schema": _object({"version": _VERSION}), "example": {"version": 0}},
+            **_AS_TEXT,
+        },
     }
     return {
         "/v1/models": {
