@@ -18,6 +18,8 @@
                                       503 "misconfigured" with the "missing" grants
                                       when its tokens lack one (scheduler/preflight.py)
     GET    /metrics                   Prometheus exposition
+    GET    /openapi.json              this API as an OpenAPI 3.1 document
+                                      (scheduler/openapi.py)
 
 Errors are JSON `{"error": {"message": ..., "type": ..., "problems": [...]}}`.
 
@@ -26,18 +28,26 @@ are configured (`scheduler/api_auth.py`): none or a malformed header gets 401
 with `WWW-Authenticate: Bearer`, a token that is not accepted 403; each
 refusal is counted in `caravan_scheduler_api_auth_failures_total{reason}`.
 Without tokens the API is open, and `scheduler/app.py` binds it to loopback.
+A body with a Content-Type the route does not read gets 415 (none: read as
+the route's type). A request that matches no route gets its 404 or 405 (with `Allow`) without
+being asked for a token: it reaches nothing. A `{name}` that cannot be a
+model's name is a 404 before Consul is asked (Consul refuses some
+characters in keys, which would otherwise come back as a 502).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
+from caravan_llm.common.contract import MODEL_NAME_MAX_LEN, MODEL_NAME_PATTERN
 from caravan_llm.common.errors import HashiError
 from caravan_llm.scheduler.api_auth import AuthOutcome, TokenSource, check_authorization
 from caravan_llm.scheduler.model_service import (
@@ -52,6 +62,7 @@ from caravan_llm.scheduler.model_store import (
     WriteConflictError,
     hold_seconds,
 )
+from caravan_llm.scheduler.openapi import api_document
 from caravan_llm.scheduler.profiles import ProfileError
 from caravan_llm.scheduler.status import InvalidStoredProfileError
 
@@ -59,11 +70,31 @@ SERVICE_KEY = web.AppKey("model_service", ModelService)
 REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
 LEADER_KEY: web.AppKey[Callable[[], bool]] = web.AppKey("is_leader")
 MISSING_GRANTS_KEY: web.AppKey[Callable[[], tuple[str, ...]]] = web.AppKey("missing_grants")
+OPENAPI_KEY: web.AppKey[dict[str, Any]] = web.AppKey("openapi")
 MAX_PROFILE_BYTES = 1 << 20
+HTTP_SERVER_ERROR = 500
+_INVALID_PROFILE = "the profile is invalid; nothing was written"
 
 
 def _error(status: int, message: str, kind: str, **extra: Any) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, **extra}}, status=status)
+
+
+class ServerLog(logging.LoggerAdapter[logging.Logger]):
+    """aiohttp's server logger for the API's listener (`web.AppRunner(..., logger=...)`).
+
+    A request aiohttp's parser refuses (a NUL in a header, a line too long) is
+    answered 400 by aiohttp and is the client's error: logged at debug,
+    without the traceback aiohttp would log at error. Everything else, a
+    handler's exception above all, is logged as aiohttp logs it.
+    """
+
+    def exception(self, msg: object, *args: object, **kwargs: Any) -> None:
+        error = kwargs.get("exc_info")
+        if isinstance(error, HttpProcessingError) and error.code < HTTP_SERVER_ERROR:
+            self.logger.debug("scheduler_api_request_malformed", extra={"status": error.code})
+            return
+        super().exception(msg, *args, **kwargs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +118,8 @@ async def _require_token(
 ) -> web.StreamResponse:
     auth = request.app[AUTH_KEY]
     # Routing has run: compare the handler, so no spelling of a path slips past.
-    if request.match_info.handler is health:
+    # A request that matched no route (404, 405) reaches nothing to protect.
+    if request.match_info.handler is health or request.match_info.http_exception is not None:
         outcome = AuthOutcome.OK
     else:
         header = request.headers.get("Authorization")
@@ -103,12 +135,28 @@ async def _require_token(
     return refused
 
 
+# aiohttp's own refusals (no route, a method the route lacks, a body over
+# `client_max_size`), answered in the API's error shape instead of plain text.
+_HTTP_ERROR_KINDS = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}
+
+
+def _http_error(exc: web.HTTPException) -> web.Response:
+    refused = _error(exc.status, exc.reason, _HTTP_ERROR_KINDS.get(exc.status, "invalid_request"))
+    if "Allow" in exc.headers:
+        refused.headers["Allow"] = exc.headers["Allow"]
+    return refused
+
+
 @web.middleware
 async def _errors_as_json(
     request: web.Request, handler: Callable[[web.Request], Any]
 ) -> web.StreamResponse:
     try:
         response: web.StreamResponse = await handler(request)
+    except web.HTTPException as exc:
+        if not 400 <= exc.status < 500:  # only client errors are reshaped
+            raise
+        return _http_error(exc)
     except (UnknownModelError, UnknownVersionError) as exc:
         return _error(404, str(exc), "not_found")
     except NothingToRevertError as exc:
@@ -118,7 +166,7 @@ async def _errors_as_json(
     except SubmissionRejectedError as exc:
         return _error(
             400,
-            "the profile is invalid; nothing was written",
+            _INVALID_PROFILE,
             "invalid_profile",
             problems=[str(p) for p in exc.problems],
         )
@@ -140,8 +188,44 @@ async def list_models(request: web.Request) -> web.Response:
     return web.json_response({"models": [m.to_json() for m in models]})
 
 
+def _model_name(request: web.Request) -> str:
+    """The path's `{name}`; UnknownModelError (404) when it cannot be a model's name."""
+    name = request.match_info["name"]
+    if len(name) > MODEL_NAME_MAX_LEN or not MODEL_NAME_PATTERN.fullmatch(name):
+        raise UnknownModelError(name)
+    return name
+
+
+# JSON routes read a body typed text/plain as JSON too (what `data=` sends in
+# most clients); a form, multipart or binary body is refused.
+JSON_MEDIA_TYPES = frozenset({"application/json", "text/plain"})
+# A profile is JSON or YAML; text/plain is what `curl --data-binary` and most clients send.
+PROFILE_MEDIA_TYPES = frozenset(
+    {"application/json", "application/yaml", "application/x-yaml", "text/yaml", "text/plain"}
+)
+
+
+def _unsupported_media(request: web.Request, accepted: frozenset[str]) -> web.Response | None:
+    """415 when the body says it is something the route does not read; None without a type."""
+    if "Content-Type" not in request.headers or request.content_type in accepted:
+        return None
+    wanted = " or ".join(sorted(accepted))
+    return _error(415, f"send the body as {wanted} (Content-Type)", "unsupported_media_type")
+
+
+async def _json_body(request: web.Request) -> Any:
+    """The request's JSON body; None when it is not JSON (the handler says what it wants)."""
+    raw = await request.read()
+    try:
+        # Bytes: json detects UTF-8/16/32 itself, whatever charset the Content-Type names.
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+
+
 async def get_model(request: web.Request) -> web.Response:
-    status = await request.app[SERVICE_KEY].describe(request.match_info["name"])
+    name = _model_name(request)
+    status = await request.app[SERVICE_KEY].describe(name)
     return web.json_response(status.to_json())
 
 
@@ -149,10 +233,18 @@ async def put_model(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     if request.content_length is not None and request.content_length > MAX_PROFILE_BYTES:
         return _error(413, "profile larger than 1 MiB", "too_large")
-    text = await request.text()
+    if (refused := _unsupported_media(request, PROFILE_MEDIA_TYPES)) is not None:
+        return refused
+    source = f"PUT /v1/models/{name}"
+    raw = await request.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        problem = f"{source}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start})"
+        return _error(400, _INVALID_PROFILE, "invalid_profile", problems=[problem])
     # The name in the path is checked with everything else, before anything is written.
     (submitted,) = await request.app[SERVICE_KEY].submit_versioned(
-        [(f"PUT /v1/models/{name}", text)], expected_name=name
+        [(source, text)], expected_name=name
     )
     return web.json_response({"name": name, "submitted": True, "version": submitted.version})
 
@@ -179,11 +271,9 @@ async def _submitted_documents(request: web.Request) -> list[tuple[str, str]] | 
     """The request's `{"documents": [...]}`, or the error response that refuses it."""
     if request.content_length is not None and request.content_length > MAX_PROFILE_BYTES:
         return _error(413, "submission larger than 1 MiB", "too_large")
-    try:
-        body = await request.json()
-    except (ValueError, RecursionError):
-        body = None
-    documents = _documents(body)
+    if (refused := _unsupported_media(request, JSON_MEDIA_TYPES)) is not None:
+        return refused
+    documents = _documents(await _json_body(request))
     if documents is None:
         return _error(
             400,
@@ -215,16 +305,16 @@ async def plan_models(request: web.Request) -> web.Response:
 
 
 async def model_history(request: web.Request) -> web.Response:
-    history = await request.app[SERVICE_KEY].history(request.match_info["name"])
+    name = _model_name(request)
+    history = await request.app[SERVICE_KEY].history(name)
     return web.json_response(history.to_json())
 
 
 async def revert_model(request: web.Request) -> web.Response:
-    name = request.match_info["name"]
-    try:
-        body = await request.json()
-    except (ValueError, RecursionError):
-        body = None
+    name = _model_name(request)
+    if (refused := _unsupported_media(request, JSON_MEDIA_TYPES)) is not None:
+        return refused
+    body = await _json_body(request)
     version = body.get("version") if isinstance(body, dict) and set(body) == {"version"} else None
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         return _error(400, 'body must be JSON like {"version": 3}', "invalid_request")
@@ -233,7 +323,7 @@ async def revert_model(request: web.Request) -> web.Response:
 
 
 async def delete_model(request: web.Request) -> web.Response:
-    name = request.match_info["name"]
+    name = _model_name(request)
     await request.app[SERVICE_KEY].delete(name)
     return web.json_response({"name": name, "deleted": True})
 
@@ -261,12 +351,10 @@ def _scale_request(body: Any) -> tuple[int | None, float | None] | str:
 
 
 async def scale_model(request: web.Request) -> web.Response:
-    name = request.match_info["name"]
-    try:
-        body = await request.json()
-    except (ValueError, RecursionError):
-        body = None
-    parsed = _scale_request(body)
+    name = _model_name(request)
+    if (refused := _unsupported_media(request, JSON_MEDIA_TYPES)) is not None:
+        return refused
+    parsed = _scale_request(await _json_body(request))
     if isinstance(parsed, str):
         return _error(400, parsed, "invalid_request")
     count, hold_s = parsed
@@ -298,6 +386,10 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[OPENAPI_KEY])
+
+
 def create_api(
     service: ModelService,
     registry: CollectorRegistry,
@@ -318,17 +410,20 @@ def create_api(
     app[REGISTRY_KEY] = registry
     app[LEADER_KEY] = is_leader
     app[MISSING_GRANTS_KEY] = missing_grants
-    app.router.add_get("/v1/models", list_models)
+    app[OPENAPI_KEY] = api_document()
+    # No implicit HEAD routes: the routes are exactly the document's operations.
+    app.router.add_get("/v1/models", list_models, allow_head=False)
     app.router.add_post("/v1/models", post_models)
-    app.router.add_get("/v1/models/{name}", get_model)
+    app.router.add_get("/v1/models/{name}", get_model, allow_head=False)
     app.router.add_put("/v1/models/{name}", put_model)
     app.router.add_delete("/v1/models/{name}", delete_model)
     app.router.add_post("/v1/models/{name}/scale", scale_model)
     app.router.add_post("/v1/plan", plan_models)
-    app.router.add_get("/v1/models/{name}/history", model_history)
+    app.router.add_get("/v1/models/{name}/history", model_history, allow_head=False)
     app.router.add_post("/v1/models/{name}/revert", revert_model)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health, allow_head=False)
+    app.router.add_get("/metrics", metrics, allow_head=False)
+    app.router.add_get("/openapi.json", openapi, allow_head=False)
     return app
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from aiohttp.log import server_logger
 from prometheus_client import CollectorRegistry
 
 from caravan_llm.common.consul_api import ConsulClient, ConsulSettings
@@ -38,7 +39,7 @@ from caravan_llm.common.leader import LeaderElection
 from caravan_llm.common.nomad_api import NomadClient, NomadSettings
 from caravan_llm.common.preflight import Preflight
 from caravan_llm.common.watch import BlockingWatch
-from caravan_llm.scheduler.api import ApiAuth, create_api
+from caravan_llm.scheduler.api import ApiAuth, ServerLog, create_api
 from caravan_llm.scheduler.autoscale.loop import Autoscaler
 from caravan_llm.scheduler.cluster_config import ClusterConfig
 from caravan_llm.scheduler.controller import Controller
@@ -156,7 +157,7 @@ class SchedulerApi:
                     "CARAVAN_SCHEDULER_API_TOKENS_FILE); the API is open to this machine only",
                 },
             )
-        runner = web.AppRunner(self.app, access_log=None)
+        runner = web.AppRunner(self.app, access_log=None, logger=ServerLog(server_logger))
         await runner.setup()
         self.runner = runner
         site = web.TCPSite(runner, host, self.port)

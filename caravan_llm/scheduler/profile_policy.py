@@ -259,7 +259,8 @@ def document_policy_problems(
     ]
     engine = document.get("engine")
     args = document.get("engine_args")
-    if engine in set(Engine) and isinstance(args, list):
+    # `engine` may be any JSON value here (a list or object is unhashable).
+    if isinstance(engine, str) and engine in set(Engine) and isinstance(args, list):
         found += engine_arg_problems(
             Engine(str(engine)), [arg for arg in args if isinstance(arg, str)], policy
         )
