@@ -589,11 +589,14 @@ async def test_the_autoscaler_scales_on_the_real_engines_load(fleet: Fleet) -> N
         last[:] = [answer]
         return answer if isinstance(answer, int) else None
 
-    # Three each, re-sent as they end (one wave can end before the up window has
-    # passed): 3 in flight over a target of 2 per replica asks for 3 replicas.
-    async with saturated(replicas, key, 3):
+    # Four each, re-sent as they end (one wave can end before the up window has
+    # passed): 4 in flight over a target of 2 per replica asks for 4, capped at 3.
+    # With 3 each, a CI run whose saturated cores spaced the autoscaler's
+    # evaluations out saw the one reading of 3.0 replaced by 1.5 (a wave ending)
+    # before the 2 s up window had passed; 4 keeps every reading above 2.2.
+    async with saturated(replicas, key, 4):
         try:
-            desired = await eventually(scaled_count, 60, "a desired count above 2")
+            desired = await eventually(scaled_count, 120, "a desired count above 2")
         except pytest.fail.Exception as exc:
             pytest.fail(f"{exc}; last seen: {last}; in flight per replica: {seen}")
     assert 3 == desired, last
