@@ -25,6 +25,7 @@ from pydantic.json_schema import JsonSchemaMode
 
 from caravan_llm.common.contract import MODEL_NAME_MAX_LEN, MODEL_NAME_PATTERN
 from caravan_llm.scheduler.dry_run import Change
+from caravan_llm.scheduler.engines.registry import Engine
 from caravan_llm.scheduler.model_service import ModelHistoryView
 from caravan_llm.scheduler.profiles import ModelProfile
 from caravan_llm.scheduler.status import ModelStatus
@@ -41,12 +42,12 @@ EXAMPLE_NAME = "tiny-chat"
 EXAMPLE_PROFILE: Mapping[str, Any] = {
     "name": EXAMPLE_NAME,
     "model": "/opt/models/tiny-llama.gguf",
-    "engine": "llamacpp",
+    "engine": Engine.LLAMACPP.value,
     "replicas": {"min": 1, "max": 2, "initial": 1},
     "resources": {"cores": 1, "memory_mb": 512},
 }
 _EXAMPLE_YAML = (
-    f"name: {EXAMPLE_NAME}\nmodel: /opt/models/tiny-llama.gguf\nengine: llamacpp\n"
+    f"name: {EXAMPLE_NAME}\nmodel: /opt/models/tiny-llama.gguf\nengine: {Engine.LLAMACPP.value}\n"
     "replicas: {min: 1, max: 2, initial: 1}\nresources: {cores: 1, memory_mb: 512}\n"
 )
 
