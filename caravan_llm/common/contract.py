@@ -270,6 +270,11 @@ NOMAD_SERVICE_ID_PREFIX = "_nomad-task-"
 ALLOC_ID_PATTERN = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
 
 
+# The port label of a replica's KV relay (caravan_llm/kvrelay): the digest
+# stream routers read. Its host port is published in the placements.
+KV_PORT_LABEL = "kv"
+
+
 def nomad_service_id(alloc_id: str, model_name: str) -> str:
     """The Consul service ID Nomad registers for a replica allocation's engine service."""
     return (
@@ -296,6 +301,12 @@ class PlacedAllocation(BaseModel):
     # several Consul instances carry the allocation's service ID, routers
     # prefer the one registered on the Consul node of this name.
     node: str = ""
+    # The host port Nomad allocated for the `kv` label (KV_PORT_LABEL), at
+    # `address`: the replica's KV relay, whose digest stream
+    # (`GET /v1/kv/stream`, behind the engine key) routers read for exact
+    # prefix routing (issue 24). None: the replica publishes no KV events
+    # (llama.cpp, or KV events off), and routers keep the approximate index.
+    kv_port: int | None = Field(default=None, ge=1, le=65535)
 
 
 class Placements(BaseModel):
@@ -561,6 +572,14 @@ class ModelView(BaseModel):
 
     name: Annotated[str, StringConstraints(pattern=MODEL_NAME_PATTERN.pattern)]
     served_model_name: str | None = None
+    # The weights the engine loads (a path on the node or a Hugging Face id).
+    model: str | None = None
+    # Where a router finds the model's tokenizer (`tokenizer.json`, and
+    # `tokenizer_config.json` with its chat template): a local directory on
+    # the router's machine. None: the profile's `model` when that is a local
+    # directory there; else the router has no tokenizer for the model and
+    # keeps the approximate prefix index (issue 24).
+    tokenizer: str | None = None
 
     @property
     def served_name(self) -> str:

@@ -227,6 +227,11 @@ class ModelProfile(BaseModel):
     # routers start their cost model from it until they have measured the
     # replica themselves. None: the engine's built-in default.
     prefill_tokens_per_s: int | None = Field(default=None, ge=1, le=100_000_000)
+    # A local directory with the model's `tokenizer.json` (and
+    # `tokenizer_config.json`, its chat template) on the routers' machines:
+    # routers tokenize prompts with it for exact prefix routing on the
+    # engines' KV events. None: the `model` directory when routers can read it.
+    tokenizer: str | None = Field(default=None, min_length=1)
     # How long a replica may take to load its model before Nomad gives up on it.
     startup_timeout_s: int | None = Field(default=None, ge=10)
     # How long routers get to drain a replica before its engine is stopped.
