@@ -69,6 +69,19 @@ class Unfaithful:
 # -- SSE framing ------------------------------------------------------------------
 
 
+def engine_json(data: bytes | str) -> Any:
+    """The JSON value of bytes an engine sent; ValueError when they hold none.
+
+    `json.loads`, except that a value nested past Python's recursion limit (an
+    event of `[[[[...`) is the ValueError of text that is not JSON here, not a
+    RecursionError out of the stream's relay.
+    """
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested deeper than the recursion limit") from None
+
+
 def split_complete_events(buffer: bytes) -> tuple[bytes, bytes]:
     """(the complete events at the start of `buffer`, the incomplete rest).
 
@@ -139,7 +152,7 @@ def _engine_stop(data: bytes) -> str | None:
     if not any(mark in data for mark in _STOP_MARKS):
         return None
     try:
-        chunk = json.loads(data)
+        chunk = engine_json(data)
     except (ValueError, UnicodeDecodeError):
         return None
     if not isinstance(chunk, dict):
@@ -211,7 +224,7 @@ class StreamAccount:
                 self.done = True
                 continue
             try:
-                chunk = json.loads(data)
+                chunk = engine_json(data)
             except (ValueError, UnicodeDecodeError):
                 self.unfaithful = "the stream carried an event that is not JSON"
                 continue
@@ -376,7 +389,7 @@ class ContinuationRewriter:
                 out.append(DONE_EVENT)
                 continue
             try:
-                chunk = json.loads(data)
+                chunk = engine_json(data)
             except (ValueError, UnicodeDecodeError):
                 continue
             if not isinstance(chunk, dict):

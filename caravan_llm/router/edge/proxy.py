@@ -96,6 +96,7 @@ from caravan_llm.router.edge.continuation import (
     Unfaithful,
     build_continuation,
     cut_at_engine_stop,
+    engine_json,
     error_event,
     split_complete_events,
 )
@@ -886,7 +887,7 @@ class Proxy:
         body: Mapping[str, Any] = error_body(error)
         if engine_body is not None:
             try:
-                decoded = json.loads(engine_body)
+                decoded = engine_json(engine_body)
             except ValueError:
                 decoded = None
             if isinstance(decoded, dict) and "error" in decoded:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from caravan_llm.common.contract import EngineRoute
-from caravan_llm.router.edge.continuation import StreamKind
+from caravan_llm.router.edge.continuation import StreamKind, engine_json
 
 
 class SseDialect(StrEnum):
@@ -121,7 +121,7 @@ def event_type(event: bytes) -> str | None:
     if not data_lines:
         return None
     try:
-        data = json.loads(b"\n".join(data_lines))
+        data = engine_json(b"\n".join(data_lines))
     except (ValueError, UnicodeDecodeError):
         return None
     kind = data.get("type") if isinstance(data, dict) else None
@@ -156,7 +156,7 @@ def broken_stream_event(dialect: SseDialect, message: str) -> bytes:
 def is_openai_error(body: bytes) -> bool:
     """Whether an engine's error body is in OpenAI's shape: `{"error": {"message": ...}}`."""
     try:
-        decoded = json.loads(body)
+        decoded = engine_json(body)
     except (ValueError, UnicodeDecodeError):
         return False
     error = decoded.get("error") if isinstance(decoded, dict) else None
