@@ -33,9 +33,9 @@ from hypothesis import strategies as st
 # -- settings --------------------------------------------------------------------------
 
 
-def fuzz_settings(share: float = 1.0) -> settings:
+def fuzz_settings(share: float = 1.0, **overrides: Any) -> settings:
     """Settings of one fuzz target: `share` of the loaded profile's example count (at least 5)."""
-    return settings(max_examples=max(5, int(settings.default.max_examples * share)))
+    return settings(max_examples=max(5, int(settings.default.max_examples * share)), **overrides)
 
 
 # -- JSON --------------------------------------------------------------------------------
