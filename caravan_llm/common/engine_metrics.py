@@ -93,7 +93,8 @@ def parse_engine_load(text: str, names: MetricNames) -> EngineLoad:
     gauges by `model_name` and, with several engine cores (data parallel), by
     `engine`: request counts are summed across label sets, while the KV-cache
     usage, a fraction per engine core, is averaged (a sum would read 1.4 for two
-    cores at 70%). NaN samples are unknowns and are skipped; a name with no usable
+    cores at 70%). NaN and infinite samples are unknowns and are skipped (a
+    `+Inf` and a `-Inf` would otherwise sum to NaN); a name with no usable
     sample reads as None.
 
     Raises EngineMetricsParseError when the text is not exposition format.
@@ -104,7 +105,7 @@ def parse_engine_load(text: str, names: MetricNames) -> EngineLoad:
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name in wanted and not math.isnan(sample.value):
+                if sample.name in wanted and math.isfinite(sample.value):
                     totals[sample.name] = totals.get(sample.name, 0.0) + float(sample.value)
                     counts[sample.name] = counts.get(sample.name, 0) + 1
     # The parser signals bad input with ValueError mostly, but a truncated line can
