@@ -535,6 +535,10 @@ def _yaml_document(text: str, source: str) -> Any:
     except RecursionError:
         # A hostile document (thousands of nested lists) is a problem, not a crash.
         raise ProfileDocumentError(source, "the document is nested too deeply") from None
+    except (ValueError, TypeError, OverflowError) as exc:
+        # A scalar YAML's own constructors refuse (`2024-02-30`, `!!float x`, an
+        # integer of 5000 digits) is a YAML error too.
+        raise ProfileDocumentError(source, f"YAML error: {str(exc)[:200]}", syntax=True) from None
 
 
 def served_name_of(name: str, served_model_name: str | None) -> str:
@@ -618,9 +622,17 @@ def _encode_count(value: int, what: str) -> bytes:
 
 def _decode_count(raw: bytes | str, *, key: str, what: str) -> int:
     text = (raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw).strip()
+    return _decimal(text, f"{key}: {what} is not a non-negative decimal integer")
+
+
+def _decimal(text: str, problem: str) -> int:
+    """The non-negative decimal integer `text` is; ContractError saying `problem` otherwise."""
     if not (text.isascii() and text.isdigit()):
-        raise ContractError(f"{key}: {what} is not a non-negative decimal integer")
-    return int(text)
+        raise ContractError(problem)
+    try:
+        return int(text)
+    except ValueError:  # more digits than Python converts (4300)
+        raise ContractError(problem) from None
 
 
 def encode_desired_count(count: int) -> bytes:
@@ -747,7 +759,9 @@ def _json_object(raw: bytes | str, what: str) -> dict[str, Any]:
     try:
         document = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ContractDecodeError(f"{what}: not JSON ({exc})") from None
+        raise ContractDecodeError(f"{what}: not JSON ({str(exc)[:200]})") from None
+    except RecursionError:
+        raise ContractDecodeError(f"{what}: not JSON (nested too deeply)") from None
     if not isinstance(document, dict):
         raise ContractDecodeError(f"{what}: not a JSON object")
     return document
@@ -755,9 +769,16 @@ def _json_object(raw: bytes | str, what: str) -> dict[str, Any]:
 
 def _number(document: dict[str, Any], key: str, what: str) -> float:
     value = document.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ContractDecodeError(f"{what}: {key} must be a finite number, got {value!r}")
-    return float(value)
+    problem = f"{what}: {key} must be a finite number, got {repr(value)[:100]}"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ContractDecodeError(problem)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past the float range
+        raise ContractDecodeError(problem) from None
+    if not math.isfinite(number):
+        raise ContractDecodeError(problem)
+    return number
 
 
 @dataclass(frozen=True, slots=True)
@@ -887,12 +908,14 @@ def decode_stream_traits(meta: Mapping[str, object]) -> StreamTraits:
         raw = meta[limit_key]
         if raw == "":
             limit = None
-        elif isinstance(raw, str) and raw.isdigit() and int(raw) > 0:
-            limit = int(raw)
         else:
-            raise StreamTraitsError(
-                f"Meta.{limit_key} must be a positive integer or empty: {raw!r}"
-            )
+            problem = f"Meta.{limit_key} must be a positive integer or empty: {repr(raw)[:200]}"
+            try:
+                limit = _decimal(raw, problem) if isinstance(raw, str) else 0
+            except ContractError:
+                raise StreamTraitsError(problem) from None
+            if limit <= 0:
+                raise StreamTraitsError(problem)
     echo = OPENAI_STREAM_TRAITS.echoes_prefill
     if echo_key in meta:
         raw = meta[echo_key]
@@ -921,11 +944,16 @@ def decode_prefill_rate(meta: Mapping[str, object]) -> int | None:
     raw = meta.get(ServiceMetaKey.PREFILL_TOKENS_PER_S)
     if raw is None:
         return None
-    if isinstance(raw, str) and raw.isascii() and raw.isdigit() and int(raw) > 0:
-        return int(raw)
-    raise PrefillRateError(
-        f"Meta.{ServiceMetaKey.PREFILL_TOKENS_PER_S} must be a positive integer: {raw!r}"
+    problem = (
+        f"Meta.{ServiceMetaKey.PREFILL_TOKENS_PER_S} must be a positive integer: {repr(raw)[:200]}"
     )
+    try:
+        rate = _decimal(raw, problem) if isinstance(raw, str) else 0
+    except ContractError:
+        raise PrefillRateError(problem) from None
+    if rate <= 0:
+        raise PrefillRateError(problem)
+    return rate
 
 
 # -- service Meta: the routes a replica's engine serves ------------------------------------
