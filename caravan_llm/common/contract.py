@@ -531,7 +531,9 @@ def _yaml_document(text: str, source: str) -> Any:
         problem = f"YAML syntax error at {where}: {exc.problem}"
         raise ProfileDocumentError(source, problem, syntax=True) from None
     except yaml.YAMLError as exc:
-        raise ProfileDocumentError(source, f"YAML syntax error: {exc}", syntax=True) from None
+        # One line: a reader error (a control character) says where on a line of its own.
+        problem = f"YAML syntax error: {' '.join(str(exc).split())}"
+        raise ProfileDocumentError(source, problem, syntax=True) from None
     except RecursionError:
         # A hostile document (thousands of nested lists) is a problem, not a crash.
         raise ProfileDocumentError(source, "the document is nested too deeply") from None

@@ -363,15 +363,20 @@ class ProfileError(ValueError):
         super().__init__("\n".join(f"{source}: {p}" for p in problems))
 
 
+def _printable(text: str) -> str:
+    """`text` with line breaks and other control characters escaped: a problem is one line."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
 def _format_location(loc: tuple[int | str, ...]) -> str:
     parts: list[str] = []
     for item in loc:
         if isinstance(item, int):
             parts.append(f"[{item}]")
         elif parts:
-            parts.append(f".{item}")
+            parts.append(f".{_printable(item)}")
         else:
-            parts.append(str(item))
+            parts.append(_printable(str(item)))
     return "".join(parts)
 
 
@@ -383,7 +388,7 @@ def describe_validation_error(error: ValidationError) -> list[str]:
         # model itself, and adds union/tag segments that mean nothing to a user.
         loc = tuple(part for part in item["loc"] if not str(part).startswith("function-"))
         field = _format_location(loc)
-        message = str(item["msg"]).removeprefix("Value error, ")
+        message = _printable(str(item["msg"]).removeprefix("Value error, "))
         if item["type"] == "extra_forbidden":
             message = "unknown field (check the spelling; see the profile reference)"
         elif item["type"] == "missing":
