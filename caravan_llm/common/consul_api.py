@@ -54,6 +54,8 @@ from caravan_llm.common.errors import (
     HashiPermissionDenied,
     HashiUnavailable,
     SettingsError,
+    decoded,
+    parse_index,
 )
 from caravan_llm.common.tls_files import TlsClientSettings
 
@@ -192,6 +194,8 @@ class HealthCheck:
 
     @classmethod
     def from_api(cls, raw: Mapping[str, Any]) -> HealthCheck:
+        if not isinstance(raw, Mapping):
+            raise TypeError("a check is not an object")
         return cls(
             check_id=str(raw.get("CheckID") or ""),
             status=str(raw.get("Status") or ""),
@@ -248,18 +252,26 @@ class HealthEntry:
 
     @classmethod
     def from_api(cls, raw: Mapping[str, Any]) -> HealthEntry:
-        node, service = raw["Node"], raw["Service"]
-        return cls(
-            node=node["Node"],
-            node_address=node["Address"],
-            service_id=service["ID"],
-            service_name=service["Service"],
-            service_address=service.get("Address") or "",
-            port=int(service.get("Port") or 0),
-            tags=tuple(service.get("Tags") or ()),
-            meta=MappingProxyType(dict(service.get("Meta") or {})),
-            checks=tuple(HealthCheck.from_api(check) for check in raw.get("Checks") or ()),
-        )
+        """Raises HashiMalformedAnswer when `raw` is not an entry of `/v1/health/service`."""
+
+        def decode() -> HealthEntry:
+            node, service = _object(raw)["Node"], _object(raw)["Service"]
+            return cls(
+                node=_text(_object(node)["Node"]),
+                node_address=_text(node["Address"]),
+                service_id=_text(_object(service)["ID"]),
+                service_name=_text(service["Service"]),
+                service_address=_text(service.get("Address") or ""),
+                port=_count(service.get("Port")),
+                tags=tuple(_text(tag) for tag in _array(service.get("Tags"))),
+                # Values as sent: the router skips an entry whose Meta it cannot read.
+                meta=MappingProxyType(dict(_object(service.get("Meta") or {}))),
+                checks=tuple(
+                    HealthCheck.from_api(_object(check)) for check in _array(raw.get("Checks"))
+                ),
+            )
+
+        return decoded("consul health entry", decode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,18 +286,26 @@ class KVEntry:
 
     @classmethod
     def from_api(cls, raw: Mapping[str, Any]) -> KVEntry:
-        value = raw.get("Value")
-        if isinstance(value, str):  # py-consul decodes base64 to bytes; be lenient
-            value = value.encode()
-        return cls(
-            key=raw["Key"],
-            value=value or b"",
-            flags=int(raw.get("Flags") or 0),
-            session=raw.get("Session") or None,
-            lock_index=int(raw.get("LockIndex") or 0),
-            create_index=int(raw.get("CreateIndex") or 0),
-            modify_index=int(raw.get("ModifyIndex") or 0),
-        )
+        """Raises HashiMalformedAnswer when `raw` is not a KV entry."""
+
+        def decode() -> KVEntry:
+            value = _object(raw).get("Value")
+            if isinstance(value, str):  # py-consul decodes base64 to bytes; be lenient
+                value = value.encode("utf-8", "surrogatepass")
+            if not isinstance(value, bytes | None):
+                raise TypeError("Value")
+            session = raw.get("Session") or None
+            return cls(
+                key=_text(raw["Key"]),
+                value=value or b"",
+                flags=_count(raw.get("Flags")),
+                session=None if session is None else _text(session),
+                lock_index=_count(raw.get("LockIndex")),
+                create_index=_count(raw.get("CreateIndex")),
+                modify_index=_count(raw.get("ModifyIndex")),
+            )
+
+        return decoded("consul KV entry", decode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,17 +321,99 @@ class SessionInfo:
 
     @classmethod
     def from_api(cls, raw: Mapping[str, Any]) -> SessionInfo:
-        ttl = raw.get("TTL") or ""
-        return cls(
-            session_id=raw["ID"],
-            name=raw.get("Name") or "",
-            node=raw.get("Node") or "",
-            ttl_s=_parse_seconds(ttl) if ttl else None,
-            behavior=raw.get("Behavior") or "release",
-            lock_delay_s=int(raw.get("LockDelay") or 0) / 1e9,
-            create_index=int(raw.get("CreateIndex") or 0),
-            modify_index=int(raw.get("ModifyIndex") or 0),
-        )
+        """Raises HashiMalformedAnswer when `raw` is not a session."""
+
+        def decode() -> SessionInfo:
+            ttl = _text(_object(raw).get("TTL") or "")
+            return cls(
+                session_id=_text(raw["ID"]),
+                name=_text(raw.get("Name") or ""),
+                node=_text(raw.get("Node") or ""),
+                ttl_s=_parse_seconds(ttl) if ttl else None,
+                behavior=_text(raw.get("Behavior") or "release"),
+                lock_delay_s=_count(raw.get("LockDelay")) / 1e9,
+                create_index=_count(raw.get("CreateIndex")),
+                modify_index=_count(raw.get("ModifyIndex")),
+            )
+
+        return decoded("consul session", decode)
+
+
+# -- reading Consul's JSON: each raises TypeError/ValueError, which `decoded` reports --
+
+
+def _object(value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise TypeError("not an object")
+    return value
+
+
+def _array(value: Any) -> list[Any]:
+    """A JSON array; null or absent is empty."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise TypeError("not an array")
+    return value
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError("not a string")
+    return value
+
+
+def _count(value: Any) -> int:
+    """A non-negative integer (Consul's indexes, ports, flags); null or absent is 0."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError("not a non-negative integer")
+    return value
+
+
+def decode_health(raw_index: object, raw: Any) -> tuple[int, tuple[HealthEntry, ...]]:
+    """The index and entries of a `/v1/health/service` answer; HashiMalformedAnswer otherwise."""
+    index = parse_index(raw_index, "consul health.service")
+    return index, decoded(
+        "consul health.service", lambda: tuple(HealthEntry.from_api(e) for e in _array(raw))
+    )
+
+
+def decode_services(raw_index: object, raw: Any) -> tuple[int, dict[str, tuple[str, ...]]]:
+    """The index and services (name -> tags) of a `/v1/catalog/services` answer."""
+    index = parse_index(raw_index, "consul catalog.services")
+    return index, decoded(
+        "consul catalog.services",
+        lambda: {
+            _text(name): tuple(_text(tag) for tag in _array(tags))
+            for name, tags in _object(raw or {}).items()
+        },
+    )
+
+
+def decode_kv(raw_index: object, raw: Any) -> tuple[int, KVEntry | None]:
+    """The index and entry of a `/v1/kv/<key>` answer (py-consul: the entry, or None)."""
+    return parse_index(raw_index, "consul kv.get"), KVEntry.from_api(raw) if raw else None
+
+
+def decode_kv_recurse(raw_index: object, raw: Any) -> tuple[int, tuple[KVEntry, ...]]:
+    """The index and entries of a `/v1/kv/<prefix>?recurse` answer."""
+    index = parse_index(raw_index, "consul kv.get recurse")
+    return index, decoded(
+        "consul kv.get recurse", lambda: tuple(KVEntry.from_api(item) for item in _array(raw))
+    )
+
+
+def decode_keys(raw_index: object, raw: Any) -> tuple[int, tuple[str, ...]]:
+    """The index and keys of a `/v1/kv/<prefix>?keys` answer."""
+    index = parse_index(raw_index, "consul kv.keys")
+    return index, decoded("consul kv.keys", lambda: tuple(_text(key) for key in _array(raw)))
+
+
+def decode_session(raw_index: object, raw: Any) -> tuple[int, SessionInfo | None]:
+    """The index and session of a `/v1/session/info` answer (py-consul: the session, or None)."""
+    return parse_index(raw_index, "consul session.info"), SessionInfo.from_api(raw) if raw else None
 
 
 def _parse_seconds(text: str) -> float | None:
@@ -444,18 +546,22 @@ def parse_txn_answer(status: int, body: Any) -> tuple[KVEntry, ...]:
     """The KV results of a 200 answer, or the typed error of a 409 one (pure)."""
     if not isinstance(body, Mapping):
         raise HashiUnavailable(f"consul txn: unexpected answer {str(body)[:200]!r}", status=status)
+    return decoded("consul txn", lambda: _txn_entries(status, body))
+
+
+def _txn_entries(status: int, body: Mapping[str, Any]) -> tuple[KVEntry, ...]:
     if status == 409:
         errors = tuple(
-            TxnOpError(int(e.get("OpIndex") or 0), str(e.get("What") or ""))
-            for e in body.get("Errors") or ()
+            TxnOpError(_count(_object(e).get("OpIndex")), str(e.get("What") or ""))
+            for e in _array(body.get("Errors"))
         )
         denied = [e for e in errors if e.what.startswith(("Permission denied", "ACL not found"))]
         if denied:
             raise HashiPermissionDenied(f"consul txn: {denied[0].what}", status=403)
         raise TxnConflictError(errors)
     entries: list[KVEntry] = []
-    for result in body.get("Results") or ():
-        raw = dict(result.get("KV") or {})
+    for result in _array(body.get("Results")):
+        raw = dict(_object(_object(result).get("KV") or {}))
         if not raw:
             continue
         value = raw.get("Value")
@@ -743,7 +849,7 @@ class ConsulClient:
             ),
             timeout_s=self._timeout(index, wait_s),
         )
-        return int(raw_index), tuple(HealthEntry.from_api(entry) for entry in raw or ())
+        return decode_health(raw_index, raw)
 
     async def catalog_services(
         self, *, index: int = 0, wait_s: float | None = None
@@ -756,7 +862,7 @@ class ConsulClient:
             ),
             timeout_s=self._timeout(index, wait_s),
         )
-        return int(raw_index), {name: tuple(tags or ()) for name, tags in (raw or {}).items()}
+        return decode_services(raw_index, raw)
 
     # -- KV --------------------------------------------------------------------
 
@@ -771,7 +877,7 @@ class ConsulClient:
             ),
             timeout_s=self._timeout(index, wait_s),
         )
-        return int(raw_index), KVEntry.from_api(raw) if raw else None
+        return decode_kv(raw_index, raw)
 
     async def kv_get_recurse(
         self, prefix: str, *, index: int = 0, wait_s: float | None = None
@@ -784,7 +890,7 @@ class ConsulClient:
             ),
             timeout_s=self._timeout(index, wait_s),
         )
-        return int(raw_index), tuple(KVEntry.from_api(item) for item in raw or ())
+        return decode_kv_recurse(raw_index, raw)
 
     async def kv_keys(
         self,
@@ -806,7 +912,7 @@ class ConsulClient:
             ),
             timeout_s=self._timeout(index, wait_s),
         )
-        return int(raw_index), tuple(raw or ())
+        return decode_keys(raw_index, raw)
 
     async def kv_put(
         self,
@@ -922,7 +1028,7 @@ class ConsulClient:
             ),
             timeout_s=self._timeout(index, wait_s),
         )
-        return int(raw_index), SessionInfo.from_api(raw) if raw else None
+        return decode_session(raw_index, raw)
 
     # -- agent -------------------------------------------------------------------
 
