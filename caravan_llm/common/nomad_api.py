@@ -34,7 +34,7 @@ import json
 import logging
 import ssl
 import urllib.parse
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
 from typing import Any, Generic, Self, TypeVar
@@ -47,11 +47,14 @@ from caravan_llm.common.errors import (
     HashiBadRequest,
     HashiConflict,
     HashiError,
+    HashiMalformedAnswer,
     HashiNotFound,
     HashiPermissionDenied,
     HashiUnavailable,
     JobModifyIndexConflict,
     SettingsError,
+    decoded,
+    parse_index,
 )
 from caravan_llm.common.tls_files import TlsClientSettings
 
@@ -125,7 +128,21 @@ class NomadSettings(TlsClientSettings):
 
 
 def _frozen(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
-    return MappingProxyType(dict(mapping or {}))
+    return MappingProxyType(dict(_object(mapping or {})))
+
+
+def _object(value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise TypeError("not an object")
+    return value
+
+
+def _optional_int(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError("not an integer")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +185,11 @@ class JobStub:
 
     @classmethod
     def from_api(cls, data: Mapping[str, Any]) -> JobStub:
+        """Raises HashiMalformedAnswer when `data` is not a job of Nomad's API."""
+        return decoded("Nomad job", lambda: cls._decode(_object(data)))
+
+    @classmethod
+    def _decode(cls, data: Mapping[str, Any]) -> JobStub:
         return cls(
             id=str(data.get("ID", "")),
             namespace=str(data.get("Namespace") or "default"),
@@ -246,6 +268,11 @@ class Allocation:
 
     @classmethod
     def from_api(cls, data: Mapping[str, Any]) -> Allocation:
+        """Raises HashiMalformedAnswer when `data` is not a allocation of Nomad's API."""
+        return decoded("Nomad allocation", lambda: cls._decode(_object(data)))
+
+    @classmethod
+    def _decode(cls, data: Mapping[str, Any]) -> Allocation:
         resources = data.get("AllocatedResources")
         ports: tuple[AllocatedPort, ...] | None = None
         if isinstance(resources, Mapping):
@@ -328,6 +355,11 @@ class Node:
 
     @classmethod
     def from_api(cls, data: Mapping[str, Any]) -> Node:
+        """Raises HashiMalformedAnswer when `data` is not a node of Nomad's API."""
+        return decoded("Nomad node", lambda: cls._decode(_object(data)))
+
+    @classmethod
+    def _decode(cls, data: Mapping[str, Any]) -> Node:
         resources = data.get("NodeResources")
         cpu_mhz = memory_mb = None
         devices: tuple[NodeDevice, ...] | None = None
@@ -342,7 +374,9 @@ class Node:
                     healthy_instances=sum(
                         1 for instance in device.get("Instances") or [] if instance.get("Healthy")
                     ),
-                    memory_mib=(device.get("Attributes") or {}).get("memory", {}).get("Int"),
+                    memory_mib=_optional_int(
+                    ((device.get("Attributes") or {}).get("memory") or {}).get("Int")
+                ),
                 )
                 for device in resources.get("Devices") or []
             )
@@ -380,6 +414,11 @@ class Evaluation:
 
     @classmethod
     def from_api(cls, data: Mapping[str, Any]) -> Evaluation:
+        """Raises HashiMalformedAnswer when `data` is not a evaluation of Nomad's API."""
+        return decoded("Nomad evaluation", lambda: cls._decode(_object(data)))
+
+    @classmethod
+    def _decode(cls, data: Mapping[str, Any]) -> Evaluation:
         return cls(
             id=str(data.get("ID", "")),
             job_id=str(data.get("JobID", "")),
@@ -388,7 +427,9 @@ class Evaluation:
             triggered_by=str(data.get("TriggeredBy", "")),
             blocked_eval=str(data.get("BlockedEval", "")),
             failed_tg_allocs=_frozen(data.get("FailedTGAllocs")),
-            queued_allocations=_frozen(data.get("QueuedAllocations")),
+            queued_allocations=_frozen(
+                {str(k): int(v) for k, v in (data.get("QueuedAllocations") or {}).items()}
+            ),
             create_index=int(data.get("CreateIndex") or 0),
             modify_index=int(data.get("ModifyIndex") or 0),
         )
@@ -408,6 +449,11 @@ class VariableMetadata:
 
     @classmethod
     def from_api(cls, data: Mapping[str, Any]) -> VariableMetadata:
+        """Raises HashiMalformedAnswer when `data` is not a variable of Nomad's API."""
+        return decoded("Nomad variable", lambda: cls._decode(_object(data)))
+
+    @classmethod
+    def _decode(cls, data: Mapping[str, Any]) -> VariableMetadata:
         return cls(
             namespace=str(data.get("Namespace", "default")),
             path=str(data.get("Path", "")),
@@ -425,11 +471,25 @@ class Variable:
 
     @classmethod
     def from_api(cls, data: Mapping[str, Any]) -> Variable:
+        """Raises HashiMalformedAnswer when `data` is not a variable of Nomad's API."""
+        return decoded("Nomad variable", lambda: cls._decode(_object(data)))
+
+    @classmethod
+    def _decode(cls, data: Mapping[str, Any]) -> Variable:
         raw_items = data.get("Items") or {}
         return cls(
             meta=VariableMetadata.from_api(data),
             items=_frozen({str(k): str(v) for k, v in raw_items.items()}),
         )
+
+
+def _list_of(decode: Callable[[Mapping[str, Any]], T], data: Any) -> list[T]:
+    """Each item of a JSON array answer (null is empty); HashiMalformedAnswer otherwise."""
+    if data is None:
+        return []
+    if not isinstance(data, list):
+        raise HashiMalformedAnswer("Nomad: a list answer is not a JSON array")
+    return [decode(item) for item in data]
 
 
 def _var_path(path: str) -> str:
@@ -552,10 +612,12 @@ class NomadClient:
                 text = await response.text()
                 if response.status >= 300:
                     raise self._error(method, path, response.status, text, redact=redact)
-                index = int(response.headers.get("X-Nomad-Index", "0") or 0)
+                index = parse_index(
+                    response.headers.get("X-Nomad-Index") or "0", f"Nomad {method} {path}"
+                )
                 try:
                     return index, json.loads(text) if text else None
-                except ValueError:
+                except (ValueError, RecursionError):
                     raise HashiUnavailable(
                         f"Nomad {method} {path}: answer is not JSON", status=response.status
                     ) from None
@@ -586,12 +648,15 @@ class NomadClient:
             body["EnforceIndex"] = True
             body["JobModifyIndex"] = enforce_index
         index, data = await self._call("PUT", "/v1/jobs", body=body)
-        return RegisterResult(
-            eval_id=str(data.get("EvalID", "")),
-            eval_create_index=int(data.get("EvalCreateIndex") or 0),
-            job_modify_index=int(data.get("JobModifyIndex") or 0),
-            warnings=str(data.get("Warnings") or ""),
-            index=int(data.get("Index") or index),
+        return decoded(
+            "Nomad PUT /v1/jobs",
+            lambda: RegisterResult(
+                eval_id=str(_object(data).get("EvalID", "")),
+                eval_create_index=int(data.get("EvalCreateIndex") or 0),
+                job_modify_index=int(data.get("JobModifyIndex") or 0),
+                warnings=str(data.get("Warnings") or ""),
+                index=int(data.get("Index") or index),
+            ),
         )
 
     async def plan_job(self, job: Mapping[str, Any], *, diff: bool = False) -> Json:
@@ -604,7 +669,7 @@ class NomadClient:
         job_id = str(body["Job"].get("ID", ""))
         path = f"/v1/job/{urllib.parse.quote(job_id, safe='')}/plan"
         _, data = await self._call("POST", path, body=body)
-        return dict(data or {})
+        return decoded(f"Nomad POST {path}", lambda: dict(_object(data or {})))
 
     async def list_jobs(
         self,
@@ -618,7 +683,7 @@ class NomadClient:
         params, wait = self._blocking(index, wait_s)
         params.update({"prefix": prefix or None, "meta": True if meta else None})
         got, data = await self._call("GET", "/v1/jobs", params=params, wait_s=wait)
-        return QueryResult(got, [JobStub.from_api(item) for item in data or []])
+        return QueryResult(got, _list_of(JobStub.from_api, data))
 
     async def deregister_job(self, job_id: str, *, purge: bool = True) -> DeregisterResult:
         """`DELETE /v1/job/:id`; an unknown job is not an error (Nomad answers 200)."""
@@ -627,10 +692,13 @@ class NomadClient:
             f"/v1/job/{urllib.parse.quote(job_id, safe='')}",
             params={"purge": purge},
         )
-        return DeregisterResult(
-            eval_id=str(data.get("EvalID", "")),
-            job_modify_index=int(data.get("JobModifyIndex") or 0),
-            index=int(data.get("Index") or 0),
+        return decoded(
+            "Nomad DELETE job",
+            lambda: DeregisterResult(
+                eval_id=str(_object(data).get("EvalID", "")),
+                job_modify_index=int(data.get("JobModifyIndex") or 0),
+                index=int(data.get("Index") or 0),
+            ),
         )
 
     async def job_evaluations(
@@ -643,7 +711,7 @@ class NomadClient:
             params=params,
             wait_s=wait,
         )
-        return QueryResult(got, [Evaluation.from_api(item) for item in data or []])
+        return QueryResult(got, _list_of(Evaluation.from_api, data))
 
     # -- allocations, nodes, evaluations ------------------------------------
 
@@ -658,7 +726,7 @@ class NomadClient:
         params, wait = self._blocking(index, wait_s)
         params.update({"prefix": prefix or None, "resources": True if resources else None})
         got, data = await self._call("GET", "/v1/allocations", params=params, wait_s=wait)
-        return QueryResult(got, [Allocation.from_api(item) for item in data or []])
+        return QueryResult(got, _list_of(Allocation.from_api, data))
 
     async def list_nodes(
         self, *, resources: bool = True, index: int | None = None, wait_s: float | None = None
@@ -666,7 +734,7 @@ class NomadClient:
         params, wait = self._blocking(index, wait_s)
         params["resources"] = True if resources else None
         got, data = await self._call("GET", "/v1/nodes", params=params, wait_s=wait)
-        return QueryResult(got, [Node.from_api(item) for item in data or []])
+        return QueryResult(got, _list_of(Node.from_api, data))
 
     # -- variables -----------------------------------------------------------
 
@@ -677,7 +745,7 @@ class NomadClient:
         params, wait = self._blocking(index, wait_s)
         params["prefix"] = prefix or None
         got, data = await self._call("GET", "/v1/vars", params=params, wait_s=wait)
-        return QueryResult(got, [VariableMetadata.from_api(item) for item in data or []])
+        return QueryResult(got, _list_of(VariableMetadata.from_api, data))
 
     async def get_variable(self, path: str) -> Variable | None:
         """`GET /v1/var/:path`, or None when there is no such variable."""
@@ -797,6 +865,8 @@ class LogFrameDecoder:
                 return frames
             try:
                 document, end = self._decoder.raw_decode(stripped)
+            except RecursionError:
+                raise HashiMalformedAnswer("Nomad log stream: a frame is nested too deeply") from None
             except ValueError:
                 self._buffer = stripped
                 return frames
@@ -816,9 +886,12 @@ def _log_frame(document: Any) -> LogFrame:
         data = base64.b64decode(raw, validate=True) if raw else b""
     except (ValueError, TypeError):
         raise HashiUnavailable("Nomad log stream: a frame's Data is not base64") from None
-    return LogFrame(
-        data=data,
-        file=str(document.get("File") or ""),
-        offset=int(document.get("Offset") or 0),
-        file_event=str(document.get("FileEvent") or ""),
+    return decoded(
+        "Nomad log stream",
+        lambda: LogFrame(
+            data=data,
+            file=str(document.get("File") or ""),
+            offset=int(document.get("Offset") or 0),
+            file_event=str(document.get("FileEvent") or ""),
+        ),
     )
