@@ -55,6 +55,13 @@ vllm-tests: $(STAMP) vllm ## the real-vLLM tier alone (builds the vLLM venv and 
 
 test: lint type unit vllm-tests ## everything CI runs: lint, types, tests, the real-vLLM tier
 
+# The fuzz targets (`-m fuzz`: every parser of outside bytes, docs/fuzzing.md)
+# with 100 times the examples of `make unit`'s time-boxed run, and the count of
+# inputs each one tried. About 10-15 minutes on two free cores.
+fuzz-long: $(STAMP) ## the fuzz targets with 100x the examples of `make unit` (docs/fuzzing.md)
+	$(BIN)/pytest -m fuzz -n $(TEST_WORKERS) --dist worksteal --ignore=tests/real_vllm \
+	  --hypothesis-profile=fuzz-long --hypothesis-show-statistics --timeout=3600
+
 fmt: $(STAMP) ## format and autofix
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
@@ -77,4 +84,4 @@ image: ## build the production image caravan-llm:<version> with docker (the Dock
 golden: $(STAMP) ## regenerate the rendered-job golden files after a deliberate change
 	$(BIN)/pytest tests/unit/scheduler/test_golden.py tests/deploy/test_deploy_replica_examples.py --update-golden
 
-.PHONY: help venv demo render llama-server vllm vllm-tests lint type unit test fmt golden wheel-demo image
+.PHONY: help venv demo render llama-server vllm vllm-tests lint type unit test fuzz-long fmt golden wheel-demo image

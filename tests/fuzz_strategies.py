@@ -16,34 +16,62 @@ lone surrogate, a `data:` line without its space) is tried against all of them:
   `[DONE]`;
 - `exposition_texts`: Prometheus text with the format's corners.
 
-`fuzz_settings(share)` gives a target its example count: `share` of the
-loaded profile's. The suite's profile (`caravan`, tests/conftest.py) keeps the
-whole fuzz run within about a minute of `make unit`; `make fuzz-long` loads the
+`fuzz_settings(share)` gives a target its example count from the loaded
+profile. The suite's profile (`caravan`, tests/conftest.py) keeps the whole
+fuzz run to about a minute of `make unit`; `make fuzz-long` loads the
 `fuzz-long` profile (`--hypothesis-profile=fuzz-long`), 100 times as many.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from hypothesis import settings
 from hypothesis import strategies as st
 
+T = TypeVar("T")
+E = TypeVar("E", bound=Exception)
+
+
+def outcome(call: Callable[[], T], refusal: type[E]) -> tuple[T | None, E | None]:
+    """(what `call()` returned, None), or (None, the `refusal` it raised); anything else raises."""
+    try:
+        return call(), None
+    except refusal as refused:
+        return None, refused
+
+
 # -- settings --------------------------------------------------------------------------
 
 
+# A fuzz target's examples per example of the loaded profile: the suite's profile
+# (100) gives a target 40, `fuzz-long` (10,000) gives it 4,000.
+_EXAMPLES_PER_PROFILE_EXAMPLE = 0.4
+
+
 def fuzz_settings(share: float = 1.0, **overrides: Any) -> settings:
-    """Settings of one fuzz target: `share` of the loaded profile's example count (at least 5)."""
-    return settings(max_examples=max(5, int(settings.default.max_examples * share)), **overrides)
+    """Settings of one fuzz target: `share` of its examples under the loaded profile (at least 5).
+
+    `share` weighs a target by its cost (a request through a live router) or its
+    input space (every decoder of a family in one target).
+    """
+    examples = settings.default.max_examples * _EXAMPLES_PER_PROFILE_EXAMPLE * share
+    return settings(max_examples=max(5, int(examples)), **overrides)
 
 
 # -- JSON --------------------------------------------------------------------------------
 
 # Integers at the edges of the widths engines and Go servers (Consul, Nomad) parse into.
-edge_integers = st.sampled_from(
-    [0, -1, 1, 2**31 - 1, 2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63) - 1]
-) | st.integers(min_value=2**64, max_value=2**200) | st.integers(max_value=-(2**64))
+edge_integers = (
+    st.sampled_from(
+        [0, -1, 1, 2**31 - 1, 2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63) - 1]
+    )
+    | st.integers(min_value=2**64, max_value=2**200)
+    | st.integers(max_value=-(2**64))
+)
 numbers = (
     st.integers()
     | edge_integers
@@ -119,7 +147,11 @@ def hostile_json(draw: st.DrawFn, values: st.SearchStrategy[Any] = json_values) 
             depth = draw(st.integers(1, 5000))
             text = "[" * depth + text + "]" * draw(st.integers(0, depth))
         elif change == 4:  # whitespace JSON allows, and some it does not
-            text = text[:at] + draw(st.sampled_from([" ", "\n", "\t", "\r", "\u00a0", "\x0b"])) + text[at:]
+            text = (
+                text[:at]
+                + draw(st.sampled_from([" ", "\n", "\t", "\r", "\u00a0", "\x0b"]))
+                + text[at:]
+            )
         else:
             text = text[:at] + draw(texts) + text[at:]
     raw = text.encode("utf-8", "surrogatepass")
@@ -255,7 +287,7 @@ def chunkings(draw: st.DrawFn, data: bytes) -> list[bytes]:
         return []
     cuts = sorted(set(draw(st.lists(st.integers(1, max(1, len(data) - 1)), max_size=12))))
     edges = [0, *(cut for cut in cuts if cut < len(data)), len(data)]
-    return [data[start:end] for start, end in zip(edges, edges[1:], strict=False)]
+    return [data[start:end] for start, end in itertools.pairwise(edges)]
 
 
 def sse_event(data: bytes, *, form: int = 0) -> bytes:
@@ -300,7 +332,7 @@ sse_garbage = st.sampled_from(
         b"\r\n",
         b"\n",
         b"retry: 10\n\n",
-        b"event: error\ndata: {\"error\": {\"message\": \"x\", \"code\": 500}}\n\n",
+        b'event: error\ndata: {"error": {"message": "x", "code": 500}}\n\n',
         b'data: {"error": {"message": "bad", "code": 400}}\n\n',
         b'data: {"choices": [{"index": 0, "finish_reason": "abort"}]}\n\n',
         b'data: {"choices": "x", "error": "y"}\n\n',
@@ -310,7 +342,7 @@ sse_garbage = st.sampled_from(
         b'data: {"usage": {"completion_tokens": 1e400}}\n\n',
         b'data: {"usage": {"completion_tokens": ' + b"9" * 5000 + b"}}\n\n",
         b"data: \xff\xfe\n\n",
-        b"data: {\"a\": 1,\ndata: \"b\": 2}\n\n",
+        b'data: {"a": 1,\ndata: "b": 2}\n\n',
     ]
 )
 
@@ -346,10 +378,29 @@ def sse_streams(draw: st.DrawFn) -> bytes:
 
 metric_names = st.sampled_from(
     ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "x"]
-) | st.from_regex(r"[a-zA-Z_:][a-zA-Z0-9_:]{0,12}", fullmatch=True)
-sample_values = st.sampled_from(
-    ["0", "1", "-1", "1.5", "NaN", "+Inf", "-Inf", "1e400", "1e308", "0x1", "1_0", "", "abc", "1 2"]
-) | st.floats(allow_nan=True).map(repr) | st.integers().map(str)
+) | st.text("abz_:019", min_size=1, max_size=12)
+sample_values = (
+    st.sampled_from(
+        [
+            "0",
+            "1",
+            "-1",
+            "1.5",
+            "NaN",
+            "+Inf",
+            "-Inf",
+            "1e400",
+            "1e308",
+            "0x1",
+            "1_0",
+            "",
+            "abc",
+            "1 2",
+        ]
+    )
+    | st.floats(allow_nan=True).map(repr)
+    | st.integers().map(str)
+)
 label_sets = st.sampled_from(
     [
         "",

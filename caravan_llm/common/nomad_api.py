@@ -375,8 +375,8 @@ class Node:
                         1 for instance in device.get("Instances") or [] if instance.get("Healthy")
                     ),
                     memory_mib=_optional_int(
-                    ((device.get("Attributes") or {}).get("memory") or {}).get("Int")
-                ),
+                        ((device.get("Attributes") or {}).get("memory") or {}).get("Int")
+                    ),
                 )
                 for device in resources.get("Devices") or []
             )
@@ -866,7 +866,9 @@ class LogFrameDecoder:
             try:
                 document, end = self._decoder.raw_decode(stripped)
             except RecursionError:
-                raise HashiMalformedAnswer("Nomad log stream: a frame is nested too deeply") from None
+                raise HashiMalformedAnswer(
+                    "Nomad log stream: a frame is nested too deeply"
+                ) from None
             except ValueError:
                 self._buffer = stripped
                 return frames

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import itertools
 import json
 import logging
 import os
@@ -107,7 +108,7 @@ class FuzzEngine:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         edges = sorted({0, len(data), *(cut % max(1, len(data)) for cut in cuts)})
-        for start, end in zip(edges, edges[1:], strict=False):
+        for start, end in itertools.pairwise(edges):
             await response.write(data[start:end])
         await response.write_eof()
         return response
@@ -181,7 +182,8 @@ async def _serve() -> None:
             if runtime.state.synced and entry is not None and entry.endpoints:
                 break
             await asyncio.sleep(0.02)
-        print(json.dumps({"router": int(runner.addresses[0][1]), "engine": engine.port}))
+        ports = {"router": int(runner.addresses[0][1]), "engine": engine.port}
+        sys.stdout.write(json.dumps(ports) + "\n")
         sys.stdout.flush()
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 
@@ -266,7 +268,7 @@ def live_router(log_dir: Path) -> Iterator[LiveRouter]:
     """The router in a child process, its engine routable, its log in `log_dir`."""
     log_path = log_dir / "router.log"
     with log_path.open("wb") as log_file:
-        child = subprocess.Popen(  # noqa: S603 - this file, run by this interpreter
+        child = subprocess.Popen(
             [sys.executable, __file__],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

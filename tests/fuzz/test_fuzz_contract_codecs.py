@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from fuzz_strategies import byte_damage, fuzz_settings, hostile_json, json_values, texts
+from fuzz_strategies import fuzz_settings, hostile_json, json_values, outcome, texts
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -85,9 +85,8 @@ META_KEYS = st.sampled_from(
 digit_strings = st.sampled_from(["0", "16", "\u00b2", "\u0661", "1" * 5000, " 7 ", "-1", "+1", ""])
 shaped_documents = st.fixed_dictionaries(
     {},
-    optional={
-        name: json_values | digit_strings
-        for name in (
+    optional=dict.fromkeys(
+        (
             "model",
             "allocations",
             "at",
@@ -102,21 +101,23 @@ shaped_documents = st.fixed_dictionaries(
             "name",
             "served_model_name",
             "tokenizer",
-        )
-    },
+        ),
+        json_values | digit_strings,
+    ),
 )
 
 
 def decodes_or_refuses(decode: Callable[[Any], Any], error: type[Exception], raw: Any) -> Any:
-    try:
-        return decode(raw)
-    except error as refused:
-        assert str(refused)
-        return None
+    value, refused = outcome(lambda: decode(raw), error)
+    assert refused is None or str(refused)
+    return value
 
 
 @fuzz_settings(2)
-@given(st.sampled_from(sorted(DOCUMENT_DECODERS)), hostile_json(shaped_documents) | st.binary(max_size=64))
+@given(
+    st.sampled_from(sorted(DOCUMENT_DECODERS)),
+    hostile_json(shaped_documents) | st.binary(max_size=64),
+)
 @example("scale override", b'{"count": 1, "until": 1' + b"0" * 400 + b', "set_at": 1}')
 @example("scale override", DEEP)
 @example("model failure", DEEP)
@@ -131,7 +132,10 @@ def test_every_kv_document_decoder_raises_only_its_typed_error(name: str, raw: b
 
 
 @fuzz_settings()
-@given(st.sampled_from(sorted(META_DECODERS)), st.dictionaries(META_KEYS, json_values | digit_strings | texts, max_size=4))
+@given(
+    st.sampled_from(sorted(META_DECODERS)),
+    st.dictionaries(META_KEYS, json_values | digit_strings | texts, max_size=4),
+)
 @example("stream traits", {ServiceMetaKey.COMPLETION_DEFAULT_MAX_TOKENS: "\u00b2"})
 @example("stream traits", {ServiceMetaKey.COMPLETION_DEFAULT_MAX_TOKENS: "1" * 5000})
 @example("prefill rate", {ServiceMetaKey.PREFILL_TOKENS_PER_S: "1" * 5000})
@@ -158,7 +162,12 @@ placed = st.fixed_dictionaries(
 @fuzz_settings()
 @given(
     st.lists(placed, max_size=3),
-    st.builds(DemandRecord, at=st.floats(allow_nan=False, allow_infinity=False), waiting=st.integers(0, 2**70), router=st.text(max_size=8)),
+    st.builds(
+        DemandRecord,
+        at=st.floats(allow_nan=False, allow_infinity=False),
+        waiting=st.integers(0, 2**70),
+        router=st.text(max_size=8),
+    ),
     st.builds(
         DrainRecord,
         model=st.text(min_size=1, max_size=8),
@@ -204,7 +213,12 @@ def test_what_render_publishes_in_meta_the_readers_decode(
 
 
 @fuzz_settings()
-@given(st.integers(0, 2**70), st.floats(allow_nan=False, allow_infinity=False), st.floats(min_value=0, max_value=1e6), st.text(min_size=1, max_size=20))
+@given(
+    st.integers(0, 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.floats(min_value=0, max_value=1e6),
+    st.text(min_size=1, max_size=20),
+)
 def test_override_and_failure_records_round_trip(
     count: int, set_at: float, hold_s: float, reason: str
 ) -> None:

@@ -43,7 +43,7 @@ def assert_a_reading(load: EngineLoad) -> None:
 def test_any_exposition_text_is_a_reading_or_the_typed_error(
     text: str, wanted: MetricNames, filtered: bool
 ) -> None:
-    """Whole or cut to the wanted lines (as the scraper does): a finite reading or the parse error."""
+    """Whole or cut to the wanted lines (as scraped): a finite reading or the parse error."""
     if filtered:
         text = relevant_lines(text, wanted)
     try:

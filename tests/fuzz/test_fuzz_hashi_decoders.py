@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import types
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
-from fuzz_strategies import fuzz_settings, header_values, json_values, texts
+from fuzz_strategies import fuzz_settings, header_values, json_values, outcome, texts
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -45,33 +46,99 @@ def satisfies(value: Any, hint: Any) -> bool:
         if not isinstance(value, hint):
             return False
         hints = typing.get_type_hints(hint)
-        return all(satisfies(getattr(value, f.name), hints[f.name]) for f in dataclasses.fields(hint))
+        return all(
+            satisfies(getattr(value, f.name), hints[f.name]) for f in dataclasses.fields(hint)
+        )
     return isinstance(value, hint)
 
 
 def decodes_typed(decode: Callable[[], Any], hint: Any) -> None:
-    try:
-        value = decode()
-    except HashiError as refused:
+    value, refused = outcome(decode, HashiError)
+    if refused is not None:
         assert isinstance(refused, HashiMalformedAnswer)
         assert refused.retryable
-        return
-    assert satisfies(value, hint), value
+    else:
+        assert satisfies(value, hint), value
 
 
 # Field names the decoders read, so wrong types land where they look.
 CONSUL_FIELDS = st.sampled_from(
-    ["Node", "Address", "Service", "ID", "Port", "Tags", "Meta", "Checks", "CheckID", "Status",
-     "Key", "Value", "Flags", "Session", "LockIndex", "CreateIndex", "ModifyIndex", "TTL",
-     "Name", "Behavior", "LockDelay", "KV", "Results", "Errors", "OpIndex", "What"]
+    [
+        "Node",
+        "Address",
+        "Service",
+        "ID",
+        "Port",
+        "Tags",
+        "Meta",
+        "Checks",
+        "CheckID",
+        "Status",
+        "Key",
+        "Value",
+        "Flags",
+        "Session",
+        "LockIndex",
+        "CreateIndex",
+        "ModifyIndex",
+        "TTL",
+        "Name",
+        "Behavior",
+        "LockDelay",
+        "KV",
+        "Results",
+        "Errors",
+        "OpIndex",
+        "What",
+    ]
 )
 NOMAD_FIELDS = st.sampled_from(
-    ["ID", "Namespace", "Version", "Status", "Stop", "SubmitTime", "Meta", "JobModifyIndex",
-     "ModifyIndex", "AllocatedResources", "Shared", "Ports", "Label", "Value", "To", "HostIP",
-     "DeploymentStatus", "Healthy", "TaskStates", "Events", "Type", "Time", "ExitCode",
-     "JobVersion", "Job", "NodeResources", "Cpu", "CpuShares", "Memory", "MemoryMB", "Devices",
-     "Instances", "Attributes", "memory", "Int", "HTTPAddr", "FailedTGAllocs",
-     "QueuedAllocations", "CreateIndex", "Path", "Items", "Data", "File", "Offset"]
+    [
+        "ID",
+        "Namespace",
+        "Version",
+        "Status",
+        "Stop",
+        "SubmitTime",
+        "Meta",
+        "JobModifyIndex",
+        "ModifyIndex",
+        "AllocatedResources",
+        "Shared",
+        "Ports",
+        "Label",
+        "Value",
+        "To",
+        "HostIP",
+        "DeploymentStatus",
+        "Healthy",
+        "TaskStates",
+        "Events",
+        "Type",
+        "Time",
+        "ExitCode",
+        "JobVersion",
+        "Job",
+        "NodeResources",
+        "Cpu",
+        "CpuShares",
+        "Memory",
+        "MemoryMB",
+        "Devices",
+        "Instances",
+        "Attributes",
+        "memory",
+        "Int",
+        "HTTPAddr",
+        "FailedTGAllocs",
+        "QueuedAllocations",
+        "CreateIndex",
+        "Path",
+        "Items",
+        "Data",
+        "File",
+        "Offset",
+    ]
 )
 
 
@@ -115,12 +182,11 @@ def test_consul_answers_decode_to_their_types_or_a_malformed_answer(
 ) -> None:
     """Any X-Consul-Index and any JSON: the decoded types, or HashiMalformedAnswer (retryable)."""
     decode, hint = CONSUL_DECODERS[name]
-    try:
-        value = decode(raw_index, raw)
-    except HashiMalformedAnswer as refused:
+    value, refused = outcome(lambda: decode(raw_index, raw), HashiMalformedAnswer)
+    if refused is not None:
         assert refused.retryable
-        return
-    assert _pair_satisfies(value, hint), value
+    else:
+        assert _pair_satisfies(value, hint), value
 
 
 @fuzz_settings()
@@ -154,7 +220,7 @@ NOMAD_DECODERS: dict[str, type[Any]] = {
 @example("node", {"NodeResources": {"Devices": [{"Attributes": {"memory": {"Int": "x"}}}]}})
 @example("evaluation", {"QueuedAllocations": {"g": "x"}})
 def test_nomad_answers_decode_to_their_types_or_a_malformed_answer(name: str, data: Any) -> None:
-    """Any JSON as any Nomad object: the dataclass with its declared types, or HashiMalformedAnswer."""
+    """Any JSON as any Nomad object: its dataclass, fields of their types, or a typed error."""
     kind = NOMAD_DECODERS[name]
     decodes_typed(lambda: kind.from_api(data), kind)
 
@@ -187,7 +253,7 @@ def test_nomad_log_frames_decode_or_raise_typed_whatever_the_cuts(
     edges = sorted({0, len(stream), *(cut % max(1, len(stream)) for cut in cuts)})
     decoder = nomad_api.LogFrameDecoder()
     try:
-        for start, end in zip(edges, edges[1:], strict=False):
+        for start, end in itertools.pairwise(edges):
             for frame in decoder.feed(stream[start:end]):
                 assert satisfies(frame, nomad_api.LogFrame)
         decoder.close()

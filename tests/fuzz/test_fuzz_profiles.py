@@ -1,11 +1,18 @@
-"""Fuzzing profile documents (YAML and JSON): the codec, the scheduler's validation, `caravan validate`."""
+"""Fuzzing profile documents (YAML, JSON): the codec, the scheduler's checks, `caravan validate`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from fuzz_strategies import byte_damage, fuzz_settings, hostile_json, json_objects, texts
+from fuzz_strategies import (
+    byte_damage,
+    fuzz_settings,
+    hostile_json,
+    json_objects,
+    outcome,
+    texts,
+)
 from hypothesis import HealthCheck, example, given
 from hypothesis import strategies as st
 
@@ -80,14 +87,15 @@ def profile_documents(draw: st.DrawFn) -> bytes:
 @example(b"\x00")
 def test_any_bytes_are_a_mapping_or_the_profile_document_error(raw: bytes) -> None:
     """The profile codec returns a mapping or raises ProfileDocumentError naming the source."""
-    try:
-        document = decode_profile_document(raw, source="fuzz.yaml")
-    except ProfileDocumentError as refused:
-        assert refused.source == "fuzz.yaml"
+    document, refused = outcome(
+        lambda: decode_profile_document(raw, source="fuzz.yaml"), ProfileDocumentError
+    )
+    if refused is not None:
+        assert "fuzz.yaml" == refused.source
         assert refused.problem
         assert "\n" not in refused.problem
-        return
-    assert isinstance(document, dict)
+    else:
+        assert isinstance(document, dict)
 
 
 @fuzz_settings()
@@ -95,14 +103,12 @@ def test_any_bytes_are_a_mapping_or_the_profile_document_error(raw: bytes) -> No
 @example(b"name: m\nmodel: 2024-02-30\n")
 def test_the_schedulers_validation_refuses_with_problems_never_raises(raw: bytes) -> None:
     """Parsing and the whole submission check: a profile, or their typed errors with problems."""
-    try:
-        parse_profile_text(raw, "fuzz.yaml")
-    except ProfileError as refused:
-        assert refused.problems
-    try:
-        validate_submission([("fuzz.yaml", raw)], ClusterConfig())
-    except SubmissionRejectedError as refused:
-        assert refused.problems
+    _, invalid = outcome(lambda: parse_profile_text(raw, "fuzz.yaml"), ProfileError)
+    assert invalid is None or invalid.problems
+    _, rejected = outcome(
+        lambda: validate_submission([("fuzz.yaml", raw)], ClusterConfig()), SubmissionRejectedError
+    )
+    assert rejected is None or rejected.problems
 
 
 @fuzz_settings(0.3, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -59,7 +60,7 @@ def assert_consistent(account: StreamAccount) -> None:
 def reads_of(stream: bytes, offsets: list[int]) -> list[bytes]:
     """`stream` cut into reads after each of `offsets` (taken modulo its length)."""
     edges = sorted({0, len(stream), *(offset % max(1, len(stream)) for offset in offsets)})
-    return [stream[start:end] for start, end in zip(edges, edges[1:], strict=False)]
+    return [stream[start:end] for start, end in itertools.pairwise(edges)]
 
 
 @fuzz_settings()
@@ -69,7 +70,7 @@ def reads_of(stream: bytes, offsets: list[int]) -> list[bytes]:
 def test_cut_anywhere_the_forwarded_events_and_the_account_are_the_same(
     stream: bytes, offsets: list[int]
 ) -> None:
-    """However the engine's bytes are cut into reads, the client gets the same events, accounted alike."""
+    """However the engine's bytes are cut into reads, the same events go out, accounted alike."""
     whole_blocks, whole_rest = relayed_blocks([stream])
     blocks, rest = relayed_blocks(reads_of(stream, offsets))
 
@@ -108,7 +109,7 @@ def test_the_engine_stop_cut_keeps_a_prefix_of_the_events(events: list[bytes]) -
 def test_a_continuation_is_rewritten_into_complete_json_events(
     events: list[bytes], kind: StreamKind, echo: str
 ) -> None:
-    """The rewriter never raises, writes only complete JSON events or `[DONE]`, and accounts them."""
+    """The rewriter never raises, writes only whole JSON events or `[DONE]`, and accounts them."""
     block, _ = split_complete_events(b"".join(events))
     account = StreamAccount(kind, text_parts=["so far"], content_chunks=1)
     rewriter = ContinuationRewriter(account, tokens_before=1, echo=echo)
@@ -125,7 +126,9 @@ def test_a_continuation_is_rewritten_into_complete_json_events(
 @fuzz_settings()
 @given(sse_streams(), st.sampled_from(SseDialect))
 @example(DEEP_EVENT, SseDialect.RESPONSES)
-def test_relayed_dialects_read_event_types_without_raising(stream: bytes, dialect: SseDialect) -> None:
+def test_relayed_dialects_read_event_types_without_raising(
+    stream: bytes, dialect: SseDialect
+) -> None:
     """The end-of-stream check of relayed routes reads any event: a type string or None."""
     block, _ = split_complete_events(stream)
     assert ends_stream(dialect, block) in {True, False}

@@ -6,6 +6,7 @@ import contextlib
 import json
 
 import pytest
+from fuzz_strategies import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -179,6 +180,8 @@ def test_a_full_snapshot_fits_the_decoders_bound() -> None:
     assert full == decoded
 
 
+@pytest.mark.fuzz
+@fuzz_settings(2.5)
 @given(st.binary(max_size=400), st.lists(st.integers(0, 400), max_size=4))
 def test_garbage_bytes_raise_only_the_typed_error(body: bytes, cuts: list[int]) -> None:
     """Any bytes at all either decode or raise KvStreamError, never another exception."""
@@ -196,6 +199,8 @@ json_values = st.recursive(
 field_names = st.sampled_from(["epoch", "seq", "block_size", "digests", "added", "removed", "x"])
 
 
+@pytest.mark.fuzz
+@fuzz_settings(2.5)
 @given(
     st.sampled_from(["snapshot", "delta", "heartbeat"]),
     st.dictionaries(field_names, json_values | st.lists(st.text(max_size=17), max_size=3)),
@@ -208,6 +213,8 @@ def test_wrong_shaped_json_raises_only_the_typed_error(
         decode_message(event, json.dumps(fields))
 
 
+@pytest.mark.fuzz
+@fuzz_settings(2.5)
 @given(messages, st.integers(min_value=0), st.binary(min_size=1, max_size=3))
 def test_a_damaged_event_raises_only_the_typed_error(
     message: KvStreamMessage, at: int, junk: bytes

@@ -6,6 +6,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from fuzz_strategies import fuzz_settings
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -326,7 +327,8 @@ def test_the_error_names_the_field_and_never_the_tokens() -> None:
     assert not raised.value.retryable
 
 
-@FAST
+@pytest.mark.fuzz
+@fuzz_settings(2)
 @given(
     batch=st.lists(events, min_size=1, max_size=4),
     encoding=encodings,
@@ -339,21 +341,24 @@ def test_a_truncated_payload_is_refused(batch: list[KvEvent], encoding: Any, cut
     assert decodes_or_refuses([topic, seq, truncated]) is None
 
 
-@FAST
+@pytest.mark.fuzz
+@fuzz_settings(2)
 @given(topic=st.binary(max_size=8), seq=st.binary(max_size=10), payload=st.binary(max_size=200))
 def test_garbage_bytes_never_break_the_decoder(topic: bytes, seq: bytes, payload: bytes) -> None:
     """Random bytes in any part decode or raise KvWireError, never another exception."""
     decodes_or_refuses([topic, seq, payload])
 
 
-@FAST
+@pytest.mark.fuzz
+@fuzz_settings(2)
 @given(value=msgpack_values)
 def test_random_msgpack_values_never_break_the_decoder(value: Any) -> None:
     """Any msgpack value as the payload decodes or raises KvWireError."""
     decodes_or_refuses(frame(value))
 
 
-@FAST
+@pytest.mark.fuzz
+@fuzz_settings(2)
 @given(
     ts=msgpack_values,
     tag=st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "Other"]),
@@ -388,7 +393,8 @@ def test_a_corrupted_byte_never_breaks_the_decoder(
     decodes_or_refuses([topic, seq, corrupted])
 
 
-@FAST
+@pytest.mark.fuzz
+@fuzz_settings(2)
 @given(parts=st.lists(st.binary(max_size=16), max_size=6).filter(lambda p: len(p) != 3))
 def test_a_wrong_part_count_is_refused(parts: list[bytes]) -> None:
     """A frame of other than three parts raises KvWireError."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from fuzz_strategies import fuzz_settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from caravan_llm.common.contract import EngineRoute
@@ -131,7 +132,8 @@ FIELDS = st.sampled_from(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@pytest.mark.fuzz
+@fuzz_settings(7.5)
 @given(route=st.sampled_from(list(EngineRoute)), body=st.dictionaries(FIELDS, JSON, max_size=5))
 def test_any_json_body_gets_an_answer_never_an_exception(
     route: EngineRoute, body: dict[str, Any]

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import pytest
+from fuzz_strategies import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -28,6 +29,8 @@ def _depth(value: Any) -> int:
     return 0
 
 
+@pytest.mark.fuzz
+@fuzz_settings(2.5)
 @given(_json)
 def test_depth_matches_the_parsed_value_and_ignores_brackets_in_strings(value: Any) -> None:
     """With a limit below the bracket count, json_depth is the parsed value's exact depth."""
@@ -35,6 +38,8 @@ def test_depth_matches_the_parsed_value_and_ignores_brackets_in_strings(value: A
     assert _depth(value) == json_depth(body, 0)
 
 
+@pytest.mark.fuzz
+@fuzz_settings(2.5)
 @given(_json, st.integers(min_value=0, max_value=40))
 def test_depth_is_never_reported_within_the_limit_when_it_exceeds_it(
     value: Any, limit: int
