@@ -921,7 +921,7 @@ def decode_stream_traits(meta: Mapping[str, object]) -> StreamTraits:
     echo = OPENAI_STREAM_TRAITS.echoes_prefill
     if echo_key in meta:
         raw = meta[echo_key]
-        if raw not in {"true", "false"}:
+        if not isinstance(raw, str) or raw not in {"true", "false"}:
             raise StreamTraitsError(f"Meta.{echo_key} must be true or false: {raw!r}")
         echo = raw == "true"
     return StreamTraits(completion_default_max_tokens=limit, echoes_prefill=echo)

@@ -139,6 +139,7 @@ def test_every_kv_document_decoder_raises_only_its_typed_error(name: str, raw: b
 @example("stream traits", {ServiceMetaKey.COMPLETION_DEFAULT_MAX_TOKENS: "\u00b2"})
 @example("stream traits", {ServiceMetaKey.COMPLETION_DEFAULT_MAX_TOKENS: "1" * 5000})
 @example("prefill rate", {ServiceMetaKey.PREFILL_TOKENS_PER_S: "1" * 5000})
+@example("stream traits", {ServiceMetaKey.PREFILL_ECHO: []})
 def test_every_service_meta_decoder_raises_only_its_typed_error(
     name: str, meta: dict[str, Any]
 ) -> None:
