@@ -140,7 +140,7 @@ async def _register(consul: ConsulClient, port: int) -> None:
     )
 
 
-async def _serve() -> None:
+async def _serve(policy: str) -> None:
     """Run Consul, the engine and the router; print the ports; stop when stdin closes."""
     async with AsyncExitStack() as stack:
         consul_server = await stack.enter_async_context(ConsulServer(ConsulConfig()))
@@ -168,6 +168,7 @@ async def _serve() -> None:
             first_byte_timeout_s=5.0,
             stream_idle_timeout_s=5.0,
             log_format="text",
+            policy=policy,
         )
         app = create_app(
             settings, consul=consul, registry=CollectorRegistry(), request_log=lambda _f: None
@@ -264,12 +265,12 @@ class LiveRouter:
 
 
 @contextmanager
-def live_router(log_dir: Path) -> Iterator[LiveRouter]:
-    """The router in a child process, its engine routable, its log in `log_dir`."""
+def live_router(log_dir: Path, policy: str) -> Iterator[LiveRouter]:
+    """The router (balancing by `policy`) in a child process, its engine routable, its log kept."""
     log_path = log_dir / "router.log"
     with log_path.open("wb") as log_file:
         child = subprocess.Popen(
-            [sys.executable, __file__],
+            [sys.executable, __file__, policy],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=log_file,
@@ -295,4 +296,4 @@ def live_router(log_dir: Path) -> Iterator[LiveRouter]:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    asyncio.run(_serve())
+    asyncio.run(_serve(sys.argv[1]))

@@ -32,9 +32,13 @@ PATHS = (
 SHARED = HealthCheck.function_scoped_fixture
 
 
-@pytest.fixture(scope="module")
-def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRouter]:
-    with live_router(tmp_path_factory.mktemp("live-router")) as running:
+# The two policies that read the prompt out of the body: the cost model's prompt
+# shape (the default) and prefix affinity's key.
+@pytest.fixture(scope="module", params=["predicted_ttft", "prefix_affinity"])
+def router(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveRouter]:
+    with live_router(tmp_path_factory.mktemp("live-router"), request.param) as running:
         yield running
 
 
@@ -50,7 +54,7 @@ def assert_clean(router: LiveRouter) -> None:
     assert [] == router.new_log_problems()
 
 
-@fuzz_settings(0.5, suppress_health_check=[SHARED])
+@fuzz_settings(0.3, suppress_health_check=[SHARED])
 @given(body=hostile_json(), path=st.sampled_from(PATHS))
 @example(body=b'{"model": "tiny", "n": ' + b"9" * 5000 + b"}", path=PATHS[0])
 @example(body=b'\xef\xbb\xbf{"model": "tiny", "messages": []}', path=PATHS[0])
@@ -73,9 +77,10 @@ def _body_for(body: dict[str, Any]) -> bytes:
     return json.dumps(body).encode("utf-8", "surrogatepass")
 
 
-@fuzz_settings(0.5, suppress_health_check=[SHARED])
+@fuzz_settings(0.3, suppress_health_check=[SHARED])
 @given(body=request_bodies(), path=st.sampled_from(PATHS), priority=st.none() | header_values)
 @example(body={"model": MODEL, "messages": [], "tools": True}, path=PATHS[0], priority=None)
+@example(body={"model": MODEL, "messages": [{"role": []}]}, path=PATHS[0], priority=None)
 @example(body={"model": MODEL, "prompt": "x", "stream": True, "n": 2}, path=PATHS[1], priority="1")
 def test_wrong_types_in_every_field_are_an_openai_4xx_never_a_5xx(
     router: LiveRouter, body: dict[str, Any], path: str, priority: str | None
@@ -90,7 +95,7 @@ def test_wrong_types_in_every_field_are_an_openai_4xx_never_a_5xx(
     assert_clean(router)
 
 
-@fuzz_settings(0.5, suppress_health_check=[SHARED])
+@fuzz_settings(0.3, suppress_health_check=[SHARED])
 @given(stream=sse_streams(), cuts=st.lists(st.integers(min_value=0), max_size=8))
 @example(stream=b"data: " + b"[" * 5000 + b"\n\n", cuts=[])
 @example(stream=b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n', cuts=[])

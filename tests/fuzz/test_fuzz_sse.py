@@ -92,6 +92,7 @@ def test_cut_anywhere_the_forwarded_events_and_the_account_are_the_same(
 @given(st.lists(sse_events(), max_size=6))
 @example([DEEP_EVENT])
 @example([b'data: {"error": ' + b"[" * 3000 + b"}\n\n"])
+@example([b'data: {"error": {"type": [], "message": "error"}}\n\n'])
 def test_the_engine_stop_cut_keeps_a_prefix_of_the_events(events: list[bytes]) -> None:
     """`cut_at_engine_stop` never raises and keeps the events before the stop, unchanged."""
     block, _ = split_complete_events(b"".join(events))

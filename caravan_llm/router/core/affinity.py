@@ -166,7 +166,7 @@ def _chat_prefix(messages: list[Any], prefix_chars: int) -> str | None:
         if not isinstance(message, Mapping):
             continue
         role = message.get("role")
-        if role in {"system", "developer"}:
+        if role in ("system", "developer"):  # a tuple: a role of any JSON type compares
             system_parts.append(content_text(message.get("content"))[:prefix_chars])
         elif role == "user":
             user = content_text(message.get("content"))[:prefix_chars]

@@ -161,7 +161,8 @@ def _engine_stop(data: bytes) -> str | None:
     if isinstance(error, Mapping) and "choices" not in chunk:
         code = error.get("code")
         server_side = isinstance(code, int) and not isinstance(code, bool) and code >= 500
-        if server_side or error.get("type") in _ENGINE_ERROR_TYPES:
+        kind = error.get("type")
+        if server_side or (isinstance(kind, str) and kind in _ENGINE_ERROR_TYPES):
             return "the engine failed mid-stream"
         return None
     choices = chunk.get("choices")
