@@ -67,6 +67,7 @@ def reads_of(stream: bytes, offsets: list[int]) -> list[bytes]:
 @given(sse_streams(), st.lists(st.integers(min_value=0), max_size=12))
 @example(DEEP_EVENT, [3])
 @example(b"data: [DONE]\r\n\r\n", [13, 14])
+@example(b"data: [DONE]\n\n\n\n\n\r\n", [18])
 def test_cut_anywhere_the_forwarded_events_and_the_account_are_the_same(
     stream: bytes, offsets: list[int]
 ) -> None:
@@ -74,8 +75,10 @@ def test_cut_anywhere_the_forwarded_events_and_the_account_are_the_same(
     whole_blocks, whole_rest = relayed_blocks([stream])
     blocks, rest = relayed_blocks(reads_of(stream, offsets))
 
-    assert b"".join(whole_blocks) == b"".join(blocks)
-    assert whole_rest == rest
+    # The same events; a CRLF cut between its CR and LF may move a blank line
+    # (no event in SSE) from one block to the rest, never an event.
+    assert list(iter_event_data(b"".join(whole_blocks))) == list(iter_event_data(b"".join(blocks)))
+    assert whole_rest.strip(b"\r\n") == rest.strip(b"\r\n")
     for kind in StreamKind:
         whole = account_of(kind, whole_blocks)
         piecewise = account_of(kind, blocks)
