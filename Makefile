@@ -56,9 +56,9 @@ vllm-tests: $(STAMP) vllm ## the real-vLLM tier alone (builds the vLLM venv and 
 test: lint type unit vllm-tests ## everything CI runs: lint, types, tests, the real-vLLM tier
 
 # The fuzz targets (`-m fuzz`: every parser of outside bytes, docs/fuzzing.md)
-# with 15 times the examples of `make unit`'s time-boxed run, and the count of
-# inputs each one tried. About 10-15 minutes on two free cores.
-fuzz-long: $(STAMP) ## the fuzz targets with 15x the examples of `make unit` (docs/fuzzing.md)
+# with 50 times the examples of `make unit`'s time-boxed run, and the count of
+# inputs each one tried. About 12 minutes on two free cores.
+fuzz-long: $(STAMP) ## the fuzz targets with 50x the examples of `make unit` (docs/fuzzing.md)
 	$(BIN)/pytest -m fuzz -n $(TEST_WORKERS) --dist worksteal --ignore=tests/real_vllm \
 	  --hypothesis-profile=fuzz-long --hypothesis-show-statistics --timeout=3600
 

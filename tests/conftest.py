@@ -12,12 +12,12 @@ from tls_material import TlsMaterial, make_tls_material
 settings.register_profile("caravan", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("caravan")
 # `make fuzz-long` (--hypothesis-profile=fuzz-long -m fuzz): the fuzz targets
-# (tests/fuzz_strategies.py `fuzz_settings`) with 15 times the examples of the
+# (tests/fuzz_strategies.py `fuzz_settings`) with 50 times the examples of the
 # suite's run, for the recorded longer run (docs/fuzzing.md).
 settings.register_profile(
     "fuzz-long",
     parent=settings.get_profile("caravan"),
-    max_examples=1_500,
+    max_examples=5_000,
     print_blob=True,
 )
 

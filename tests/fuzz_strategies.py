@@ -19,7 +19,7 @@ lone surrogate, a `data:` line without its space) is tried against all of them:
 `fuzz_settings(share)` gives a target its example count from the loaded
 profile. The suite's profile (`caravan`, tests/conftest.py) keeps the whole
 fuzz run to about a minute of `make unit`; `make fuzz-long` loads the
-`fuzz-long` profile (`--hypothesis-profile=fuzz-long`), 15 times as many.
+`fuzz-long` profile (`--hypothesis-profile=fuzz-long`), 50 times as many.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def outcome(call: Callable[[], T], refusal: type[E]) -> tuple[T | None, E | None
 
 
 # A fuzz target's examples per example of the loaded profile: the suite's profile
-# (100) gives a target 40, `fuzz-long` (1,500) gives it 600.
+# (100) gives a target 40, `fuzz-long` (5,000) gives it 2,000.
 _EXAMPLES_PER_PROFILE_EXAMPLE = 0.4
 
 
