@@ -537,9 +537,10 @@ def _yaml_document(text: str, source: str) -> Any:
     except RecursionError:
         # A hostile document (thousands of nested lists) is a problem, not a crash.
         raise ProfileDocumentError(source, "the document is nested too deeply") from None
-    except (ValueError, TypeError, OverflowError) as exc:
-        # A scalar YAML's own constructors refuse (`2024-02-30`, `!!float x`, an
-        # integer of 5000 digits) is a YAML error too.
+    except (ValueError, TypeError, OverflowError, LookupError, AttributeError) as exc:
+        # A scalar PyYAML's own constructors refuse is a YAML error too: they raise
+        # ValueError (`2024-02-30`, `!!float x`, 5000 digits), KeyError (`!!bool x`),
+        # IndexError (`!!int ''`) and AttributeError (`!!timestamp x`).
         raise ProfileDocumentError(source, f"YAML error: {str(exc)[:200]}", syntax=True) from None
 
 

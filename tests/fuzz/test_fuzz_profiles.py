@@ -35,6 +35,9 @@ YAML_SCALARS = st.sampled_from(
         "!!int 0x",
         "!!binary xx=",
         "!!timestamp x",
+        "!!bool x",
+        "!!int ''",
+        "!!float ''",
         "!!python/object:os.system x",
         "&a [*a]",
         "*undefined",
@@ -85,6 +88,9 @@ def profile_documents(draw: st.DrawFn) -> bytes:
 @example(b"a: " + b"1" * 5000 + b"\n")
 @example(b"[" * 100_000)
 @example(b"\x00")
+@example(b"a: !!timestamp x\n")
+@example(b"a: !!bool x\n")
+@example(b"a: !!int ''\n")
 def test_any_bytes_are_a_mapping_or_the_profile_document_error(raw: bytes) -> None:
     """The profile codec returns a mapping or raises ProfileDocumentError naming the source."""
     document, refused = outcome(
