@@ -200,6 +200,15 @@ class RouterMetrics:
             ["model", "kind", "outcome"],
             registry=registry,
         )
+        # Engine answers the router took as refusals of the client's input: its 4xx
+        # (other than 401/408/429), and 500s blamed on the input (core/input_fault.py).
+        self.engine_rejections = Counter(
+            "caravan_router_engine_rejections_total",
+            "Engine answers taken as refusals of the client's input (never counted against "
+            "the replica), by the engine's HTTP status.",
+            ["model", "status"],
+            registry=registry,
+        )
         self.demand_signals = Counter(
             "caravan_router_demand_signals_total",
             "Cold-start demand signals written to Consul KV.",

@@ -70,6 +70,11 @@ class RouterSettings(BaseSettings):
     max_failovers: int = Field(default=2, ge=0)
     breaker_failure_threshold: int = Field(default=5, ge=1)
     breaker_cool_down_s: float = Field(default=10.0, ge=0)
+    # An engine's HTTP 500 is blamed on the request's input (400 to the client, nothing
+    # counted against the replica) only from a replica whose last verdict was a success
+    # at most this long ago, and when no other replica answers the same request
+    # (caravan_llm.router.core.input_fault).
+    input_fault_window_s: float = Field(default=60.0, ge=0)
     # Connections the shared client pool keeps to all engines together.
     connector_limit: int = Field(default=4096, ge=1)
 

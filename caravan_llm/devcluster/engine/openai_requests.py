@@ -95,6 +95,7 @@ def parse_chat_request(body: Any, flavor: Flavor) -> GenerateRequest:
     fields = _object(body)
     messages = _messages(fields.get("messages"), flavor)
     n = _check_n(fields, flavor)
+    _check_engine_fields(fields, flavor)
     add_generation_prompt = _bool(fields, "add_generation_prompt", default=True, flavor=flavor)
     continue_final = _bool(fields, "continue_final_message", default=False, flavor=flavor)
     last = messages[-1]
@@ -296,6 +297,49 @@ def _stop(raw: Any) -> tuple[str, ...]:
     if isinstance(raw, Sequence) and all(isinstance(s, str) for s in raw):
         return tuple(raw)
     raise ApiError(400, "stop must be a string or an array of strings", param="stop")
+
+
+# vLLM's default --max-logprobs.
+VLLM_MAX_LOGPROBS = 20
+_JSON_TYPE_NAMES = {bool: "boolean", int: "number", float: "number", list: "array", dict: "object"}
+
+
+def _check_engine_fields(fields: Mapping[str, Any], flavor: Flavor) -> None:
+    """Fields only the engine checks, refused as the real engines refuse them.
+
+    llama-server 0c1e570 reads `reasoning_format` with nlohmann::json's `get<std::string>`
+    and answers a non-string with HTTP 500 (its handler's catch-all), measured;
+    vLLM refuses `top_logprobs` outside [0, --max-logprobs] and a `logit_bias` key that
+    is not a token id with 400.
+    """
+    if flavor == "llamacpp":
+        value = fields.get("reasoning_format")
+        if value is not None and not isinstance(value, str):
+            kind = _JSON_TYPE_NAMES.get(type(value), "null")
+            raise ApiError(
+                500, f"[json.exception.type_error.302] type must be string, but is {kind}"
+            )
+        return
+    top = fields.get("top_logprobs")
+    if isinstance(top, int) and not isinstance(top, bool):
+        if top < 0:
+            raise ApiError(400, "`top_logprobs` must be a positive value.", param="top_logprobs")
+        if top > VLLM_MAX_LOGPROBS:
+            raise ApiError(
+                400,
+                f"Requested sample logprobs of {top}, which is greater than max allowed: "
+                f"{VLLM_MAX_LOGPROBS}",
+                param="top_logprobs",
+            )
+    bias = fields.get("logit_bias")
+    if isinstance(bias, dict):
+        for key in bias:
+            if not key.strip().lstrip("-").isdigit():
+                raise ApiError(
+                    400,
+                    f"invalid literal for int() with base 10: {key[:40]!r}",
+                    param="logit_bias",
+                )
 
 
 def _check_n(fields: Mapping[str, Any], flavor: Flavor) -> int:

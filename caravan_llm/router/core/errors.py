@@ -3,6 +3,8 @@
     RouterError                   base; `retryable` says if sending the request again may help
     ├── InvalidRequest            400  the body is not JSON, has no `model`, ...
     │   ├── InvalidField          400  a body field has the wrong type (`param` names it)
+    │   ├── EngineRejectedInput   4xx  an engine refused the request's input (its own 4xx,
+    │   │                              or a 500 judged the input's fault: core/input_fault.py)
     │   ├── RequestTooLarge       413  the body is over the router's limit
     │   ├── HeadersTooLarge       431  a request line or header field over the limit
     │   └── TooManyHeaders        431  more header fields than the limit
@@ -59,6 +61,22 @@ class InvalidRequest(RouterError):
     status = 400
     error_type = "invalid_request_error"
     code = "invalid_request"
+
+
+class EngineRejectedInput(InvalidRequest):
+    """An engine refused what the client sent: the client's fault, never the replica's.
+
+    `status` is the engine's 4xx (400 for a 500 that `caravan_llm.router.core.input_fault`
+    blames on the input); the message is the engine's own when it has one
+    (`engine_message`: bounded, printable), else a plain one naming the status.
+    """
+
+    code = "rejected_by_engine"
+
+    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
 
 
 class RequestTooLarge(InvalidRequest):
@@ -294,9 +312,14 @@ class UpstreamStatusError(UpstreamError):
     # Statuses that mean "this replica cannot serve now", not "the request is bad".
     RETRYABLE_STATUSES = frozenset({500, 502, 503, 504})
 
-    def __init__(self, endpoint_id: str, upstream_status: int) -> None:
+    def __init__(
+        self, endpoint_id: str, upstream_status: int, *, engine_message: str | None = None
+    ) -> None:
         super().__init__(endpoint_id, f"answered HTTP {upstream_status}")
         self.upstream_status = upstream_status
+        # The engine's own error message (bounded, printable), when its body had one:
+        # what the client is told if the answer turns out to be about its input.
+        self.engine_message = engine_message
         self.retryable = upstream_status in self.RETRYABLE_STATUSES
         self.status = upstream_status if upstream_status in {503, 504} else 502
 

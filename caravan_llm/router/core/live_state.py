@@ -49,6 +49,10 @@ class EndpointLiveState:
     load_scraped_at: float | None = None
     # The cost model's bookkeeping of its prefills there (caravan_llm.router.core.cost_model).
     cost: CostState = field(default_factory=CostState)
+    # When a request there last ended in success (router clock); None: never.
+    # An engine 500 is blamed on the input only from a replica serving lately
+    # (caravan_llm.router.core.input_fault).
+    last_success_at: float | None = None
 
 
 LiveStates = dict[str, EndpointLiveState]
@@ -132,12 +136,26 @@ def finish_request(
     match outcome:
         case Outcome.SUCCESS:
             state.breaker = record_success(state.breaker, probe=lease.probe)
+            state.last_success_at = now
         case Outcome.FAILURE:
             state.breaker = record_failure(state.breaker, policy, now, probe=lease.probe)
         case Outcome.NO_VERDICT:
             state.breaker = release_probe(state.breaker, probe=lease.probe)
     if state.retired and state.in_flight == 0:
         del live[lease.endpoint_id]
+
+
+def blame(live: LiveStates, endpoint_id: str, policy: BreakerPolicy, now: float) -> None:
+    """Count a failure against an endpoint after its request was finished without a verdict.
+
+    An engine 500 from a replica that was serving lately is held as a suspicion
+    (`caravan_llm.router.core.input_fault`); when another replica then answers the same
+    request, the 500 was the replica's after all and counts here. Its lease was no
+    half-open probe (a replica in half-open is never vouched for).
+    """
+    state = live.get(endpoint_id)
+    if state is not None:
+        state.breaker = record_failure(state.breaker, policy, now, probe=False)
 
 
 def own_counts(live: LiveStates, endpoint_id: str) -> tuple[int, int] | None:

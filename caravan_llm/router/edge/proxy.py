@@ -61,6 +61,7 @@ from caravan_llm.router.core.balancer import Policy, RequestFeatures
 from caravan_llm.router.core.endpoints import CheckStatus, Endpoint
 from caravan_llm.router.core.errors import (
     AdmissionRejected,
+    EngineRejectedInput,
     InvalidField,
     ModelNotFound,
     NoHealthyEndpoint,
@@ -77,7 +78,13 @@ from caravan_llm.router.core.errors import (
     UpstreamTimeout,
     error_body,
 )
-from caravan_llm.router.core.live_state import Outcome
+from caravan_llm.router.core.input_fault import (
+    AMBIGUOUS_STATUS,
+    client_fault_status,
+    input_at_fault,
+    vouched,
+)
+from caravan_llm.router.core.live_state import Outcome, blame
 from caravan_llm.router.core.prefix_index import prompt_shape
 from caravan_llm.router.core.replacement import replacement_outcome, waits_for_replacement
 from caravan_llm.router.core.routing_state import RoutingState
@@ -100,6 +107,7 @@ from caravan_llm.router.edge.continuation import (
     error_event,
     split_complete_events,
 )
+from caravan_llm.router.edge.engine_answers import engine_message, rejection
 from caravan_llm.router.edge.field_types import field_problem
 from caravan_llm.router.edge.parsed_request import (
     PARSED_REQUEST,
@@ -196,6 +204,9 @@ class Attempts:
     # Held for the replacement of its dead replica at least once; and whether that hold timed out.
     replacement_held: bool = False
     replacement_timed_out: bool = False
+    # Replicas that were serving and answered this request HTTP 500, not counted against
+    # them yet: the input's fault or theirs (`caravan_llm.router.core.input_fault`).
+    suspects: dict[str, UpstreamStatusError] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -305,6 +316,7 @@ class Proxy:
             total=None, sock_connect=settings.connect_timeout_s
         )
         self._not_forwarded = _NOT_FORWARDED
+        self._breaker = settings.balancer_config().breaker
 
     # -- routes ------------------------------------------------------------------------
 
@@ -440,9 +452,11 @@ class Proxy:
     async def _serve_unary(self, exchange: Exchange) -> web.StreamResponse:
         replacement = False
         while True:
-            admitted = await self._admit(exchange, replacement=replacement)
+            admitted = await self._admit_attempt(exchange, replacement=replacement)
             result = await self._unary_once(exchange, admitted)
             if isinstance(result, _Done):
+                if exchange.reply.status < 400:
+                    self._blame_suspects(exchange)
                 return result.response
             self._retry_or_raise(exchange, admitted, result.error)
             replacement = self._waits_for_replacement(result.error, mid_stream=False)
@@ -466,14 +480,16 @@ class Proxy:
                 # a connection lost halfway through the body can go elsewhere.
                 return _Failed(_upstream_failure(endpoint.id, exc))
             if status in UpstreamStatusError.RETRYABLE_STATUSES or status == ENGINE_KEY_REFUSED:
-                return _Failed(UpstreamStatusError(endpoint.id, status))
+                error = _status_error(endpoint.id, status, data)
+                outcome = self._failure_verdict(exchange, error)
+                return _Failed(error)
             outcome = _verdict(status)
             exchange.reply.status = status
             exchange.reply.ttfb_s = self._clock() - exchange.started
             exchange.reply.outcome = _outcome_of(status)
-            not_served = _route_not_served(exchange, status, data)
-            if not_served is not None:
-                return _Done(error_response(not_served))
+            refused = self._engine_refusal(exchange, status, data)
+            if refused is not None:
+                return _Done(refused)
             response_headers = _response_headers(upstream_headers, exchange.parsed.request_id)
             return _Done(web.Response(status=status, body=data, headers=response_headers))
         except asyncio.CancelledError:
@@ -495,10 +511,13 @@ class Proxy:
         # Plain attempts, while nothing of any engine's answer reached the client.
         replacement = False
         while True:
-            admitted = await self._admit(exchange, hold=hold, replacement=replacement)
+            admitted = await self._admit_attempt(exchange, hold=hold, replacement=replacement)
             result = await self._stream_once(
                 exchange, admitted, exchange.parsed.body, account, None
             )
+            if exchange.reply.forwarded:
+                # Another replica answered (its stream started): the suspicions were right.
+                self._blame_suspects(exchange)
             if isinstance(result, _Done):
                 return result.response
             if isinstance(result, _Failed):
@@ -631,7 +650,9 @@ class Proxy:
             content_type = upstream.headers.get("Content-Type", "")
             if upstream.status != 200 or not content_type.startswith("text/event-stream"):
                 result = await self._stream_refused(exchange, upstream, rewriter is not None)
-                if not isinstance(result, _Failed):
+                if isinstance(result, _Failed):
+                    outcome = self._failure_verdict(exchange, result.error)
+                else:
                     outcome = _verdict(upstream.status)
                     clean = True
                 return result
@@ -674,15 +695,15 @@ class Proxy:
             return self._failed_or_broken(exchange, _upstream_failure(endpoint_id, exc))
         status = upstream.status
         if status in UpstreamStatusError.RETRYABLE_STATUSES or status == ENGINE_KEY_REFUSED:
-            return self._failed_or_broken(exchange, UpstreamStatusError(endpoint_id, status))
+            return self._failed_or_broken(exchange, _status_error(endpoint_id, status, data))
         if exchange.reply.response is None and not continuing:
             # Nothing sent yet: the engine's answer goes through as it is.
             exchange.reply.status = status
             exchange.reply.ttfb_s = self._clock() - exchange.started
             exchange.reply.outcome = _outcome_of(status)
-            not_served = _route_not_served(exchange, status, data)
-            if not_served is not None:
-                return _Done(error_response(not_served))
+            refused = self._engine_refusal(exchange, status, data)
+            if refused is not None:
+                return _Done(refused)
             headers = _response_headers(upstream.headers, exchange.parsed.request_id)
             return _Done(web.Response(status=status, body=data, headers=headers))
         # Headers already went out: the engine's refusal becomes the stream's error event.
@@ -944,6 +965,86 @@ class Proxy:
         exchange.attempts.current = admitted
         return admitted
 
+    async def _admit_attempt(
+        self, exchange: Exchange, hold: Hold | None = None, *, replacement: bool
+    ) -> Admitted:
+        """`_admit` for a plain attempt: no endpoint left for suspicions blames the input."""
+        try:
+            return await self._admit(exchange, hold, replacement=replacement)
+        except RouterError as exc:
+            if exchange.attempts.suspects:
+                raise self._input_fault(exchange) from exc
+            raise
+
+    def _failure_verdict(self, exchange: Exchange, error: UpstreamError) -> Outcome:
+        """The breaker verdict of a failed attempt: a suspicion when the input may be at fault."""
+        if (
+            not isinstance(error, UpstreamStatusError)
+            or error.upstream_status != AMBIGUOUS_STATUS
+            or exchange.reply.forwarded
+        ):
+            return Outcome.FAILURE
+        now = self._clock()
+        state = self._state.live.get(error.endpoint_id)
+        if not vouched(state, now, self._settings.input_fault_window_s):
+            return Outcome.FAILURE
+        exchange.attempts.suspects[error.endpoint_id] = error
+        return Outcome.NO_VERDICT
+
+    def _blame_suspects(self, exchange: Exchange) -> None:
+        """Another replica answered: each suspected 500 was its replica's failure."""
+        suspects = exchange.attempts.suspects
+        if not suspects:
+            return
+        now = self._clock()
+        for endpoint_id in suspects:
+            blame(self._state.live, endpoint_id, self._breaker, now)
+        suspects.clear()
+
+    def _input_fault(self, exchange: Exchange) -> EngineRejectedInput:
+        """The answer for a request whose 500s are blamed on its input (nothing counted)."""
+        suspects = exchange.attempts.suspects
+        message = next(
+            (error.engine_message for error in suspects.values() if error.engine_message),
+            None,
+        )
+        log.info(
+            "engine_input_fault",
+            extra={
+                "model": exchange.parsed.model,
+                "endpoints": sorted(suspects),
+                "request_id": exchange.parsed.request_id,
+            },
+        )
+        self._metrics.engine_rejections.labels(exchange.label, str(AMBIGUOUS_STATUS)).inc()
+        count = len(suspects)
+        suspects.clear()
+        return EngineRejectedInput(
+            400,
+            message
+            or f"The model's engine could not process this request (HTTP 500 from {count} "
+            "replica(s) that serve other requests): the request is taken to be malformed.",
+        )
+
+    def _engine_refusal(
+        self, exchange: Exchange, status: int, data: bytes
+    ) -> web.StreamResponse | None:
+        """The router's own answer instead of an engine's refusal, or None to pass it on.
+
+        An engine's not-OpenAI-shaped 404/405 means a route it lacks
+        (`route_not_supported`); another refusal of the client's input goes back
+        as it is when OpenAI-shaped, else rewritten in OpenAI's shape.
+        """
+        not_served = _route_not_served(exchange, status, data)
+        if not_served is not None:
+            return error_response(not_served)
+        if not client_fault_status(status):
+            return None
+        self._metrics.engine_rejections.labels(exchange.label, str(status)).inc()
+        if is_openai_error(data):
+            return None
+        return error_response(rejection(status, data))
+
     def _finish(self, exchange: Exchange, admitted: Admitted, outcome: Outcome) -> None:
         """The attempt is over: its lease goes back with the endpoint's verdict."""
         exchange.attempts.current = None
@@ -956,7 +1057,10 @@ class Proxy:
 
     def _retry_or_raise(self, exchange: Exchange, admitted: Admitted, error: UpstreamError) -> None:
         exchange.attempts.tried.add(admitted.endpoint.id)
-        if not error.retryable or exchange.attempts.count >= self._settings.max_attempts:
+        can_retry = error.retryable and exchange.attempts.count < self._settings.max_attempts
+        if input_at_fault(exchange.attempts.suspects, can_retry=can_retry):
+            raise self._input_fault(exchange)
+        if not can_retry:
             raise error
         self._metrics.for_model(exchange.label).retries.inc()
         log.info(
@@ -1073,12 +1177,22 @@ def _upstream_failure(endpoint_id: str, exc: BaseException) -> UpstreamError:
     return UpstreamConnectError(endpoint_id, f"{type(exc).__name__}: {exc}")
 
 
+# "Not implemented": the engine lacks a feature (llama-server's embeddings without
+# `--embeddings`), which says nothing about the replica's health.
+_NOT_IMPLEMENTED = 501
+
+
 def _verdict(status: int) -> Outcome:
     if status < 400:
         return Outcome.SUCCESS
-    if status < 500:
+    if status < 500 or status == _NOT_IMPLEMENTED:
         return Outcome.NO_VERDICT
     return Outcome.FAILURE
+
+
+def _status_error(endpoint_id: str, status: int, data: bytes) -> UpstreamStatusError:
+    """The failure of an engine's 5xx (or 401) answer, with its own message when it has one."""
+    return UpstreamStatusError(endpoint_id, status, engine_message=engine_message(data)[0])
 
 
 def _outcome_of(status: int) -> RequestOutcome:
@@ -1090,6 +1204,8 @@ def _outcome_of(status: int) -> RequestOutcome:
 
 
 def _error_outcome(error: RouterError) -> RequestOutcome:
+    if isinstance(error, EngineRejectedInput):
+        return RequestOutcome.ENGINE_CLIENT_ERROR
     if isinstance(error, UpstreamError):
         return RequestOutcome.UPSTREAM_ERROR
     if isinstance(error, ModelNotFound):
