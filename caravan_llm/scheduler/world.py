@@ -61,6 +61,9 @@ class AllocEngine:
 
     port: AllocatedPort
     node_name: str
+    # The host port of its `kv` label (the KV relay's digest stream), when
+    # Nomad allocated one at the engine's address; None: the replica has no relay.
+    kv_port: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
