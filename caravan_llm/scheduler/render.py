@@ -190,29 +190,33 @@ def _service(
     gpu_class_name: str,
 ) -> dict[str, Any]:
     startup_s = weights.startup_timeout_s(profile, adapter.startup_timeout_s(profile))
+    check: dict[str, Any] = {
+        "Name": "engine-health",
+        "Type": "http",
+        "Path": adapter.facts.health_path,
+        "Interval": _ns(config.check_interval_s),
+        "Timeout": _ns(config.check_timeout_s),
+        "CheckRestart": {
+            "Limit": CHECK_RESTART_LIMIT,
+            # Loading a model is not a failure: the check may stay
+            # critical for the whole startup time.
+            "Grace": _ns(startup_s),
+            # Consul `warning` means saturated, not broken.
+            "IgnoreWarnings": True,
+        },
+    }
+    if adapter.publishes_kv_events:
+        # A group service's check_restart restarts every task of the group
+        # unless the check names one: an unhealthy engine restarts alone, and
+        # the relay tells its routers the engine went away.
+        check["TaskName"] = TASK_NAME
     return {
         "Name": model_service_name(profile.name),
         "PortLabel": HTTP_PORT_LABEL,
         "Provider": "consul",
         "Tags": [SERVICE_TAG, f"engine-{profile.engine.value}", f"replica-{replica}"],
         "Meta": _service_meta(profile, replica, adapter, gpu_class_name),
-        "Checks": [
-            {
-                "Name": "engine-health",
-                "Type": "http",
-                "Path": adapter.facts.health_path,
-                "Interval": _ns(config.check_interval_s),
-                "Timeout": _ns(config.check_timeout_s),
-                "CheckRestart": {
-                    "Limit": CHECK_RESTART_LIMIT,
-                    # Loading a model is not a failure: the check may stay
-                    # critical for the whole startup time.
-                    "Grace": _ns(startup_s),
-                    # Consul `warning` means saturated, not broken.
-                    "IgnoreWarnings": True,
-                },
-            }
-        ],
+        "Checks": [check],
     }
 
 
