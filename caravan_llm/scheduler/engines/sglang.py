@@ -108,6 +108,8 @@ DENIED_FLAGS = (
     "--file-storage-path",
     # A YAML file of further arguments, which would bypass this check.
     "--config",
+    # Where the KV-cache events (token ids) go: caravan's, inside the allocation.
+    "--kv-events-config",
 )
 # Listener and logging config (dictConfig instantiates classes).
 DENIED_ENV = ("SGLANG_HOST_IP", "SGLANG_PORT", "SGLANG_LOGGING_CONFIG_PATH", API_KEY_ENV)

@@ -82,6 +82,8 @@ DENIED_FLAGS = (
     "--kv-transfer-config",
     # A YAML file of further arguments, which would bypass this check.
     "--config",
+    # Where the KV-cache events (token ids) go: caravan's, inside the allocation.
+    "--kv-events-config",
 )
 # Plugins, logging config (dictConfig instantiates classes), listener, dev
 # endpoints, LoRA loading by API clients, the API key.
