@@ -12,7 +12,9 @@ the vLLM dialect. What is SGLang's own is here:
   in python/sglang/srt/server_args.py): `--model-path`, `--tp`/`--tp-size`,
   `--host` (default 127.0.0.1), `--port` (default 30000),
   `--served-model-name`, `--max-running-requests`, `--context-length`,
-  `--enable-metrics`, `--api-key` (no environment fallback);
+  `--enable-metrics`, `--api-key` (no environment fallback), `--page-size`
+  (the simulated prefix cache's block size) and `--kv-events-config`
+  (checked as JSON; this flavour publishes no KV events);
 - the API-key check (`add_api_key_middleware`, python/sglang/srt/utils):
   every path but `/health*` and `/metrics*` needs `Authorization: Bearer <key>`,
   else 401 `{"error": "Unauthorized"}`;
