@@ -106,7 +106,7 @@ class RelayHub:
     def __init__(
         self,
         *,
-        block_size: int,
+        block_size: int | None,
         key: DigestKey,
         max_blocks: int,
         queue_max: int,

@@ -28,6 +28,8 @@ DEFAULT_PORT = 8101
 # Where the engines' tasks read their API key (scheduler/engines/vllm.py, sglang.py).
 ENGINE_KEY_ENVS = ("VLLM_API_KEY", "CARAVAN_ENGINE_API_KEY")
 _LOCALHOST = "localhost"
+# ZeroMQ's longest ipc path: sockaddr_un's sun_path (108 bytes) less its NUL.
+MAX_IPC_PATH_BYTES = 107
 
 
 class EndpointNotLocalError(ValueError):
@@ -41,13 +43,22 @@ def check_local_endpoint(endpoint: str) -> str:
 
     KV events carry the prompt's token ids and ZeroMQ has no authentication,
     so `tcp://*:...`, a routable address or any other transport is refused
-    (EndpointNotLocalError, naming the endpoint's transport and host only).
+    (EndpointNotLocalError, naming the endpoint's transport and host only), and
+    so is an ipc path longer than ZeroMQ takes (it would fail at connect).
     """
     scheme, _, rest = endpoint.partition("://")
     if scheme == "ipc":
         if not rest or "*" in rest:
             raise EndpointNotLocalError(
                 "an ipc:// endpoint needs a socket path, e.g. ipc:///run/kv"
+            )
+        size = len(rest.encode())
+        if size > MAX_IPC_PATH_BYTES:
+            raise EndpointNotLocalError(
+                f"the ipc:// socket path is {size} bytes, and ZeroMQ takes at most "
+                f"{MAX_IPC_PATH_BYTES} (a Unix socket's sun_path): use a shorter path "
+                "(in a Nomad allocation, ipc://${NOMAD_ALLOC_DIR}/... under a shorter "
+                "client data_dir, or the docker driver, where it is /alloc/...)"
             )
         return endpoint
     if scheme != "tcp":
@@ -107,11 +118,13 @@ class RelaySettings(BaseSettings):
         "there, else a gap starts a new epoch",
     )
     topic: str = Field(default="kv-events", description="the engine's KV-event topic")
-    block_size: int = Field(
+    block_size: int | None = Field(
+        default=None,
         ge=1,
         le=MAX_BLOCK_SIZE,
-        description="the engine's KV block size in tokens (vLLM's --block-size; 128 on the "
-        "CPU build); events of another size are skipped",
+        description="the engine's KV block size in tokens (vLLM's --block-size; 16 on GPU, 128 "
+        "on the CPU build); events of another size are skipped; unset: learned from the "
+        "events (the first size stored while no block is held)",
     )
     engine_api_key: SecretStr = Field(
         min_length=1,

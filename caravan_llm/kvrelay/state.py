@@ -66,11 +66,16 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Literal
 
 from caravan_llm.common.block_digest import BlockDigest, DigestKey, block_digests
+from caravan_llm.common.kv_stream import MAX_BLOCK_SIZE
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
 DEFAULT_MAX_BLOCKS = 2**20
+# The block size a relay that learns it from the events announces before the
+# first store (vLLM's default on GPU); its set is empty until then, so routers
+# find no block at it, and the first delta carries the engine's own size.
+UNLEARNED_BLOCK_SIZE = 16
 # Epochs stay in a signed 64-bit range so that any JSON reader keeps them exact.
 _EPOCH_MODULUS = 2**63
 
@@ -186,7 +191,11 @@ class RelayState:
     `epoch` is the first epoch's identifier: the wiring draws it at random per
     relay process (63 bits), so that a restarted relay never continues an old
     lineage by accident. `block_size` is the engine's (events of another size
-    are skipped); `key` names blocks as the routers of this model do.
+    are skipped); None: learned from the events, as the first size stored
+    while the state holds no block (vLLM's default is 16 on GPU, 128 on its
+    CPU build, and `--block-size` changes it), so every digest held at once
+    has one size; until then snapshots say `UNLEARNED_BLOCK_SIZE`. `key`
+    names blocks as the routers of this model do.
     """
 
     __slots__ = (
@@ -195,6 +204,7 @@ class RelayState:
         "_counts",
         "_epoch",
         "_key",
+        "_learns_block_size",
         "_max_blocks",
         "_next_engine_seq",
         "_refs",
@@ -206,18 +216,19 @@ class RelayState:
         self,
         *,
         epoch: int,
-        block_size: int,
+        block_size: int | None,
         key: DigestKey,
         max_blocks: int = DEFAULT_MAX_BLOCKS,
     ) -> None:
         if not 0 <= epoch < _EPOCH_MODULUS:
             raise ValueError(f"epoch must be in [0, 2**63), got {epoch}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if block_size is not None and not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
         if max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
         self._epoch = epoch
-        self._block_size = block_size
+        self._learns_block_size = block_size is None
+        self._block_size = UNLEARNED_BLOCK_SIZE if block_size is None else block_size
         self._key = key
         self._max_blocks = max_blocks
         self._seq = 0
@@ -321,8 +332,11 @@ class RelayState:
         count = len(hashes)
         block_size = event.block_size
         if block_size != self._block_size:
-            self._counts.foreign_blocks += count
-            return
+            if not (self._learns_block_size and not self._blocks and block_size <= MAX_BLOCK_SIZE):
+                self._counts.foreign_blocks += count
+                return
+            # Nothing is held: the engine's size is this one from now on.
+            self._block_size = block_size
         extra_keys = event.extra_keys
         if len(event.token_ids) != count * block_size or (
             extra_keys is not None and len(extra_keys) != count

@@ -28,7 +28,7 @@ from typing import Protocol
 from caravan_llm.common.contract import TASK_NAME
 from caravan_llm.common.errors import HashiError
 from caravan_llm.common.nomad_api import Allocation, LogFrame
-from caravan_llm.scheduler.world import EngineLogTail, ObservedReplica
+from caravan_llm.scheduler.world import EngineLogTail, ObservedReplica, engine_events
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +46,7 @@ SCHEDULER_READER = "the scheduler's Nomad token"
 
 def engine_exits(alloc: Allocation) -> int:
     """How many times the allocation's engine task exited with a non-zero status."""
-    return sum(
-        1
-        for e in alloc.task_events
-        if e.type == "Terminated" and e.exit_code != 0 and e.task in {TASK_NAME, ""}
-    )
+    return sum(1 for e in engine_events(alloc) if e.type == "Terminated" and e.exit_code != 0)
 
 
 def crashed_alloc(replica: ObservedReplica) -> Allocation | None:

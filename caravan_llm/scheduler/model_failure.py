@@ -40,7 +40,7 @@ from typing import Any, Protocol
 from caravan_llm.common.contract import MAX_FAILURE_REASON_CHARS, ModelFailure
 from caravan_llm.common.errors import HashiError
 from caravan_llm.scheduler.placement_explain import ReplicaAsk, explain_failed_placement
-from caravan_llm.scheduler.world import ObservedReplica
+from caravan_llm.scheduler.world import ObservedReplica, engine_events
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def replica_failure(replica: ObservedReplica, health: Mapping[str, str]) -> str 
     if not failed:
         return None
     latest = max(failed, key=lambda a: (a.modify_time_ns, a.id))
-    events = latest.task_events
+    events = engine_events(latest)
     given_up = [e for e in events if e.type == NOT_RESTARTING]
     if not given_up:
         return None

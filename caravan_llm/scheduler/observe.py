@@ -18,6 +18,7 @@ from caravan_llm.common.consul_api import HealthEntry
 from caravan_llm.common.contract import (
     HTTP_PORT_LABEL,
     JOB_PREFIX,
+    KV_PORT_LABEL,
     DrainRecord,
     ServiceMetaKey,
     model_service_name,
@@ -111,10 +112,37 @@ async def read_nomad(nomad: NomadReads) -> NomadReadout:
     engines: dict[str, AllocEngine] = {}
     for allocation in allocations:
         allocs_by_job.setdefault(allocation.job_id, []).append(allocation)
-        for port in allocation.ports or ():
-            if port.label == HTTP_PORT_LABEL and port.host_ip and port.value > 0:
-                engines[allocation.id] = AllocEngine(port, allocation.node_name)
+        engine = alloc_engine(allocation)
+        if engine is not None:
+            engines[allocation.id] = engine
     return NomadReadout(job_stubs, allocs_by_job, nodes, engines)
+
+
+# The highest TCP port: a `kv` port Nomad reports beyond it is not believed.
+MAX_PORT = 65535
+
+
+def alloc_engine(allocation: Allocation) -> AllocEngine | None:
+    """Where an allocation's engine listens, and its KV relay (pure); None: no `http` port yet.
+
+    The relay's port counts only at the engine's own address: routers trust a
+    relay exactly where they trust the engine (the endpoint proof).
+    """
+    ports = allocation.ports or ()
+    http = next(
+        (p for p in ports if p.label == HTTP_PORT_LABEL and p.host_ip and p.value > 0), None
+    )
+    if http is None:
+        return None
+    kv = next(
+        (
+            p.value
+            for p in ports
+            if p.label == KV_PORT_LABEL and p.host_ip == http.host_ip and 0 < p.value <= MAX_PORT
+        ),
+        None,
+    )
+    return AllocEngine(http, allocation.node_name, kv)
 
 
 def _health_by_alloc(entries: tuple[HealthEntry, ...]) -> dict[str, str]:

@@ -33,7 +33,7 @@ from caravan_llm.common.contract import (
     decode_profile_document,
     served_name_of,
 )
-from caravan_llm.scheduler.engines.base import Driver, resolve_metrics
+from caravan_llm.scheduler.engines.base import Driver, EngineAdapter, resolve_metrics
 from caravan_llm.scheduler.engines.registry import Engine, adapter_for, engine_key_env_names
 from caravan_llm.scheduler.weights_cache import WeightsCache, check_weights
 
@@ -337,6 +337,11 @@ def check_engine_rules(profile: ModelProfile) -> None:
     # these values from the profile.
     for arg in profile.engine_args:
         flag = arg.split("=", 1)[0]
+        if facts.kv_events is not None and _reads_as(adapter, flag, facts.kv_events.flag):
+            raise ValueError(
+                f"engine_args: {flag} is set by caravan (the cluster config's kv_events): "
+                "the engine's KV events carry token ids and stay inside the allocation"
+            )
         if flag in facts.managed_flags:
             raise ValueError(
                 f"engine_args: {flag} is set by caravan from the profile; "
@@ -352,6 +357,15 @@ def check_engine_rules(profile: ModelProfile) -> None:
         )
     if profile.weights is not None:
         check_weights(profile.weights, profile.model, profile.env, facts)
+
+
+def _reads_as(adapter: EngineAdapter, arg: str, flag: str) -> bool:
+    """Whether the engine's parser reads `arg` as `flag` (spelling, or a prefix it takes)."""
+    if not arg.startswith("--"):
+        return False
+    read = adapter.normalise_flag(arg)
+    prefix = adapter.facts.abbreviates_flags and len(read) > len("--x") and flag.startswith(read)
+    return read == flag or prefix
 
 
 class ProfileError(ValueError):

@@ -67,6 +67,7 @@ def placements_of(
                     address=engine.port.host_ip,
                     port=engine.port.value,
                     node=engine.node_name,
+                    kv_port=engine.kv_port,
                 )
             )
     return {

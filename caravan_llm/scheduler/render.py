@@ -25,6 +25,7 @@ from caravan_llm.common.contract import (
     ENGINE_KEY_ITEM,
     GROUP_NAME,
     HTTP_PORT_LABEL,
+    KV_PORT_LABEL,
     MANAGED_BY_VALUE,
     SERVICE_TAG,
     TASK_NAME,
@@ -41,6 +42,14 @@ from caravan_llm.common.contract import (
 from caravan_llm.scheduler import weights
 from caravan_llm.scheduler.cluster_config import RESTART_INTERVAL_S, ClusterConfig
 from caravan_llm.scheduler.engines.base import resolve_metrics
+from caravan_llm.scheduler.engines.kv_events import (
+    EVENTS_ENDPOINT,
+    RELAY_ARGS,
+    RELAY_TASK_NAME,
+    REPLAY_ENDPOINT,
+    TOPIC,
+    KvEventsSettings,
+)
 from caravan_llm.scheduler.engines.registry import adapter_for
 from caravan_llm.scheduler.gpu_classes import GpuClass, UnknownGpuClassError, lookup_gpu_class
 from caravan_llm.scheduler.nomad_time import NS_PER_S
@@ -66,6 +75,15 @@ CHECK_RESTART_LIMIT = 3
 # SIGKILL; llama-server can hang on SIGTERM mid-request, so this is also the
 # bound on how long a stuck engine holds its node's resources.
 KILL_TIMEOUT_S = 30
+# The KV relay stops at once: it holds nothing a router cannot rebuild.
+RELAY_KILL_TIMEOUT_S = 5
+# The relay's own restart policy: it never fails the replica, whose engine
+# serves on without it (routers keep the approximate index meanwhile), so it
+# is retried on and on, at most RELAY_RESTART_ATTEMPTS times per interval.
+RELAY_RESTART_ATTEMPTS = 10
+RELAY_RESTART_DELAY_S = 10
+# The relay's variable: the engine key, from the replica job's own Variable.
+RELAY_KEY_ENV = "CARAVAN_KV_RELAY_ENGINE_API_KEY"
 # Weight of the anti-affinity that keeps CPU replicas of one model apart. The
 # most negative weight Nomad allows: a node hosting a sibling then scores
 # below every node that doesn't, while staying feasible when it is the only one.
@@ -172,29 +190,33 @@ def _service(
     gpu_class_name: str,
 ) -> dict[str, Any]:
     startup_s = weights.startup_timeout_s(profile, adapter.startup_timeout_s(profile))
+    check: dict[str, Any] = {
+        "Name": "engine-health",
+        "Type": "http",
+        "Path": adapter.facts.health_path,
+        "Interval": _ns(config.check_interval_s),
+        "Timeout": _ns(config.check_timeout_s),
+        "CheckRestart": {
+            "Limit": CHECK_RESTART_LIMIT,
+            # Loading a model is not a failure: the check may stay
+            # critical for the whole startup time.
+            "Grace": _ns(startup_s),
+            # Consul `warning` means saturated, not broken.
+            "IgnoreWarnings": True,
+        },
+    }
+    if adapter.publishes_kv_events:
+        # A group service's check_restart restarts every task of the group
+        # unless the check names one: an unhealthy engine restarts alone, and
+        # the relay tells its routers the engine went away.
+        check["TaskName"] = TASK_NAME
     return {
         "Name": model_service_name(profile.name),
         "PortLabel": HTTP_PORT_LABEL,
         "Provider": "consul",
         "Tags": [SERVICE_TAG, f"engine-{profile.engine.value}", f"replica-{replica}"],
         "Meta": _service_meta(profile, replica, adapter, gpu_class_name),
-        "Checks": [
-            {
-                "Name": "engine-health",
-                "Type": "http",
-                "Path": adapter.facts.health_path,
-                "Interval": _ns(config.check_interval_s),
-                "Timeout": _ns(config.check_timeout_s),
-                "CheckRestart": {
-                    "Limit": CHECK_RESTART_LIMIT,
-                    # Loading a model is not a failure: the check may stay
-                    # critical for the whole startup time.
-                    "Grace": _ns(startup_s),
-                    # Consul `warning` means saturated, not broken.
-                    "IgnoreWarnings": True,
-                },
-            }
-        ],
+        "Checks": [check],
     }
 
 
@@ -242,6 +264,63 @@ def _templates(
     return templates
 
 
+def _relay_task(kv_events: KvEventsSettings, job_id: str) -> dict[str, Any]:
+    """The KV relay's task: reads the engine's events on the allocation's ipc sockets and
+    serves their digests on the `kv` port (caravan_llm/kvrelay).
+
+    It gets the engine key as the engine does: a template reading the replica
+    job's own Variable (Nomad's implicit workload access to `nomad/jobs/<job>`
+    covers every task of the job); the job carries only the path.
+    """
+    env = {
+        "CARAVAN_KV_RELAY_EVENTS_ENDPOINT": EVENTS_ENDPOINT,
+        "CARAVAN_KV_RELAY_REPLAY_ENDPOINT": REPLAY_ENDPOINT,
+        "CARAVAN_KV_RELAY_TOPIC": TOPIC,
+    }
+    if kv_events.max_blocks is not None:
+        env["CARAVAN_KV_RELAY_MAX_BLOCKS"] = str(kv_events.max_blocks)
+    task: dict[str, Any] = {"Name": RELAY_TASK_NAME, "Driver": kv_events.driver.value}
+    if kv_events.driver is Driver.DOCKER:
+        # Its own network namespace: listen on every interface of the
+        # container, on the port Docker maps the allocated host port to.
+        task["Config"] = {
+            "image": kv_events.relay_image,
+            "args": [
+                *RELAY_ARGS,
+                "--host",
+                "0.0.0.0",  # noqa: S104 - inside the container
+                "--port",
+                str(kv_events.container_port),
+            ],
+            "ports": [KV_PORT_LABEL],
+        }
+        if kv_events.user is not None:
+            task["User"] = kv_events.user
+    else:
+        # On the host: the relay's defaults are NOMAD_IP_kv and NOMAD_PORT_kv.
+        task["Config"] = {"command": kv_events.relay_binary, "args": list(RELAY_ARGS)}
+    task.update(
+        {
+            "Env": dict(sorted(env.items())),
+            "Resources": {"CPU": kv_events.cpu_mhz, "MemoryMB": kv_events.memory_mb},
+            "RestartPolicy": {
+                "Attempts": RELAY_RESTART_ATTEMPTS,
+                "Interval": _ns(RESTART_INTERVAL_S),
+                "Delay": _ns(RELAY_RESTART_DELAY_S),
+                "Mode": "delay",
+            },
+            "KillTimeout": _ns(RELAY_KILL_TIMEOUT_S),
+            "KillSignal": "SIGTERM",
+            "Templates": [
+                _env_template(
+                    replica_key_path(job_id), [(RELAY_KEY_ENV, ENGINE_KEY_ITEM)], "engine-key.env"
+                )
+            ],
+        }
+    )
+    return task
+
+
 def _task(
     profile: ModelProfile, adapter: EngineAdapter, config: ClusterConfig, job_id: str
 ) -> dict[str, Any]:
@@ -280,12 +359,20 @@ def _gpu_class(profile: ModelProfile, config: ClusterConfig) -> GpuClass | None:
         raise RenderError("gpu.class", str(exc)) from None
 
 
-def _network(profile: ModelProfile, adapter: EngineAdapter) -> dict[str, Any]:
+def _network(
+    profile: ModelProfile, adapter: EngineAdapter, kv_events: KvEventsSettings | None
+) -> dict[str, Any]:
     port: dict[str, Any] = {"Label": HTTP_PORT_LABEL}
     container_port = adapter.container_port(profile)
     if container_port is not None:
         port["To"] = container_port
-    return {"Mode": "host", "DynamicPorts": [port]}
+    ports = [port]
+    if kv_events is not None:
+        kv_port: dict[str, Any] = {"Label": KV_PORT_LABEL}
+        if kv_events.driver is Driver.DOCKER:
+            kv_port["To"] = kv_events.container_port
+        ports.append(kv_port)
+    return {"Mode": "host", "DynamicPorts": ports}
 
 
 def node_pool(profile: ModelProfile, config: ClusterConfig) -> str:
@@ -308,6 +395,12 @@ def _job_without_hash(profile: ModelProfile, replica: int, config: ClusterConfig
     gpu_class_name = profile.gpu.gpu_class if profile.gpu is not None else ""
     startup_s = weights.startup_timeout_s(profile, adapter.startup_timeout_s(profile))
     job_id = replica_job_id(profile.name, replica)
+    kv_events = config.kv_events if adapter.publishes_kv_events else None
+    tasks = [_task(profile, adapter, config, job_id)]
+    if kv_events is not None:
+        # The engine leads: when it is dead for good, Nomad stops the relay too.
+        tasks[0]["Leader"] = True
+        tasks.append(_relay_task(kv_events, job_id))
     job: dict[str, Any] = {
         "ID": job_id,
         "Name": job_id,
@@ -358,12 +451,12 @@ def _job_without_hash(profile: ModelProfile, replica: int, config: ClusterConfig
                     "HealthyDeadline": _ns(startup_s),
                 },
                 "EphemeralDisk": {"SizeMB": 300},
-                "Networks": [_network(profile, adapter)],
+                "Networks": [_network(profile, adapter, kv_events)],
                 # Nomad deregisters the service, waits this long, then signals
                 # the task: routers stop sending and in-flight requests finish.
                 "ShutdownDelay": _ns(profile.drain_s),
                 "Services": [_service(profile, replica, adapter, config, gpu_class_name)],
-                "Tasks": [_task(profile, adapter, config, job_id)],
+                "Tasks": tasks,
             }
         ],
     }

@@ -34,7 +34,7 @@ from caravan_llm.scheduler.nomad_time import NS_PER_S
 from caravan_llm.scheduler.observe import EngineLogs, HealthSource, NomadReads, observe, read_nomad
 from caravan_llm.scheduler.profiles import ModelProfile, profile_to_json
 from caravan_llm.scheduler.weights import NO_PREFETCH, PrefetchGate, prefetch_job_id
-from caravan_llm.scheduler.world import Observation, ObservedReplica
+from caravan_llm.scheduler.world import Observation, ObservedReplica, engine_events
 
 
 class InvalidStoredProfileError(ValueError):
@@ -94,7 +94,8 @@ class ModelStatus:
 
 
 def _last_event(alloc: Allocation) -> str | None:
-    return alloc.task_events[-1].words if alloc.task_events else None
+    events = engine_events(alloc)
+    return events[-1].words if events else None
 
 
 def _gpu_words(profile: ModelProfile) -> str:

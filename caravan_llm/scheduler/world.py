@@ -16,8 +16,21 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 # DrainRecord is the draining/ document; its one codec is in caravan_llm/common/contract.py.
-from caravan_llm.common.contract import JOB_PREFIX, MANAGED_BY_VALUE, DrainRecord, JobMetaKey
-from caravan_llm.common.nomad_api import AllocatedPort, Allocation, Evaluation, JobStub, Node
+from caravan_llm.common.contract import (
+    JOB_PREFIX,
+    MANAGED_BY_VALUE,
+    TASK_NAME,
+    DrainRecord,
+    JobMetaKey,
+)
+from caravan_llm.common.nomad_api import (
+    AllocatedPort,
+    Allocation,
+    Evaluation,
+    JobStub,
+    Node,
+    TaskEvent,
+)
 
 if TYPE_CHECKING:
     from caravan_llm.scheduler.profiles import ModelProfile
@@ -55,12 +68,21 @@ class ObservedReplica:
         return max(self.allocs, key=lambda a: a.create_time_ns)
 
 
+def engine_events(alloc: Allocation) -> tuple[TaskEvent, ...]:
+    """The allocation's events of its engine task, oldest first (a replica's group may also
+    run a KV relay, whose events say nothing of the engine)."""
+    return tuple(e for e in alloc.task_events if e.task in {TASK_NAME, ""})
+
+
 @dataclass(frozen=True, slots=True)
 class AllocEngine:
     """The port Nomad allocated for an allocation's `http` label, and the node it runs on."""
 
     port: AllocatedPort
     node_name: str
+    # The host port of its `kv` label (the KV relay's digest stream), when
+    # Nomad allocated one at the engine's address; None: the replica has no relay.
+    kv_port: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

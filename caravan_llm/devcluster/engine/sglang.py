@@ -12,7 +12,9 @@ the vLLM dialect. What is SGLang's own is here:
   in python/sglang/srt/server_args.py): `--model-path`, `--tp`/`--tp-size`,
   `--host` (default 127.0.0.1), `--port` (default 30000),
   `--served-model-name`, `--max-running-requests`, `--context-length`,
-  `--enable-metrics`, `--api-key` (no environment fallback);
+  `--enable-metrics`, `--api-key` (no environment fallback), `--page-size`
+  (the simulated prefix cache's block size) and `--kv-events-config`
+  (checked as JSON; this flavour publishes no KV events);
 - the API-key check (`add_api_key_middleware`, python/sglang/srt/utils):
   every path but `/health*` and `/metrics*` needs `Authorization: Bearer <key>`,
   else 401 `{"error": "Unauthorized"}`;
@@ -29,6 +31,7 @@ Like the real server, it listens only once the model is loaded.
 from __future__ import annotations
 
 import argparse
+import json
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -112,6 +115,10 @@ def sglang_parser() -> argparse.ArgumentParser:
     parser.add_argument("--context-length", type=int, default=None)
     parser.add_argument("--enable-metrics", action="store_true", default=False)
     parser.add_argument("--api-key", default=None)
+    # Tokens per KV page: the simulated prefix cache's block size when given.
+    parser.add_argument("--page-size", type=int, default=None)
+    # Checked as a JSON object; the simulator publishes no SGLang KV events.
+    parser.add_argument("--kv-events-config", default=None)
     ignored = parser.add_argument_group("accepted and ignored by the simulator")
     for flag in IGNORED_VALUE_FLAGS:
         ignored.add_argument(flag, dest=f"ignored_{flag}", default=None)
@@ -141,11 +148,17 @@ def sglang_settings(argv: list[str], env: Mapping[str, str]) -> EngineSettings:
         else DEFAULT_CONTEXT_LENGTH
     )
     _positive("--tp", args.tp_size)
+    _check_kv_events_config(args.kv_events_config)
+    block_size = (
+        _positive("--page-size", args.page_size)
+        if args.page_size is not None
+        else _int_knob(values, "block_size", minimum=1)
+    )
     try:
         perf = PerfModel(
             max_num_seqs=max_running,
             kv_cache_tokens=_int_knob(values, "kv_cache_tokens", minimum=1),
-            block_size=_int_knob(values, "block_size", minimum=1),
+            block_size=block_size,
             max_batched_tokens=max(context_length, 8192),
             step_seconds=_float_knob(values, "step_seconds"),
             decode_seconds_per_seq=_float_knob(values, "decode_seconds_per_seq"),
@@ -170,6 +183,18 @@ def sglang_settings(argv: list[str], env: Mapping[str, str]) -> EngineSettings:
         sim=_sim_settings(values),
         api_keys=(args.api_key,) if args.api_key else (),
     )
+
+
+def _check_kv_events_config(raw: str | None) -> None:
+    """SGLang parses `--kv-events-config` as JSON (`KVEventsConfig.from_cli`): so does this."""
+    if raw is None:
+        return
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise FlagError(f"--kv-events-config: not JSON ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise FlagError("--kv-events-config: expected a JSON object")
 
 
 def is_public_path(path: str) -> bool:

@@ -22,6 +22,7 @@ import logging
 import random
 import shutil
 import signal
+import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +45,7 @@ from caravan_llm.devcluster.nomad.drivers import (
     start_process,
 )
 from caravan_llm.devcluster.nomad.endpoints import Endpoints
-from caravan_llm.devcluster.nomad.gotext import go_duration, go_time
+from caravan_llm.devcluster.nomad.gotext import go_duration, go_quote, go_time
 from caravan_llm.devcluster.nomad.model import (
     Allocation,
     Node,
@@ -212,7 +213,12 @@ class TaskRunner:
                     return  # the template failed; events already emitted
                 continue  # killed while waiting: the top of the loop reports it
             env = task_environment(
-                runner.alloc, runner.job, self.task, client.node, runner.alloc_dir
+                runner.alloc,
+                runner.job,
+                self.task,
+                client.node,
+                runner.alloc_dir,
+                shared_dir=runner.shared_dir if self.task.get("Driver") == "docker" else None,
             )
             env.update(template_env)  # template env overrides the task's env, as in Nomad
             env = rewrite_env(env, mounts, task_dir)
@@ -511,6 +517,25 @@ class AllocRunner:
         self.healthy_since_ns: int | None = None
         self.deployment_healthy: bool | None = None
         self.dead = False
+        # A docker task sees the shared `alloc/` folder at `/alloc`. Here tasks
+        # are host processes, so a short link stands in for that mount: the
+        # host path under the data dir easily passes the 107 bytes ZeroMQ
+        # allows an ipc socket path (a replica's KV events), `/alloc/...` never
+        # does. Made when the allocation runs, removed when it is done.
+        self._short_root: Path | None = None
+
+    @property
+    def shared_dir(self) -> Path:
+        """Where docker tasks see the allocation's shared folder (Nomad's `/alloc`)."""
+        if self._short_root is None:
+            self._short_root = Path(tempfile.mkdtemp(prefix="cva-"))
+            (self._short_root / "alloc").symlink_to(self.alloc_dir / "alloc")
+        return self._short_root / "alloc"
+
+    def _remove_shared_dir(self) -> None:
+        if self._short_root is not None:
+            shutil.rmtree(self._short_root, ignore_errors=True)
+            self._short_root = None
 
     # -- reporting ---------------------------------------------------------
 
@@ -582,7 +607,7 @@ class AllocRunner:
             return
         await self.sync_services()
         # Spawned on the node, so that a node kill cancels them with everything else.
-        task_runs = [self.client.spawn(runner.run()) for runner in self.tasks.values()]
+        task_runs = [self.client.spawn(self._run_task(runner)) for runner in self.tasks.values()]
         watcher = self.client.spawn(self._watch())
         stop = self.client.spawn(self.stop_requested.wait())
         all_done = asyncio.gather(*task_runs)
@@ -596,9 +621,35 @@ class AllocRunner:
         finally:
             watcher.cancel()
             stop.cancel()
+            self._remove_shared_dir()
         await self.deregister_services()
         self.dead = True
         self.report()
+
+    async def _run_task(self, runner: TaskRunner) -> None:
+        await runner.run()
+        self._task_dead(runner)
+
+    def _task_dead(self, runner: TaskRunner) -> None:
+        """A dead task that failed, or the group's leader, takes its siblings with it
+        (Nomad's `handleTaskStateUpdates`: `Sibling Task Failed`, `Leader Task Dead`)."""
+        state = runner.state
+        if state.state != "dead":
+            return
+        now = self.client.clock_ns()
+        if state.failed:
+            event = TaskEvent(
+                "Sibling Task Failed", now, message=f"Task's sibling {go_quote(runner.name)} failed"
+            )
+        elif runner.task.get("Leader"):
+            event = TaskEvent("Leader Task Dead", now, message="Leader Task in Group dead")
+        else:
+            return
+        for other in self.tasks.values():
+            if other is runner or other.state.state == "dead" or other.kill_requested.is_set():
+                continue
+            other.emit(event)
+            other.request_kill()
 
     async def _shutdown(self) -> None:
         """Deregister services, wait `ShutdownDelay`, then kill every task."""

@@ -7,7 +7,9 @@
   own arguments (devcluster/vllm_real.py), `lmsysorg/sglang` images the simulated SGLang server
   (the image's `entrypoint`, `python3 -m sglang.launch_server`, is replaced by
   the simulator; `args` pass through), llama.cpp server images run the real
-  `llama-server` when one was built (else the simulated one). The container port given as
+  `llama-server` when one was built (else the simulated one), and caravan's own
+  image (`caravan-llm:*`) its entrypoint `caravan` (`python -m caravan_llm.cli`
+  with this interpreter; a replica's KV relay). The container port given as
   `--port <To>` becomes the host port, and `--host` the node's address, as
   Docker's port mapping would make it look from outside. An image with no
   mapping fails the task with a `Driver Failure`.
@@ -73,7 +75,9 @@ class ImageMapping:
     """Which local program stands in for a container image (glob on the image name)."""
 
     image: str
-    engine: str | None = None  # "vllm", "llamacpp" or "sglang": the simulated or real engine
+    # "vllm", "llamacpp" or "sglang": the simulated or real engine; "caravan":
+    # caravan's own image, whose entrypoint is the `caravan` command
+    engine: str | None = None
     command: tuple[str, ...] = ()  # or an explicit command line
 
     def matches(self, image: str) -> bool:
@@ -85,7 +89,13 @@ DEFAULT_IMAGE_MAPPINGS = (
     ImageMapping(image="vllm/vllm-openai", engine="vllm"),
     ImageMapping(image="ghcr.io/ggml-org/llama.cpp:server*", engine="llamacpp"),
     ImageMapping(image="lmsysorg/sglang:*", engine="sglang"),
+    # caravan's image (`make image`; a replica's KV relay runs `caravan kv-relay` in it).
+    ImageMapping(image="caravan-llm:*", engine="caravan"),
+    ImageMapping(image="*/caravan-llm:*", engine="caravan"),
 )
+ENGINE_KINDS = frozenset({"vllm", "llamacpp", "sglang", "caravan"})
+# What stands in for caravan's image: its entrypoint, `caravan`, as this interpreter runs it.
+CARAVAN_MODULE = "caravan_llm.cli"
 
 
 def load_image_mappings(path: Path | None) -> tuple[ImageMapping, ...]:
@@ -103,9 +113,10 @@ def load_image_mappings(path: Path | None) -> tuple[ImageMapping, ...]:
             raise ValueError(message)  # noqa: TRY004 - a bad file is a bad value
         engine = entry.get("engine")
         command = entry.get("command") or []
-        if engine not in {None, "vllm", "llamacpp", "sglang"}:
+        if engine is not None and engine not in ENGINE_KINDS:
             raise ValueError(
-                f"{path}: entry {position}: engine must be vllm, llamacpp or sglang, not {engine!r}"
+                f"{path}: entry {position}: engine must be vllm, llamacpp, sglang or caravan, "
+                f"not {engine!r}"
             )
         if engine is None and not command:
             raise ValueError(f"{path}: entry {position} needs 'engine' or 'command'")
@@ -195,6 +206,8 @@ def translate_container_args(
 
 
 def _engine_command(engine: str, settings: DriverSettings) -> tuple[str, ...]:
+    if engine == "caravan":
+        return (settings.python, "-m", CARAVAN_MODULE)
     if engine == "llamacpp":
         build = find_llama_server(settings.host_env)
         if build is not None:

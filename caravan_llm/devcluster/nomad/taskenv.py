@@ -94,10 +94,23 @@ def alloc_environment(alloc: Allocation, job: Json, node: Node, alloc_dir: Path)
 
 
 def task_environment(
-    alloc: Allocation, job: Json, task: Json, node: Node, alloc_dir: Path
+    alloc: Allocation,
+    job: Json,
+    task: Json,
+    node: Node,
+    alloc_dir: Path,
+    *,
+    shared_dir: Path | None = None,
 ) -> dict[str, str]:
-    """Every variable a task process sees, its own `Env` interpolated last."""
+    """Every variable a task process sees, its own `Env` interpolated last.
+
+    `shared_dir`: where the task sees the allocation's shared `alloc/` folder
+    when not at its host path (a docker task's `/alloc`, which devcluster
+    stands in for with a short link: see `AllocRunner.shared_dir`).
+    """
     env = alloc_environment(alloc, job, node, alloc_dir)
+    if shared_dir is not None:
+        env["NOMAD_ALLOC_DIR"] = str(shared_dir)
     name = str(task.get("Name", ""))
     resources = alloc.resources.tasks.get(name)
     env.update(

@@ -186,6 +186,17 @@ HF_HUB_WEIGHTS = WeightsFacts(
 
 
 @dataclass(frozen=True, slots=True)
+class KvEventsFacts:
+    """How an engine is told to publish its KV-cache events (engines/kv_events.py)."""
+
+    # The flag that takes the JSON config.
+    flag: str
+    # Whether the config carries vLLM's `enable_kv_cache_events: true`
+    # (SGLang's config has no such field: a publisher alone turns them on).
+    enable_field: bool
+
+
+@dataclass(frozen=True, slots=True)
 class EngineFacts:
     """What caravan knows about an engine that no profile or setting changes."""
 
@@ -219,6 +230,9 @@ class EngineFacts:
     # (an embedding or reranking model) or a flag; the engine then answers a
     # model without it with its own error, which the router passes on as OpenAI's.
     routes: frozenset[EngineRoute]
+    # How the engine publishes its KV-cache events (engines/kv_events.py);
+    # None: it publishes none, and routers keep the approximate prefix index.
+    kv_events: KvEventsFacts | None = None
 
 
 class EngineAdapter(Protocol):
@@ -260,6 +274,11 @@ class EngineAdapter(Protocol):
 
     def task_config(self, profile: EngineProfile) -> dict[str, Any]:
         """The task's driver `Config` block (image or command, args)."""
+        ...
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        """Whether replicas publish KV events to a KV relay in their group (issue 24)."""
         ...
 
     @property

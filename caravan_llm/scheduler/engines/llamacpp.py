@@ -183,6 +183,11 @@ class LlamaCppAdapter:
     def driver(self, profile: EngineProfile) -> Driver:
         return profile.driver or self.settings.driver
 
+    @property
+    def publishes_kv_events(self) -> bool:
+        # llama-server publishes no KV-cache events: routers keep the approximate index.
+        return False
+
     def container_port(self, profile: EngineProfile) -> int | None:
         if self.driver(profile) is Driver.DOCKER:
             return self.settings.container_port

@@ -9,10 +9,11 @@ weights cache and the service Meta the router reads all go through the adapter.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import TYPE_CHECKING, assert_never
+from typing import TYPE_CHECKING, Self, assert_never
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from caravan_llm.scheduler.engines.kv_events import KvEventsSettings
 from caravan_llm.scheduler.engines.llamacpp import LlamaCppAdapter, LlamaCppSettings
 from caravan_llm.scheduler.engines.sglang import SglangAdapter, SglangSettings
 from caravan_llm.scheduler.engines.vllm import VllmAdapter, VllmSettings
@@ -44,6 +45,26 @@ class EngineSettings(BaseModel):
     # Each replica's engine requires a per-model API key that reaches it through
     # Nomad Variables and a template (docs/security.md "Engine API keys").
     engine_api_keys: bool = True
+    # The KV relay in every vLLM/SGLang replica (engines/kv_events.py): the
+    # engine publishes its KV-cache events inside the allocation, the relay
+    # serves routers their digests behind the engine key.
+    kv_events: KvEventsSettings = Field(default_factory=KvEventsSettings)
+
+    @model_validator(mode="after")
+    def _kv_events_need_engine_keys(self) -> Self:
+        if self.kv_events.enabled and not self.engine_api_keys:
+            raise ValueError(
+                "kv_events.enabled: the KV relay needs the engine key (it keys the block "
+                "digests and guards the digest stream), so it cannot run with "
+                "engine_api_keys: false; set engine_api_keys: true or kv_events.enabled: false"
+            )
+        return self
+
+    @property
+    def kv_events_on(self) -> bool:
+        """Whether vLLM and SGLang replicas publish KV events to a relay in their group."""
+        enabled = self.kv_events.enabled
+        return self.engine_api_keys if enabled is None else enabled
 
     @property
     def engine_images(self) -> frozenset[str]:
@@ -56,13 +77,16 @@ DEFAULT_SETTINGS = EngineSettings()
 
 def adapter_for(engine: Engine, settings: EngineSettings = DEFAULT_SETTINGS) -> EngineAdapter:
     """The engine's adapter under these settings (the defaults when only its facts matter)."""
+    kv_events = settings.kv_events if settings.kv_events_on else None
     match engine:
         case Engine.VLLM:
-            return VllmAdapter(settings.vllm)
+            return VllmAdapter(settings.vllm, kv_events=kv_events)
         case Engine.LLAMACPP:
             return LlamaCppAdapter(settings.llamacpp)
         case Engine.SGLANG:
-            return SglangAdapter(settings.sglang, api_keys=settings.engine_api_keys)
+            return SglangAdapter(
+                settings.sglang, api_keys=settings.engine_api_keys, kv_events=kv_events
+            )
         case _:
             assert_never(engine)
 

@@ -40,8 +40,14 @@ from caravan_llm.scheduler.engines.base import (
     METRICS_PATH,
     EngineFacts,
     GpuContainerSizing,
+    KvEventsFacts,
     ResolvedMetrics,
     check_gpu_engine,
+)
+from caravan_llm.scheduler.engines.kv_events import (
+    KvEventsSettings,
+    has_flag,
+    kv_events_args,
 )
 
 if TYPE_CHECKING:
@@ -87,6 +93,8 @@ MANAGED_FLAGS = frozenset(
         "--context-length",
         "--enable-metrics",
         "--api-key",
+        # Rendered when the cluster's KV events are on (see vllm.py).
+        "--kv-events-config",
     }
 )
 DENIED_FLAGS = (
@@ -100,6 +108,8 @@ DENIED_FLAGS = (
     "--file-storage-path",
     # A YAML file of further arguments, which would bypass this check.
     "--config",
+    # Where the KV-cache events (token ids) go: caravan's, inside the allocation.
+    "--kv-events-config",
 )
 # Listener and logging config (dictConfig instantiates classes).
 DENIED_ENV = ("SGLANG_HOST_IP", "SGLANG_PORT", "SGLANG_LOGGING_CONFIG_PATH", API_KEY_ENV)
@@ -114,6 +124,15 @@ SGLANG_ROUTES = frozenset(EngineRoute) - {
     EngineRoute.POOLING,
     EngineRoute.CLASSIFY,
 }
+
+
+# python/sglang/srt/disaggregation/kv_events.py: `--kv-events-config` takes
+# vLLM's fields less `enable_kv_cache_events` (a `zmq` publisher turns them
+# on); its PUB socket binds an `ipc://` endpoint as vLLM's does. Events are one
+# block per `--page-size` tokens, 1 by default: caravan renders
+# `kv_events.sglang_page_size` (16) when the profile sets no page size.
+SGLANG_KV_EVENTS = KvEventsFacts(flag="--kv-events-config", enable_field=False)
+PAGE_SIZE_FLAG = "--page-size"
 
 
 SGLANG_FACTS = EngineFacts(
@@ -132,6 +151,7 @@ SGLANG_FACTS = EngineFacts(
     # SGLang loads `model` through its Hugging Face cache (HF_HOME), as vLLM does.
     weights=HF_HUB_WEIGHTS,
     routes=SGLANG_ROUTES,
+    kv_events=SGLANG_KV_EVENTS,
 )
 
 
@@ -140,6 +160,8 @@ class SglangAdapter(GpuContainerSizing):
     settings: SglangSettings = field(default_factory=SglangSettings)
     # Whether replicas get an API key (the cluster config's `engine_api_keys`).
     api_keys: bool = True
+    # The cluster config's `kv_events` when replicas publish KV events; None: off.
+    kv_events: KvEventsSettings | None = None
 
     @property
     def facts(self) -> EngineFacts:
@@ -162,6 +184,10 @@ class SglangAdapter(GpuContainerSizing):
 
     def capacity(self, profile: EngineProfile) -> int:
         return profile.max_concurrency or DEFAULT_MAX_RUNNING_REQUESTS
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        return self.kv_events is not None
 
     def container_port(self, profile: EngineProfile) -> int | None:
         del profile
@@ -188,6 +214,10 @@ class SglangAdapter(GpuContainerSizing):
             args += ["--context-length", str(profile.context_length)]
         if self.api_keys:
             args += ["--api-key", f"${{{API_KEY_ENV}}}"]
+        if self.kv_events is not None:
+            args += kv_events_args(SGLANG_KV_EVENTS)
+            if not has_flag(profile.engine_args, PAGE_SIZE_FLAG):
+                args += [PAGE_SIZE_FLAG, str(self.kv_events.sglang_page_size)]
         args += list(profile.engine_args)
         return args
 

@@ -19,8 +19,13 @@ from caravan_llm.scheduler.engines.base import (
     METRICS_PATH,
     EngineFacts,
     GpuContainerSizing,
+    KvEventsFacts,
     ResolvedMetrics,
     check_gpu_engine,
+)
+from caravan_llm.scheduler.engines.kv_events import (
+    KvEventsSettings,
+    kv_events_args,
 )
 
 if TYPE_CHECKING:
@@ -57,6 +62,9 @@ MANAGED_FLAGS = frozenset(
         "--host",
         "--max-num-seqs",
         "--max-model-len",
+        # Rendered when the cluster's KV events are on; a profile's own could
+        # publish token ids outside the allocation (`tcp://*`).
+        "--kv-events-config",
     }
 )
 DENIED_FLAGS = (
@@ -74,6 +82,8 @@ DENIED_FLAGS = (
     "--kv-transfer-config",
     # A YAML file of further arguments, which would bypass this check.
     "--config",
+    # Where the KV-cache events (token ids) go: caravan's, inside the allocation.
+    "--kv-events-config",
 )
 # Plugins, logging config (dictConfig instantiates classes), listener, dev
 # endpoints, LoRA loading by API clients, the API key.
@@ -97,6 +107,13 @@ VLLM_ROUTES = frozenset(EngineRoute)
 DEFAULT_MAX_NUM_SEQS = 256
 
 
+# vllm/config/kv_events.py: `enable_kv_cache_events` turns them on, the ZMQ
+# publisher binds an `ipc://` endpoint. The block size stays vLLM's own (16 on
+# GPU by default, 128 on the CPU build, `--block-size` in engine_args): the
+# relay learns it from the events.
+VLLM_KV_EVENTS = KvEventsFacts(flag="--kv-events-config", enable_field=True)
+
+
 VLLM_FACTS = EngineFacts(
     name="vllm",
     shown="vLLM",
@@ -116,12 +133,16 @@ VLLM_FACTS = EngineFacts(
     # vLLM loads `model` through its Hugging Face cache (HF_HOME).
     weights=HF_HUB_WEIGHTS,
     routes=VLLM_ROUTES,
+    kv_events=VLLM_KV_EVENTS,
 )
 
 
 @dataclass(frozen=True, slots=True)
 class VllmAdapter(GpuContainerSizing):
     settings: VllmSettings = field(default_factory=VllmSettings)
+    # The cluster config's `kv_events` when replicas publish KV events to
+    # their group's KV relay; None: off.
+    kv_events: KvEventsSettings | None = None
 
     @property
     def facts(self) -> EngineFacts:
@@ -143,6 +164,10 @@ class VllmAdapter(GpuContainerSizing):
     def capacity(self, profile: EngineProfile) -> int:
         return profile.max_concurrency or DEFAULT_MAX_NUM_SEQS
 
+    @property
+    def publishes_kv_events(self) -> bool:
+        return self.kv_events is not None
+
     def container_port(self, profile: EngineProfile) -> int | None:
         del profile
         return self.settings.container_port
@@ -162,6 +187,8 @@ class VllmAdapter(GpuContainerSizing):
         ]
         if profile.context_length is not None:
             args += ["--max-model-len", str(profile.context_length)]
+        if self.kv_events is not None:
+            args += kv_events_args(VLLM_KV_EVENTS)
         args += list(profile.engine_args)
         return args
 

@@ -344,3 +344,63 @@ async def test_deployment_turns_healthy_after_min_healthy_time(cluster: Cluster)
     allocs = await cluster.nomad_get("/v1/job/llama-0/allocations")
     assert allocs[0]["DeploymentStatus"]["Healthy"] is True
     assert (await cluster.nomad_get("/v1/job/llama-0"))["Stable"] is True
+
+
+def two_task_job(job_id: str, leader_command: str) -> dict[str, Any]:
+    """A batch group of a leader running `leader_command` and a sibling that would run a minute."""
+
+    def task(name: str, script: str, *, leader: bool) -> dict[str, Any]:
+        return {
+            "Name": name,
+            "Driver": "raw_exec",
+            "Config": {"command": "/bin/sh", "args": ["-c", script]},
+            "Leader": leader,
+            "KillTimeout": 2 * NS,
+            "Resources": {"CPU": 100, "MemoryMB": 64},
+        }
+
+    return {
+        "Job": {
+            "ID": job_id,
+            "Name": job_id,
+            "Type": "batch",
+            "Datacenters": ["*"],
+            "TaskGroups": [
+                {
+                    "Name": "g",
+                    "Count": 1,
+                    "RestartPolicy": {"Attempts": 0, "Mode": "fail"},
+                    "ReschedulePolicy": {"Attempts": 0, "Unlimited": False},
+                    "Tasks": [
+                        task("leader", leader_command, leader=True),
+                        task("sibling", "sleep 60", leader=False),
+                    ],
+                }
+            ],
+        }
+    }
+
+
+@pytest.mark.parametrize(
+    ("leader_command", "event", "status"),
+    [
+        ("sleep 0.5", "Leader Task Dead", "complete"),
+        ("sleep 0.5; exit 3", "Sibling Task Failed", "failed"),
+    ],
+)
+async def test_a_dead_leader_or_a_failed_task_takes_its_siblings_with_it(
+    cluster: Cluster, leader_command: str, event: str, status: str
+) -> None:
+    """The sibling is killed when the leader completes or fails, as Nomad's alloc runner does."""
+    await cluster.register(two_task_job("two-tasks", leader_command))
+
+    async def finished() -> dict[str, Any] | None:
+        allocs = await cluster.nomad_get("/v1/job/two-tasks/allocations")
+        done = [a for a in allocs if a["ClientStatus"] in {"complete", "failed"}]
+        return done[0] if done else None
+
+    alloc = await eventually(finished, timeout_s=20.0)
+    sibling = alloc["TaskStates"]["sibling"]
+    assert status == alloc["ClientStatus"]
+    assert event in [e["Type"] for e in sibling["Events"]]
+    assert ("dead", "Killed") == (sibling["State"], sibling["Events"][-1]["Type"])

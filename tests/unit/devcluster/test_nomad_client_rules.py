@@ -147,6 +147,47 @@ def test_vllm_image_runs_the_simulated_engine() -> None:
     assert "NOMAD_TOKEN" not in spec.env
 
 
+def test_caravans_image_runs_the_caravan_command() -> None:
+    """`caravan-llm:*` (a replica's KV relay) runs its entrypoint, `caravan`, on this interpreter,
+    with its container port turned into the host port as for an engine."""
+    kv_ports = (AllocatedPort("kv", 23457, 8101, "127.0.0.3"),)
+    spec = resolve_launch(
+        "docker",
+        {
+            "image": "registry.example/caravan-llm:0.1.0",
+            "args": ["kv-relay", "--host", "0.0.0.0", "--port", "8101"],
+            "ports": ["kv"],
+        },
+        env={},
+        ports=kv_ports,
+        host_ip="127.0.0.3",
+        task_dir=ALLOC_DIR,
+        settings=settings(),
+    )
+    assert (
+        "/usr/bin/python3",
+        "-m",
+        "caravan_llm.cli",
+        "kv-relay",
+        "--host",
+        "127.0.0.3",
+        "--port",
+        "23457",
+    ) == spec.argv
+
+
+def test_a_docker_task_sees_the_shared_folder_where_it_is_given() -> None:
+    """`shared_dir` (the stand-in for a container's /alloc) is the task's NOMAD_ALLOC_DIR,
+    and its Env interpolates it."""
+    task = {"Name": "kv-relay", "Env": {"EVENTS": "ipc://${NOMAD_ALLOC_DIR}/kv-events.ipc"}}
+    job, node = cpu_job(), make_node(2)
+    env = task_environment(
+        make_alloc(job, node), job, task, node, ALLOC_DIR, shared_dir=Path("/tmp/cva-x/alloc")
+    )
+    assert "/tmp/cva-x/alloc" == env["NOMAD_ALLOC_DIR"]
+    assert "ipc:///tmp/cva-x/alloc/kv-events.ipc" == env["EVENTS"]
+
+
 def test_unmapped_image_is_a_driver_failure() -> None:
     """An image with no mapping fails the task and says so."""
     with pytest.raises(DriverError) as caught:

@@ -88,3 +88,15 @@ def test_the_environment_is_a_cpu_nodes_with_container_paths_in_the_allocation()
         env["TMPDIR"],
     )
     assert ("k", "2") == (env["VLLM_API_KEY"], env["VLLM_CPU_KVCACHE_SPACE"])
+
+
+def test_the_kv_events_config_reaches_the_real_engine_unchanged() -> None:
+    """--kv-events-config (ipc sockets in the allocation) passes through as rendered."""
+    config = '{"enable_kv_cache_events":true,"endpoint":"ipc:///tmp/cva-x/alloc/kv-events.ipc"}'
+    argv = started((*RENDERED, "--kv-events-config", config))
+    assert config == argv[argv.index("--kv-events-config") + 1]
+    flags = [
+        change.flag
+        for change in substitutions_for((*RENDERED, "--kv-events-config", config), OPTIONS)
+    ]
+    assert "--kv-events-config" not in flags

@@ -104,6 +104,20 @@ def test_settings_come_from_the_allocations_variables_and_the_engines_key_variab
     assert KEY not in repr(settings)
 
 
+def test_an_ipc_path_longer_than_zeromq_takes_is_refused() -> None:
+    """A socket path past ZeroMQ's 107 bytes is refused with its length, not at connect."""
+    longest = "ipc:///" + "a" * 106
+    assert longest == check_local_endpoint(longest)
+    with pytest.raises(EndpointNotLocalError, match="108 bytes"):
+        check_local_endpoint(longest + "a")
+
+
+def test_settings_leave_the_block_size_to_the_events_when_unset() -> None:
+    """Without CARAVAN_KV_RELAY_BLOCK_SIZE the relay learns the size from the events."""
+    settings = RelaySettings.model_validate({"events_endpoint": "ipc:///x", "engine_api_key": KEY})
+    assert settings.block_size is None
+
+
 def test_settings_refuse_a_wildcard_events_endpoint_naming_the_setting() -> None:
     """tcp://* is refused at start, the error naming events_endpoint and never the key."""
     with pytest.raises(ValidationError) as caught:

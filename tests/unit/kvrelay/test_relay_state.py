@@ -9,6 +9,7 @@ from relay_model import BLOCK_SIZE, Batch, RelayModel, batches_st
 
 from caravan_llm.common.block_digest import BlockDigest, DigestKey, block_digests
 from caravan_llm.kvrelay.state import (
+    UNLEARNED_BLOCK_SIZE,
     ClearedAll,
     DigestDelta,
     RelayState,
@@ -206,6 +207,26 @@ class TestBlocksItCannotName:
         state = relay()
         assert state.apply(0, [stored([1], list(range(8)), block_size=8)]).delta is None
         assert 1 == state.counters.foreign_blocks
+
+    def test_an_unset_block_size_is_learned_from_the_first_store(self) -> None:
+        """With no block size given, the first store names blocks at its own size."""
+        state = relay(block_size=None)
+        assert UNLEARNED_BLOCK_SIZE == state.snapshot().block_size
+        eight = list(range(200, 216))
+        applied = state.apply(0, [stored([1, 2], eight, block_size=8)])
+        expected = block_digests(eight, block_size=8, key=KEY)
+        assert DigestDelta(7, 1, 8, expected, ()) == applied.delta
+        assert 8 == state.snapshot().block_size
+
+    def test_a_learned_block_size_holds_while_blocks_are_held(self) -> None:
+        """Once blocks are held, another size is foreign; emptied, the next store decides."""
+        state = relay(block_size=None)
+        state.apply(0, [stored([11, 12, 13], PROMPT)])
+        assert state.apply(1, [stored([1], list(range(8)), block_size=8)]).delta is None
+        assert 1 == state.counters.foreign_blocks
+        state.apply(2, [ClearedAll()])
+        state.apply(3, [stored([1], list(range(8)), block_size=8)])
+        assert 8 == state.snapshot().block_size
 
     def test_a_malformed_event_is_skipped_whole_and_the_batch_goes_on(self) -> None:
         """Lengths that disagree or a bad token id skip that event; the others apply."""

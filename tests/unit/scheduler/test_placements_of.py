@@ -16,6 +16,7 @@ from caravan_llm.common.errors import HashiUnavailable
 from caravan_llm.common.nomad_api import AllocatedPort, Allocation
 from caravan_llm.scheduler.metrics import SchedulerMetrics
 from caravan_llm.scheduler.model_store import ModelStore
+from caravan_llm.scheduler.observe import alloc_engine
 from caravan_llm.scheduler.publish import Publisher, placements_of
 from caravan_llm.scheduler.world import AllocEngine, ObservedReplica
 
@@ -82,6 +83,37 @@ def test_live_allocations_with_a_port_are_placed_and_nothing_else() -> None:
         "b": Placements(model="b", allocations=()),
         "c": Placements(model="c", allocations=()),
     } == placements_of(replicas, ports)
+
+
+def allocation_with(*ports: AllocatedPort) -> Allocation:
+    return Allocation(RUNNING, node_name="n1", ports=ports)
+
+
+def test_the_kv_relays_port_is_placed_with_the_engines() -> None:
+    """An allocation's `kv` port at the engine's address is published as its kv_port."""
+    http = AllocatedPort(label="http", value=2001, to=8000, host_ip="10.0.0.7")
+    kv = AllocatedPort(label="kv", value=2002, to=8101, host_ip="10.0.0.7")
+    engine = alloc_engine(allocation_with(http, kv))
+    assert AllocEngine(http, "n1", 2002) == engine
+    replicas = {"caravan-a-0": replica("caravan-a-0", "a", alloc(RUNNING))}
+    assert (
+        PlacedAllocation(
+            alloc_id=RUNNING,
+            job_id="caravan-a-0",
+            address="10.0.0.7",
+            port=2001,
+            node="n1",
+            kv_port=2002,
+        ),
+    ) == placements_of(replicas, {RUNNING: engine})["a"].allocations
+
+
+def test_a_kv_port_elsewhere_than_the_engine_is_not_believed() -> None:
+    """Routers trust a relay only at the engine's address: a kv port on another IP is left out."""
+    http = AllocatedPort(label="http", value=2001, to=8000, host_ip="10.0.0.7")
+    kv = AllocatedPort(label="kv", value=2002, to=8101, host_ip="10.0.0.8")
+    assert AllocEngine(http, "n1", None) == alloc_engine(allocation_with(http, kv))
+    assert alloc_engine(allocation_with(kv)) is None
 
 
 class MemoryKV:
