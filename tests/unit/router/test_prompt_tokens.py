@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -77,7 +78,7 @@ def test_batches_and_unknown_shapes_are_not_exact(tiny: ModelTokenizer) -> None:
     """A batch of prompts, tools, images or a request's own template give None, never a guess."""
     route = EngineRoute.CHAT_COMPLETIONS
     image = {"type": "image_url", "image_url": {"url": "data:,"}}
-    bodies = [
+    bodies: list[tuple[EngineRoute, dict[str, Any]]] = [
         (EngineRoute.COMPLETIONS, {"prompt": ["a", "b"]}),
         (route, {"messages": SYSTEM_USER, "tools": [{"type": "function"}]}),
         (route, {"messages": [{"role": "user", "content": [image]}]}),
