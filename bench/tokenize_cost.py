@@ -56,12 +56,17 @@ class Texts:
             Tokenizer.from_file(str(directory / "tokenizer.json")).encode(text).offsets
         )
         self._at = 0
+        self._taken = 0
 
     def take(self, tokens: int) -> str:
+        """About `tokens` tokens of text never handed out before (a numbered line, then a slice)."""
+        self._taken += 1
+        if self._at + tokens >= len(self._ids_offsets):
+            self._at = 0  # the corpus again, each slice made new by its number
         start = self._ids_offsets[self._at][0]
         self._at += tokens
         end = self._ids_offsets[self._at][0]
-        return self._text[start:end]
+        return f"# {self._taken}\n{self._text[start:end]}"
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
