@@ -133,7 +133,7 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused the messages: {exc}") from None
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as exc:
             raise ChatTemplateError(f"the chat template failed: {type(exc).__name__}") from None
         if final_text is None:
             return rendered

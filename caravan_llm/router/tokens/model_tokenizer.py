@@ -154,8 +154,9 @@ class ModelTokenizer:
                 continue_final_message=prompt.continue_final_message,
                 variables=variables,
             )
-        except ChatTemplateError as exc:
-            raise NotExact(str(exc)) from None
+        except ChatTemplateError:
+            # Not the template's own message: it may quote the conversation, never logged.
+            raise NotExact("the chat template refused or failed on the messages") from None
 
     def _segmented(self, text: str) -> tuple[int, ...]:
         splitter = self._splitter

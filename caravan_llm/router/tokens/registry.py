@@ -134,7 +134,7 @@ class Tokenizers:
             return None
         try:
             tokenizer = self._loader(directory)
-        except (TokenizerUnavailable, OSError) as exc:
+        except (TokenizerUnavailable, OSError, ValueError) as exc:
             log.warning(
                 "tokenizer_unavailable",
                 extra={"model": model, "path": str(directory), "reason": str(exc)},
