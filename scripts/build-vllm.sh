@@ -65,7 +65,8 @@ venv_works || { log "the venv at $venv does not import vllm's api_server"; exit 
 
 # The model is rewritten when the code that generates it changes (a stamp of
 # its sources' hash), so the cache never serves a model older than its builder.
-generator_hash="$(cat "$repo_root/caravan_llm/devcluster/hf_tiny_model.py" "$repo_root/caravan_llm/devcluster/engine/text.py" \
+generator_hash="$(cat "$repo_root/caravan_llm/devcluster/hf_tiny_model.py" "$repo_root/caravan_llm/devcluster/tiny_tokenizer.py" \
+    "$repo_root/caravan_llm/devcluster/engine/text.py" \
     | sha256sum | cut -d' ' -f1)"
 model="$models/tiny-chat-hf"
 model_stamp="$model.generator-sha256"

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, settings
 from tls_material import TlsMaterial, make_tls_material
+
+from caravan_llm.devcluster.tiny_tokenizer import write_tokenizer
 
 # Properties check behaviour, not speed: on a loaded 2-core CI machine one
 # example can take longer than hypothesis's default 200 ms deadline, which
@@ -40,3 +44,11 @@ def update_golden(request: pytest.FixtureRequest) -> bool:
 def tls_material(tmp_path_factory: pytest.TempPathFactory) -> TlsMaterial:
     """PEM files for TLS settings tests (a certificate and its key, and bad ones)."""
     return make_tls_material(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory with the tiny models' tokenizer.json and tokenizer_config.json (ChatML)."""
+    out = tmp_path_factory.mktemp("tiny-tokenizer")
+    write_tokenizer(out)
+    return out

@@ -2,11 +2,12 @@
 
     python -m caravan_llm.devcluster.hf_tiny_model --out DIR      # run with the vLLM venv's python
 
-Nothing is downloaded. The tokenizer is a byte-level BPE trained here with HF
-`tokenizers` on Python's own standard library (the first files in sorted
-order, so every machine with the same CPython trains the same vocabulary),
-with ChatML's special tokens and the simulated engines' chat template; the
-weights are random with a fixed seed. The whole model is about 2 MB.
+Nothing is downloaded. The tokenizer is `caravan_llm.devcluster.tiny_tokenizer`'s
+(a byte-level BPE trained with HF `tokenizers` on Python's own standard
+library, ChatML's special tokens and the simulated engines' chat template), so
+the simulated vLLM and the router, given the same files, tokenize as this
+model's vLLM does; the weights are random with a fixed seed. The whole model
+is about 2 MB.
 
 Shape facts (measured in shared/docs/vllm-cpu.md): vLLM's CPU attention takes
 head sizes 32, 64, 80, ... but not 16, so 128 hidden / 4 heads = 32. Random
@@ -25,53 +26,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import sysconfig
 from pathlib import Path
 
-from caravan_llm.devcluster.engine.text import CHATML_TEMPLATE
+from caravan_llm.devcluster.tiny_tokenizer import VOCAB_SIZE, write_tokenizer
 
-VOCAB_SIZE = 2048
 HIDDEN_SIZE = 128
 INTERMEDIATE_SIZE = 256
 LAYERS = 2
 HEADS = 4
 MAX_POSITIONS = 2048
-CORPUS_FILES = 150
 SEED = 0
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 LORA_RANK = 8
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-def corpus_files() -> list[Path]:
-    """The training text: the first stdlib modules in sorted order."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(stdlib.glob("*.py"))[:CORPUS_FILES]
-
-
-def write_tokenizer(out: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
-    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train([str(path) for path in corpus_files()], trainer)
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token="<|endoftext|>",  # noqa: S106 - a token of the vocabulary, not a secret
-        eos_token="<|im_end|>",  # noqa: S106 - a token of the vocabulary, not a secret
-        unk_token="<|endoftext|>",  # noqa: S106 - as above
-        pad_token="<|endoftext|>",  # noqa: S106 - as above
-    )
-    wrapped.chat_template = CHATML_TEMPLATE
-    wrapped.save_pretrained(str(out))
 
 
 def write_model(out: Path) -> None:

@@ -84,8 +84,12 @@ class PerfModel:
         )
 
 
-def prompt_block_hashes(tokens: Sequence[str], block_size: int) -> tuple[int, ...]:
-    """The hash chain of the prompt's full blocks: equal prefixes give equal hashes."""
+def prompt_block_hashes(tokens: Sequence[str] | Sequence[int], block_size: int) -> tuple[int, ...]:
+    """The hash chain of the prompt's full blocks: equal prefixes give equal hashes.
+
+    Token strings (the regex tokenizer) or ids (a model's tokenizer, whose
+    hashes are then the same in every process: Python salts str hashes only).
+    """
     hashes: list[int] = []
     parent = 0
     for start in range(0, len(tokens) - block_size + 1, block_size):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import Literal
 
 from caravan_llm.devcluster.engine.batch import PerfModel
@@ -47,7 +47,6 @@ SIM_ENV_PREFIX = "CARAVAN_SIM_"
 VLLM_IGNORED_VALUE_FLAGS = (
     "--dtype",
     "--gpu-memory-utilization",
-    "--tokenizer",
     "--revision",
     "--tokenizer-revision",
     "--tokenizer-mode",
@@ -231,6 +230,16 @@ class EngineSettings:
     kv_events_encoding: Encoding = "map"
     # VLLM_SERVER_DEV_MODE=1: vLLM's development routes (`POST /reset_prefix_cache`).
     dev_mode: bool = False
+    # vLLM's --tokenizer: where the model's tokenizer is (None: the --model directory).
+    tokenizer: str | None = None
+
+    @property
+    def tokenizer_directory(self) -> Path | None:
+        """vLLM's tokenizer directory when it is a local one (`hf_tokenizer` reads it)."""
+        if self.flavor != "vllm":
+            return None
+        path = Path(self.tokenizer or self.model)
+        return path if path.is_dir() else None
 
     @property
     def api_flavor(self) -> ApiFlavor:
@@ -300,6 +309,7 @@ def vllm_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("model_tag", nargs="?", default=None, help="model (vllm serve MODEL)")
     parser.add_argument("--model", default=None)
+    parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--served-model-name", nargs="+", default=None)
     parser.add_argument("--host", default=None)
     parser.add_argument("--port", type=int, default=8000)
@@ -568,6 +578,7 @@ def _vllm_settings(args: argparse.Namespace, env: Mapping[str, str]) -> EngineSe
         kv_events=_kv_events(args.kv_events_config),
         kv_events_encoding=_kv_events_encoding(values),
         dev_mode=_dev_mode(env),
+        tokenizer=args.tokenizer,
     )
 
 

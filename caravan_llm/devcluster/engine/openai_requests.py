@@ -84,6 +84,12 @@ class GenerateRequest:
     ignore_eos: bool = False
     # How many choices to generate (vLLM's `n`).
     n: int = 1
+    # A chat not continuing its last message: its messages and switch, for a model's
+    # own chat template (`hf_tokenizer`); empty for completions and continuations.
+    messages: tuple[ChatMessage, ...] = ()
+    add_generation_prompt: bool = True
+    # Completions: whether the tokenizer adds its special tokens (vLLM's default: yes).
+    add_special_tokens: bool = True
 
     @property
     def prompt_tokens(self) -> int:
@@ -149,6 +155,8 @@ def parse_chat_request(body: Any, flavor: Flavor) -> GenerateRequest:
         response_echo=response_echo,
         ignore_eos=_bool(fields, "ignore_eos", default=False, flavor=flavor),
         n=n,
+        messages=() if continuing else tuple(messages),
+        add_generation_prompt=add_generation_prompt,
     )
 
 
@@ -178,6 +186,7 @@ def parse_completion_request(body: Any, flavor: Flavor) -> GenerateRequest:
         seed=_optional_int(fields, "seed"),
         ignore_eos=_bool(fields, "ignore_eos", default=False, flavor=flavor),
         n=n,
+        add_special_tokens=_bool(fields, "add_special_tokens", default=True, flavor=flavor),
     )
 
 

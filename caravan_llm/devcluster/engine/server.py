@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
+import jinja2
 from aiohttp import web
 
 from caravan_llm.devcluster.engine import sglang
@@ -36,6 +37,7 @@ from caravan_llm.devcluster.engine.batch import (
     prompt_block_hashes,
 )
 from caravan_llm.devcluster.engine.flags import LLAMACPP_TRAINED_CONTEXT, EngineSettings
+from caravan_llm.devcluster.engine.hf_tokenizer import HfTokenizer
 from caravan_llm.devcluster.engine.kv_events import KvEventPublisher
 from caravan_llm.devcluster.engine.loop import EngineLoop, RequestHandle
 from caravan_llm.devcluster.engine.metrics import (
@@ -146,6 +148,9 @@ class SimulatedEngine:
         self.shutting_down = False
         self._idle = asyncio.Event()
         self._vocab = Vocabulary()
+        # The model's own tokenizer when its directory has one (else the regex tokenizer).
+        directory = settings.tokenizer_directory
+        self._hf = HfTokenizer.from_directory(directory) if directory is not None else None
         self.shape: ApiShape
         self._vllm_metrics: VllmMetrics | None = None
         self._llamacpp_metrics: LlamacppMetrics | None = None
@@ -329,12 +334,12 @@ class SimulatedEngine:
             self._check_model(parsed)
         except ApiError as err:
             return self._error(err)
-        tokens = tokenize(parsed.prompt)
+        _, ids = self._prompt_tokens(parsed)
         return _json_response(
             {
-                "count": len(tokens),
+                "count": len(ids),
                 "max_model_len": self.settings.max_model_len,
-                "tokens": [self._vocab.id_of(token) for token in tokens],
+                "tokens": list(ids),
                 "token_strs": None,
             }
         )
@@ -344,6 +349,8 @@ class SimulatedEngine:
             ids = self._detokenize_ids(await self._read_json(request))
         except ApiError as err:
             return self._error(err)
+        if self._hf is not None:
+            return _json_response({"prompt": self._hf.decode(ids)})
         return _json_response({"prompt": "".join(self._vocab.token_of(i) for i in ids)})
 
     def _detokenize_ids(self, body: Any) -> list[int]:
@@ -865,7 +872,7 @@ class SimulatedEngine:
 
     def _plan(self, parsed: GenerateRequest, *, choice: int = 0) -> _Plan:
         s = self.settings
-        prompt_tokens = tokenize(parsed.prompt)
+        prompt_tokens, prompt_ids = self._prompt_tokens(parsed)
         n_prompt = len(prompt_tokens)
         room = s.max_model_len - n_prompt
         if s.api_flavor == "vllm":
@@ -932,13 +939,36 @@ class SimulatedEngine:
             block_hashes=prompt_block_hashes(prompt_tokens, s.perf.block_size),
             output_len=len(output.tokens),
             # Only the KV events carry token ids (BlockStored.token_ids).
-            prompt_token_ids=(
-                tuple(self._vocab.id_of(token) for token in prompt_tokens)
-                if self._kv_events is not None
-                else ()
-            ),
+            prompt_token_ids=prompt_ids if self._kv_events is not None else (),
         )
         return _Plan(request=parsed, spec=spec, output=output, prompt_tokens=n_prompt)
+
+    def _prompt_tokens(
+        self, parsed: GenerateRequest
+    ) -> tuple[Sequence[str] | Sequence[int], tuple[int, ...]]:
+        """The prompt's tokens (what block hashes chain over) and their ids.
+
+        With the model's tokenizer both are its ids: a chat rendered with its
+        template (a continuation keeps the simulator's ChatML text), no special
+        tokens added; a completion with them unless the request says otherwise.
+        Else the regex tokenizer's strings and their hashed ids.
+        """
+        if self._hf is None:
+            tokens = tokenize(parsed.prompt)
+            return tokens, tuple(self._vocab.id_of(token) for token in tokens)
+        if parsed.kind == "completion":
+            ids = self._hf.encode(parsed.prompt, add_special_tokens=parsed.add_special_tokens)
+        elif parsed.messages:
+            try:
+                text = self._hf.render_chat(
+                    parsed.messages, add_generation_prompt=parsed.add_generation_prompt
+                )
+            except (ValueError, jinja2.TemplateError) as exc:
+                raise ApiError(400, f"chat template: {exc}", param="messages") from None
+            ids = self._hf.encode(text, add_special_tokens=False)
+        else:
+            ids = self._hf.encode(parsed.prompt, add_special_tokens=False)
+        return ids, tuple(ids)
 
     def _draw_fault(self) -> Fault | None:
         sim = self.settings.sim

@@ -1,0 +1,324 @@
+"""One model's tokenizer: `tokenizer.json` through HF `tokenizers`, chat template, segment cache.
+
+`load_model_tokenizer(directory)` reads what transformers reads from a model
+or tokenizer directory:
+
+- `tokenizer.json` (required): the fast tokenizer, loaded by HF `tokenizers`,
+  the same Rust code transformers' `TokenizersBackend` runs inside vLLM;
+- `tokenizer_config.json`: the named special tokens (`bos_token`, `eos_token`,
+  ... as text or as `{"content": ...}`) the template sees, and `chat_template`
+  (a string, or a list of named templates of which `default` is used);
+- `chat_template.jinja`, which transformers 5 writes and reads in preference
+  to the config's `chat_template`.
+
+A directory without a usable chat template still tokenizes plain prompts
+(completions); its chats are not exact.
+
+**Segment cache.** `tokenizers` first cuts the text at every added token
+(`<|im_start|>`, `<|im_end|>`, ...), then normalizes, pre-tokenizes and runs
+BPE on each piece between them on its own. So the ids of a text are the ids
+of its pieces joined, with each added token's id between them, and a piece
+seen before (a shared system prompt, every earlier turn of a conversation)
+need not be tokenized again. `ModelTokenizer` keeps the ids of recent pieces,
+bounded in characters, least recently used dropped first. It uses the cache
+only where that identity holds: added tokens that strip no neighbouring
+whitespace, match whole text (no `single_word`) and, when the tokenizer
+normalizes, are matched on raw text; and no pre-tokenizer that treats the
+first piece of a text differently (Metaspace's `prepend_scheme: first`).
+Otherwise it tokenizes whole texts, which is always exact.
+
+Not safe for concurrent use from several threads (the cache is plain state):
+`caravan_llm.router.tokens.registry.Tokenizers` runs each model's work on one
+worker thread.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from caravan_llm.router.tokens.chat_template import ChatTemplate, ChatTemplateError
+from caravan_llm.router.tokens.conversation import ChatPrompt, NotExact, template_messages
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# transformers' named special tokens, which every chat template may read.
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+# About 64 MB of cached text per model at most (ids take about a quarter more).
+DEFAULT_SEGMENT_CACHE_CHARS = 16_000_000
+# Pieces this short are tokenized again rather than cached (cheaper than the bookkeeping).
+MIN_CACHED_SEGMENT_CHARS = 16
+
+
+class TokenizerUnavailable(Exception):
+    """A directory has no tokenizer the router can load; the message says what is missing."""
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentStats:
+    """How the segment cache has done since the tokenizer was loaded."""
+
+    hits: int
+    misses: int
+    cached_segments: int
+    cached_chars: int
+
+
+class ModelTokenizer:
+    """Prompt text to the engine's token ids, for one model."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        template: ChatTemplate | None,
+        special_tokens: Mapping[str, str],
+        segment_cache_chars: int = DEFAULT_SEGMENT_CACHE_CHARS,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.template = template
+        self.special_tokens = dict(special_tokens)
+        self._cache_limit = segment_cache_chars
+        self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._cached_chars = 0
+        self._hits = 0
+        self._misses = 0
+        spec = json.loads(tokenizer.to_str())
+        self._splitter, self._added_ids = _added_token_splitter(spec)
+        self._prefix, self._suffix = _special_affixes(spec)
+        self.segmentable = self._splitter is not None and _segment_independent(spec)
+
+    @property
+    def segment_stats(self) -> SegmentStats:
+        return SegmentStats(
+            hits=self._hits,
+            misses=self._misses,
+            cached_segments=len(self._cache),
+            cached_chars=self._cached_chars,
+        )
+
+    def encode(
+        self, text: str, *, add_special_tokens: bool, use_cache: bool = True
+    ) -> tuple[int, ...]:
+        """The ids `tokenizer(text, add_special_tokens=...)` gives in transformers."""
+        if not (use_cache and self.segmentable) or (add_special_tokens and self._prefix is None):
+            return tuple(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        ids = self._segmented(text)
+        if add_special_tokens and self._prefix is not None and self._suffix is not None:
+            return self._prefix + ids + self._suffix
+        return ids
+
+    def chat_ids(self, prompt: ChatPrompt, *, use_cache: bool = True) -> tuple[int, ...]:
+        """The ids vLLM feeds the model for a chat: its template rendered, no special tokens added.
+
+        Raises NotExact when the model has no usable template or the template refuses.
+        """
+        text = self.render_chat(prompt)
+        return self.encode(text, add_special_tokens=False, use_cache=use_cache)
+
+    def render_chat(self, prompt: ChatPrompt) -> str:
+        """The chat's prompt text; NotExact when it cannot be rendered as the engine would."""
+        template = self.template
+        if template is None:
+            raise NotExact("the model has no chat template")
+        messages = template_messages(
+            prompt,
+            content_format=template.content_format,
+            knows_developer_role=template.knows_developer_role,
+        )
+        variables: dict[str, Any] = dict(self.special_tokens)
+        if "reasoning_effort" in template.variables:
+            variables["reasoning_effort"] = prompt.reasoning_effort
+        if prompt.reasoning_effort is not None and "enable_thinking" in template.variables:
+            variables["enable_thinking"] = prompt.reasoning_effort != "none"
+        try:
+            return template.render(
+                messages,
+                add_generation_prompt=prompt.add_generation_prompt,
+                continue_final_message=prompt.continue_final_message,
+                variables=variables,
+            )
+        except ChatTemplateError:
+            # Not the template's own message: it may quote the conversation, never logged.
+            raise NotExact("the chat template refused or failed on the messages") from None
+
+    def _segmented(self, text: str) -> tuple[int, ...]:
+        splitter = self._splitter
+        if splitter is None:  # pragma: no cover - segmentable implies a splitter
+            return tuple(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        ids: list[int] = []
+        start = 0
+        for match in splitter.finditer(text):
+            if match.start() > start:
+                ids.extend(self._piece(text[start : match.start()]))
+            ids.append(self._added_ids[match.group()])
+            start = match.end()
+        if start < len(text):
+            ids.extend(self._piece(text[start:]))
+        return tuple(ids)
+
+    def _piece(self, piece: str) -> tuple[int, ...]:
+        if len(piece) < MIN_CACHED_SEGMENT_CHARS:
+            return tuple(self._tokenizer.encode(piece, add_special_tokens=False).ids)
+        cached = self._cache.get(piece)
+        if cached is not None:
+            self._cache.move_to_end(piece)
+            self._hits += 1
+            return cached
+        self._misses += 1
+        ids = tuple(self._tokenizer.encode(piece, add_special_tokens=False).ids)
+        if len(piece) <= self._cache_limit:
+            self._cache[piece] = ids
+            self._cached_chars += len(piece)
+            while self._cached_chars > self._cache_limit:
+                dropped, _ = self._cache.popitem(last=False)
+                self._cached_chars -= len(dropped)
+        return ids
+
+
+def _added_token_splitter(spec: Mapping[str, Any]) -> tuple[re.Pattern[str] | None, dict[str, int]]:
+    """A pattern matching the added tokens leftmost-longest, as tokenizers cuts at them."""
+    added = spec.get("added_tokens") or []
+    ids = {token["content"]: int(token["id"]) for token in added if token.get("content")}
+    if not ids:
+        return None, ids
+    # Longest first: at one position the longest token wins, as in tokenizers' matcher.
+    alternatives = sorted(ids, key=lambda content: (-len(content), content))
+    return re.compile("|".join(re.escape(content) for content in alternatives)), ids
+
+
+def _segment_independent(spec: Mapping[str, Any]) -> bool:
+    """Whether the pieces between added tokens tokenize alone as they do in place."""
+    normalizes = spec.get("normalizer") is not None
+    for token in spec.get("added_tokens") or []:
+        if token.get("lstrip") or token.get("rstrip") or token.get("single_word"):
+            return False
+        if normalizes and token.get("normalized"):
+            return False
+    return not _prepends_first_only(spec.get("pre_tokenizer"))
+
+
+def _prepends_first_only(node: Any) -> bool:
+    if isinstance(node, Mapping):
+        if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
+            return True
+        return any(_prepends_first_only(value) for value in node.values())
+    if isinstance(node, list):
+        return any(_prepends_first_only(value) for value in node)
+    return False
+
+
+def _special_affixes(
+    spec: Mapping[str, Any],
+) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """The ids the post-processor puts around one sequence, when it only adds fixed tokens.
+
+    None, None when it does something else (the caller then lets tokenizers add them).
+    """
+    processor = spec.get("post_processor")
+    if processor is None or processor.get("type") == "ByteLevel":
+        return (), ()
+    if processor.get("type") != "TemplateProcessing":
+        return None, None
+    specials = processor.get("special_tokens") or {}
+    prefix: list[int] = []
+    suffix: list[int] = []
+    seen_sequence = False
+    for item in processor.get("single") or []:
+        if "Sequence" in item:
+            if seen_sequence or item["Sequence"].get("id") != "A":
+                return None, None
+            seen_sequence = True
+        elif "SpecialToken" in item:
+            token = specials.get(item["SpecialToken"].get("id"))
+            if token is None:
+                return None, None
+            (suffix if seen_sequence else prefix).extend(int(i) for i in token.get("ids", []))
+        else:
+            return None, None
+    if not seen_sequence:
+        return None, None
+    return tuple(prefix), tuple(suffix)
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _chat_template_source(directory: Path, config: Mapping[str, Any]) -> str | None:
+    jinja_file = directory / CHAT_TEMPLATE_FILE
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, str):
+        return template
+    if isinstance(template, list):
+        for entry in template:
+            if isinstance(entry, Mapping) and entry.get("name") == "default":
+                source = entry.get("template")
+                return source if isinstance(source, str) else None
+    return None
+
+
+def load_model_tokenizer(
+    directory: Path, *, segment_cache_chars: int = DEFAULT_SEGMENT_CACHE_CHARS
+) -> ModelTokenizer:
+    """The tokenizer in `directory` (blocking file I/O); TokenizerUnavailable says what is wrong."""
+    tokenizer_file = directory / TOKENIZER_FILE
+    if not tokenizer_file.is_file():
+        raise TokenizerUnavailable(f"no {TOKENIZER_FILE}")
+    try:
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    except Exception as exc:
+        raise TokenizerUnavailable(
+            f"{TOKENIZER_FILE} does not load: {type(exc).__name__}"
+        ) from None
+    config: Mapping[str, Any] = {}
+    config_file = directory / TOKENIZER_CONFIG_FILE
+    if config_file.is_file():
+        try:
+            loaded = json.loads(config_file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise TokenizerUnavailable(
+                f"{TOKENIZER_CONFIG_FILE} is not JSON: {type(exc).__name__}"
+            ) from None
+        if isinstance(loaded, Mapping):
+            config = loaded
+    special_tokens = {
+        name: text
+        for name in SPECIAL_TOKEN_NAMES
+        if (text := _token_text(config.get(name))) is not None
+    }
+    template: ChatTemplate | None = None
+    source = _chat_template_source(directory, config)
+    if source is not None:
+        try:
+            template = ChatTemplate(source)
+        except ChatTemplateError as exc:
+            raise TokenizerUnavailable(str(exc)) from None
+    return ModelTokenizer(
+        tokenizer,
+        template=template,
+        special_tokens=special_tokens,
+        segment_cache_chars=segment_cache_chars,
+    )

@@ -1,0 +1,227 @@
+"""The router's prompt token ids: the chat template and tokenizer as vLLM applies them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from caravan_llm.common.contract import EngineRoute
+from caravan_llm.router.tokens.chat_template import ChatTemplate, ChatTemplateError
+from caravan_llm.router.tokens.conversation import ChatPrompt, template_messages
+from caravan_llm.router.tokens.model_tokenizer import (
+    ModelTokenizer,
+    TokenizerUnavailable,
+    load_model_tokenizer,
+)
+from caravan_llm.router.tokens.prompt import prompt_token_ids
+
+SYSTEM_USER = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "def f(): pass"},
+]
+# transformers 5.19's apply_chat_template (vLLM 0.32's venv) on SYSTEM_USER, tiny tokenizer.
+SYSTEM_USER_IDS = (
+    *(1, 1078, 1282, 201, 59, 575, 555, 2012, 263, 16, 2, 201),
+    *(1, 1505, 201, 441, 283, 825, 835, 2, 201, 1, 67, 319, 632, 849, 201),
+)
+# The same, continuing an assistant message "ret" (continue_final_message).
+CONTINUED_IDS = (*SYSTEM_USER_IDS, 266, 86)
+# transformers' tokenizer("import os\n").input_ids
+IMPORT_OS_IDS = (767, 580, 201)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_tokenizer_dir: Path) -> ModelTokenizer:
+    return load_model_tokenizer(tiny_tokenizer_dir)
+
+
+def test_chatml_template_renders_as_transformers(tiny: ModelTokenizer) -> None:
+    """The ChatML template renders each message between its markers, then the reply's header."""
+    expected = (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n"
+        "<|im_start|>user\ndef f(): pass<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert expected == tiny.render_chat(ChatPrompt(messages=tuple(SYSTEM_USER)))
+
+
+def test_chat_ids_equal_transformers_apply_chat_template(tiny: ModelTokenizer) -> None:
+    """A chat's ids are the rendered template's, with no special token added around them."""
+    payload = {"model": "m", "messages": SYSTEM_USER}
+    assert SYSTEM_USER_IDS == prompt_token_ids(tiny, EngineRoute.CHAT_COMPLETIONS, payload)
+
+
+def test_continued_final_message_is_cut_after_its_text(tiny: ModelTokenizer) -> None:
+    """continue_final_message ends the prompt at the last message's text, as transformers does."""
+    payload = {
+        "messages": [*SYSTEM_USER, {"role": "assistant", "content": "ret"}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
+    assert CONTINUED_IDS == prompt_token_ids(tiny, EngineRoute.CHAT_COMPLETIONS, payload)
+
+
+def test_completion_text_and_token_prompts(tiny: ModelTokenizer) -> None:
+    """A text prompt is tokenized; a token prompt (or a batch of one) is taken as given."""
+    assert IMPORT_OS_IDS == prompt_token_ids(
+        tiny, EngineRoute.COMPLETIONS, {"prompt": "import os\n"}
+    )
+    assert (5, 6, 7) == prompt_token_ids(tiny, EngineRoute.COMPLETIONS, {"prompt": [5, 6, 7]})
+    assert (5, 6) == prompt_token_ids(None, EngineRoute.COMPLETIONS, {"prompt": [[5, 6]]})
+
+
+def test_batches_and_unknown_shapes_are_not_exact(tiny: ModelTokenizer) -> None:
+    """A batch of prompts, tools, images or a request's own template give None, never a guess."""
+    route = EngineRoute.CHAT_COMPLETIONS
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    bodies: list[tuple[EngineRoute, dict[str, Any]]] = [
+        (EngineRoute.COMPLETIONS, {"prompt": ["a", "b"]}),
+        (route, {"messages": SYSTEM_USER, "tools": [{"type": "function"}]}),
+        (route, {"messages": [{"role": "user", "content": [image]}]}),
+        (route, {"messages": SYSTEM_USER, "chat_template": "{{ 1 }}"}),
+        (route, {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}),
+        (EngineRoute.EMBEDDINGS, {"input": "x"}),
+    ]
+    assert [None] * len(bodies) == [prompt_token_ids(tiny, r, body) for r, body in bodies]
+
+
+def test_without_tokenizer_only_token_prompts_are_exact() -> None:
+    """A model with no tokenizer has no chat ids and no text-prompt ids."""
+    assert prompt_token_ids(None, EngineRoute.CHAT_COMPLETIONS, {"messages": SYSTEM_USER}) is None
+    assert prompt_token_ids(None, EngineRoute.COMPLETIONS, {"prompt": "x"}) is None
+
+
+def test_anthropic_system_and_text_blocks_become_the_chat(tiny: ModelTokenizer) -> None:
+    """/v1/messages: top-level system blocks join into one system message, as vLLM converts them."""
+    payload = {
+        "system": [{"type": "text", "text": "You are "}, {"type": "text", "text": "terse."}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "def f(): pass"}]}],
+    }
+    assert SYSTEM_USER_IDS == prompt_token_ids(tiny, EngineRoute.MESSAGES, payload)
+
+
+def test_responses_instructions_and_input_become_the_chat(tiny: ModelTokenizer) -> None:
+    """/v1/responses: instructions are the system prompt, input text the user message."""
+    payload = {"instructions": "You are terse.", "input": "def f(): pass"}
+    assert SYSTEM_USER_IDS == prompt_token_ids(tiny, EngineRoute.RESPONSES, payload)
+
+
+def test_text_parts_join_with_newlines_for_a_string_template() -> None:
+    """A string-format template sees a message's text parts joined with newlines (vLLM)."""
+    prompt = ChatPrompt(
+        messages=({"role": "user", "content": [{"type": "text", "text": "a"}, "b"]},)
+    )
+    expected = [{"role": "user", "content": "a\nb"}]
+    assert expected == template_messages(
+        prompt, content_format="string", knows_developer_role=False
+    )
+
+
+def test_content_loop_makes_an_openai_format_template() -> None:
+    """A template that loops over a message's content gets content as text parts (vLLM's rule)."""
+    looping = ChatTemplate(
+        "{% for m in messages %}{% for part in m['content'] %}{{ part['text'] }}"
+        "{% endfor %}{% endfor %}"
+    )
+    plain = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert ("openai", "string") == (looping.content_format, plain.content_format)
+
+
+def test_developer_messages_merge_into_the_system_prompt_for_a_template_without_them() -> None:
+    """vLLM turns developer into system and merges every system message, first, with blank lines."""
+    prompt = ChatPrompt(
+        messages=(
+            {"role": "system", "content": "s"},
+            {"role": "developer", "content": "d"},
+            {"role": "user", "content": "u"},
+        )
+    )
+    expected = [{"role": "system", "content": "s\n\nd"}, {"role": "user", "content": "u"}]
+    assert expected == template_messages(
+        prompt, content_format="string", knows_developer_role=False
+    )
+
+
+def test_template_raise_exception_is_not_exact(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
+    """A template that raises on a conversation makes the request not exact, not an error."""
+    source = "{{ raise_exception('no system here') }}"
+    with pytest.raises(ChatTemplateError, match="no system here"):
+        ChatTemplate(source).render(
+            [], add_generation_prompt=True, continue_final_message=False, variables={}
+        )
+    (tmp_path / "tokenizer.json").write_bytes((tiny_tokenizer_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": source}))
+    payload = {"messages": SYSTEM_USER}
+    tokenizer = load_model_tokenizer(tmp_path)
+    assert prompt_token_ids(tokenizer, EngineRoute.CHAT_COMPLETIONS, payload) is None
+
+
+def test_template_sees_special_tokens_and_trims_blocks(
+    tmp_path: Path, tiny_tokenizer_dir: Path
+) -> None:
+    """bos_token from tokenizer_config reaches the template, and block tags eat their newline."""
+    (tmp_path / "tokenizer.json").write_bytes((tiny_tokenizer_dir / "tokenizer.json").read_bytes())
+    template = (
+        "{{ bos_token }}{% for m in messages %}\n  {% if m %}{{ m['content'] }}{% endif %}\n"
+        "{% endfor %}"
+    )
+    config = {"bos_token": {"content": "<|endoftext|>"}, "chat_template": template}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = load_model_tokenizer(tmp_path)
+    rendered = tokenizer.render_chat(ChatPrompt(messages=({"role": "user", "content": "x"},)))
+    assert "<|endoftext|>x" == rendered
+
+
+def test_chat_template_jinja_file_wins_over_the_config(
+    tmp_path: Path, tiny_tokenizer_dir: Path
+) -> None:
+    """chat_template.jinja, as transformers 5 saves it, is read before tokenizer_config's."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((tiny_tokenizer_dir / name).read_bytes())
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+    tokenizer = load_model_tokenizer(tmp_path)
+    assert "x!" == tokenizer.render_chat(ChatPrompt(messages=({"role": "user", "content": "x"},)))
+
+
+def test_directory_without_tokenizer_json_is_unavailable(tmp_path: Path) -> None:
+    """A directory with no tokenizer.json says so."""
+    with pytest.raises(TokenizerUnavailable, match=r"no tokenizer\.json"):
+        load_model_tokenizer(tmp_path)
+
+
+_TEXT = st.lists(
+    st.sampled_from(["a", "bc", " ", "\n", "  ", "é", "<|im_end|>", "<|im_start|>", "1", "def"]),
+    max_size=30,
+).map("".join)
+
+
+@given(
+    turns=st.lists(
+        st.tuples(st.sampled_from(["system", "user", "assistant"]), _TEXT), min_size=1, max_size=6
+    )
+)
+def test_segment_cache_gives_the_ids_of_whole_text_tokenizing(
+    tiny: ModelTokenizer, turns: list[tuple[str, str]]
+) -> None:
+    """Ids built from cached pieces between special tokens equal tokenizing the whole text."""
+    prompt = ChatPrompt(messages=tuple({"role": role, "content": text} for role, text in turns))
+    assert tiny.chat_ids(prompt, use_cache=False) == tiny.chat_ids(prompt)
+    # Twice: the second time from the cache.
+    assert tiny.chat_ids(prompt, use_cache=False) == tiny.chat_ids(prompt)
+
+
+def test_later_turns_reuse_the_cached_history(tiny: ModelTokenizer) -> None:
+    """A conversation's next turn tokenizes only its new text; the history comes from the cache."""
+    history = [{"role": "system", "content": "long shared system prompt " * 20}]
+    tiny.chat_ids(ChatPrompt(messages=tuple(history)))
+    before = tiny.segment_stats
+    next_turn = ChatPrompt(
+        messages=(*history, {"role": "user", "content": "a brand new question " * 5})
+    )
+    tiny.chat_ids(next_turn)
+    after = tiny.segment_stats
+    assert (1, 1) == (after.hits - before.hits, after.misses - before.misses)
