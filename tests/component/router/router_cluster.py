@@ -50,10 +50,12 @@ from caravan_llm.common.contract import (
     encode_engine_routes,
     encode_placements,
     encode_stream_traits,
+    engine_key_path,
     model_service_name,
     nomad_service_id,
     replica_job_id,
 )
+from caravan_llm.common.nomad_api import QueryResult, Variable, VariableMetadata
 from caravan_llm.devcluster.consul.server import ConsulConfig, ConsulServer
 from caravan_llm.router.settings import RouterSettings
 from caravan_llm.router.wiring.app import RUNTIME, RouterRuntime, app_runner, create_app
@@ -553,3 +555,26 @@ class FakeEngine:
             return response
         finally:
             self.in_flight -= 1
+
+
+class KeyVariables:
+    """Nomad Variables holding one model's engine key (the router's reads only)."""
+
+    def __init__(self, keys: Mapping[str, str]) -> None:
+        self.vars = {
+            engine_key_path(model): Variable(
+                VariableMetadata("default", engine_key_path(model), 5, 5), {"api_key": key}
+            )
+            for model, key in keys.items()
+        }
+
+    async def list_variables(
+        self, prefix: str = "", *, index: int | None = None, wait_s: float | None = None
+    ) -> QueryResult[list[VariableMetadata]]:
+        del wait_s
+        if index is not None:
+            await asyncio.Event().wait()  # a blocking query: nothing changes in this test
+        return QueryResult(5, [v.meta for p, v in self.vars.items() if p.startswith(prefix)])
+
+    async def get_variable(self, path: str) -> Variable | None:
+        return self.vars.get(path)

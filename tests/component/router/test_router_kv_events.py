@@ -30,6 +30,7 @@ import pytest
 from router_cluster import (
     REPO,
     Engine,
+    KeyVariables,
     RouterUnderTest,
     register_replica,
     routable_count,
@@ -37,7 +38,6 @@ from router_cluster import (
     start_engine,
     wait_until,
 )
-from test_router_engine_keys import KeyVariables
 
 from caravan_llm.common.block_digest import BlockDigest, DigestKey, block_digests
 from caravan_llm.common.consul_api import ConsulClient
