@@ -18,8 +18,9 @@ The autoscaler scrapes two of these by name, so they must not change:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -50,6 +51,29 @@ class RequestOutcome(StrEnum):
     CLIENT_CLOSED = "client_closed"  # 499: the client went away first
 
 
+class KvResyncReason(StrEnum):
+    """Why the router rebuilt a replica's exact index from a snapshot."""
+
+    # A delta or heartbeat showed that messages were missed: the router reconnects.
+    GAP = "gap"
+    # The relay started a new epoch (its engine restarted or went away, or a
+    # gap it could not replay): the set starts again from the new epoch.
+    NEW_EPOCH = "new_epoch"
+    # The stream was lost (the relay restarted, the network) and reopened.
+    RECONNECT = "reconnect"
+
+
+class KvStreamFailure(StrEnum):
+    """How a replica's digest stream failed (then the router reconnects, with backoff)."""
+
+    CONNECT = "connect"  # no connection, or no answer within the connect timeout
+    REFUSED = "refused"  # the relay answered other than 200 (401: a wrong engine key)
+    LOST = "lost"  # an open stream ended or was reset
+    SILENT = "silent"  # nothing came for the stale bound (not even a heartbeat)
+    MALFORMED = "malformed"  # the stream broke its format (kv_stream.KvStreamError)
+    GAP = "gap"  # messages were missed: reconnect for a fresh snapshot
+
+
 class FailoverOutcome(StrEnum):
     RESUMED = "resumed"  # the stream went on from another endpoint
     IMPOSSIBLE = "impossible"  # a faithful continuation was not possible
@@ -76,6 +100,8 @@ class RouterStateView:
     queue_depths: Mapping[str, int]  # every known model, 0 included
     discovery_synced: bool
     discovery_staleness_s: float
+    # Replicas with a KV relay, by the state of their stream (live, stale, resyncing, absent).
+    kv_streams: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
 
 _BREAKER_VALUE = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
@@ -131,7 +157,16 @@ class RouterStateCollector(Collector):
             "Seconds since discovery last heard from Consul while its watches fail; 0 when fresh.",
             value=view.discovery_staleness_s,
         )
-        yield from (in_flight, breaker, endpoints, depth, synced, staleness)
+        kv_streams = GaugeMetricFamily(
+            "caravan_router_kv_streams",
+            "Replicas with a KV relay, by the state of their digest stream in this router: "
+            "live (the exact index answers), stale, resyncing or absent (the approximate "
+            "index answers).",
+            labels=["state"],
+        )
+        for state_name, count in sorted(view.kv_streams.items()):
+            kv_streams.add_metric([state_name], count)
+        yield from (in_flight, breaker, endpoints, depth, synced, staleness, kv_streams)
 
 
 class _ModelChildren:
@@ -267,6 +302,32 @@ class RouterMetrics:
             "caravan_router_key_requests_total",
             "Authenticated requests per API key name, admitted or rate_limited.",
             ["key", "outcome"],
+            registry=registry,
+        )
+
+        # -- the exact prefix index (router/feeds/kv_feed.py) --------------------------
+        self.kv_events = Counter(
+            "caravan_router_kv_events_total",
+            "KV events applied to the exact prefix index, by replica (endpoint): each is one "
+            "delta of the replica's KV relay stream, the net change of one engine batch of "
+            "KV-cache events (blocks stored and removed), applied in order. Snapshots and "
+            "heartbeats are not counted.",
+            ["endpoint"],
+            registry=registry,
+        )
+        self.kv_resyncs = Counter(
+            "caravan_router_kv_resyncs_total",
+            "Times a replica's exact index was dropped and rebuilt from a snapshot, by reason "
+            "(gap: missed messages; new_epoch: the relay's engine restarted or went away; "
+            "reconnect: the stream was lost and reopened).",
+            ["reason"],
+            registry=registry,
+        )
+        self.kv_stream_failures = Counter(
+            "caravan_router_kv_stream_failures_total",
+            "Digest stream connections that failed or ended, by reason (connect, refused, "
+            "lost, silent, malformed, gap).",
+            ["reason"],
             registry=registry,
         )
         self._children: dict[str, _ModelChildren] = {}

@@ -166,6 +166,18 @@ class RouterSettings(BaseSettings):
     # KV capacity the prefix index assumes for an engine that does not report one.
     default_kv_cache_tokens: int = Field(default=65536, ge=1)
 
+    # -- the exact prefix index (router/feeds/kv_feed.py, issue 24) -------------------
+    # Read each placed replica's KV relay stream (its placement's kv_port) into the
+    # exact index; off: the approximate prefix index alone.
+    kv_events: bool = True
+    # A replica's stream not heard from (not even a heartbeat: the relay sends one
+    # every 2 s) for this long is stale: its requests use the approximate index, and
+    # the connection is dropped and opened again.
+    kv_events_stale_after_s: float = Field(default=6.0, gt=0)
+    # Reconnect delays of a failed stream: from min, doubling up to max (with jitter).
+    kv_events_backoff_min_s: float = Field(default=0.5, gt=0)
+    kv_events_backoff_max_s: float = Field(default=10.0, gt=0)
+
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
@@ -207,6 +219,11 @@ class RouterSettings(BaseSettings):
             raise ValueError(
                 f"scrape_timeout_s ({self.scrape_timeout_s}) must not exceed "
                 f"scrape_interval_s ({self.scrape_interval_s})"
+            )
+        if self.kv_events_backoff_min_s > self.kv_events_backoff_max_s:
+            raise ValueError(
+                f"kv_events_backoff_min_s ({self.kv_events_backoff_min_s}) must not exceed "
+                f"kv_events_backoff_max_s ({self.kv_events_backoff_max_s})"
             )
         return self
 

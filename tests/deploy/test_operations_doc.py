@@ -67,6 +67,7 @@ def _one_of_everything() -> RouterStateView:
         queue_depths={"m": 0},
         discovery_synced=True,
         discovery_staleness_s=0.0,
+        kv_streams={"live": 1},
     )
 
 

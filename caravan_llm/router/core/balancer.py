@@ -23,8 +23,9 @@ candidate is unknown on a dimension, that dimension is neutral (fail open).
 
 `predicted_ttft` scores each candidate by its predicted time to first token
 (`caravan_llm.router.core.cost_model.estimate`: queued prefill tokens, the request's uncached
-tokens by the endpoint's prefix index, over the learned prefill rate, plus
-decode interference) and picks the minimum. Estimates within a small band of
+tokens by the endpoint's own KV events where its stream is live, else by the
+approximate prefix index, over the learned prefill rate, plus decode
+interference) and picks the minimum. Estimates within a small band of
 the best are a tie, decided by the hash ring walked from the prompt's prefix
 key: a prefix no engine holds yet starts at the same place in every router,
 and no random draw makes routers that saw the same traffic disagree.
@@ -42,6 +43,7 @@ from caravan_llm.router.core.breaker import BreakerPhase, BreakerPolicy, allows_
 from caravan_llm.router.core.cost_model import CostConfig, Estimate, estimate, index_fill, peer_rate
 from caravan_llm.router.core.endpoints import CheckStatus, Endpoint
 from caravan_llm.router.core.live_state import EndpointLiveState
+from caravan_llm.router.core.prompt_digests import events_cached
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from caravan_llm.router.core.endpoints import EndpointSnapshot, ModelEndpoints
     from caravan_llm.router.core.live_state import LiveStates
     from caravan_llm.router.core.prefix_index import PromptShape
+    from caravan_llm.router.core.prompt_digests import CachedBlocksView, ExactPrompt
 
 
 class Policy(StrEnum):
@@ -114,6 +117,9 @@ class RequestFeatures:
     # The OpenAI route it is for: only endpoints whose engine serves it are candidates
     # (None: any endpoint of the model).
     route: EngineRoute | None = None
+    # core/prompt_digests.py's digests of the prompt's token ids, for the exact index
+    # (None: no tokenizer for the model, or no replica of it has a KV stream).
+    exact: ExactPrompt | None = None
 
 
 @dataclass(slots=True)
@@ -152,8 +158,13 @@ def pick(
     *,
     config: BalancerConfig,
     memory: PickerMemory,
+    kv: CachedBlocksView | None = None,
 ) -> PickResult:
-    """Choose an endpoint for the request, or say why there is none."""
+    """Choose an endpoint for the request, or say why there is none.
+
+    `kv` is the exact index (the replicas' KV events), read by `predicted_ttft`
+    only; None: the approximate index alone.
+    """
     model_endpoints = snapshot.for_model(request.model)
     if model_endpoints is None or not model_endpoints.endpoints:
         return NotPicked(NoEndpointReason.NO_ENDPOINTS)
@@ -176,7 +187,9 @@ def pick(
                 model_endpoints, candidates, request, now=now, config=config, memory=memory
             )
         case Policy.PREDICTED_TTFT:
-            chosen = _predicted_ttft(model_endpoints, candidates, request, now=now, config=config)
+            chosen = _predicted_ttft(
+                model_endpoints, candidates, request, now=now, config=config, kv=kv
+            )
         case _:
             assert_never(policy)
     return Picked(chosen)
@@ -397,9 +410,17 @@ def _prefix_affinity(
 
 
 def ttft_estimates(
-    candidates: Sequence[Candidate], request: RequestFeatures, now: float, config: BalancerConfig
+    candidates: Sequence[Candidate],
+    request: RequestFeatures,
+    now: float,
+    config: BalancerConfig,
+    kv: CachedBlocksView | None = None,
 ) -> list[Estimate]:
-    """Each candidate's predicted time to first token for the request (`Estimate.seconds`)."""
+    """Each candidate's predicted time to first token for the request (`Estimate.seconds`).
+
+    A candidate whose KV stream is live (in `kv`) has its cached prefix from
+    its engine's events; the others from the approximate index (`Estimate.prefix_source`).
+    """
     peer = peer_rate(state for _, state in candidates)
     return [
         estimate(
@@ -410,6 +431,7 @@ def ttft_estimates(
             config.cost,
             max_age_s=config.load_max_age_s,
             peer=peer,
+            events=None if kv is None else events_cached(kv, endpoint, request.exact, now),
         )
         for endpoint, state in candidates
     ]
@@ -422,6 +444,7 @@ def _predicted_ttft(
     *,
     now: float,
     config: BalancerConfig,
+    kv: CachedBlocksView | None = None,
 ) -> Endpoint:
     """The smallest predicted time to first token; near-ties go to the prefix's ring order.
 
@@ -447,7 +470,7 @@ def _predicted_ttft(
     no prompt key breaks ties by in-flight relative to capacity, then by
     endpoint id. Deterministic: no random draw.
     """
-    estimates = ttft_estimates(candidates, request, now, config)
+    estimates = ttft_estimates(candidates, request, now, config, kv)
     best = min(item.seconds for item in estimates)
     band = best + max(config.cost.tie_abs_s, config.cost.tie_rel * best)
     held = max(item.cached_tokens for item in estimates)

@@ -14,8 +14,13 @@ For one candidate endpoint, the estimate is
   endpoint's rate for the scrape's age (a one-second-old queue has partly
   gone), is added.
 - `uncached`: the request's estimated prompt tokens minus the prefix the
-  endpoint's `BlockIndex` believes it holds, scaled down by how much of its
-  predicted hits the engine's own prefix-cache counters confirmed.
+  endpoint holds. Where its KV relay's stream is live and the router has the
+  prompt's token ids, the prefix is exact: the blocks the engine's own KV
+  events say it holds (`prompt_digests.events_cached`), as a share of the
+  prompt's tokens applied to the estimated tokens, so every term stays in
+  one unit (`prefix_source` "events"). Otherwise it is what the endpoint's
+  `BlockIndex` believes it holds, scaled down by how much of its predicted
+  hits the engine's own prefix-cache counters confirmed ("approximate").
 - `rate`: prefill tokens per second, learned per endpoint from the streams it
   served (work ahead of the request over its observed time to first token),
   seeded by the rate the endpoint's Meta declares (the profile's, else its
@@ -45,7 +50,9 @@ if TYPE_CHECKING:
 
     from caravan_llm.common.engine_metrics import EngineLoad
     from caravan_llm.router.core.endpoints import Endpoint, EndpointSnapshot
+    from caravan_llm.router.core.kv_index import PrefixSource
     from caravan_llm.router.core.prefix_index import PromptShape
+    from caravan_llm.router.core.prompt_digests import EventsCached
 
 VLLM_CACHE_CONFIG = "vllm:cache_config_info"
 VLLM_PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
@@ -141,6 +148,8 @@ class Estimate:
     uncached_tokens: float
     # Prefill tokens believed queued ahead of it there (this router's and others').
     queued_tokens: float = 0.0
+    # Where `cached_tokens` came from: the engine's KV events, or the approximate index.
+    prefix_source: PrefixSource = "approximate"
 
 
 @dataclass(slots=True)
@@ -281,8 +290,19 @@ def index_capacity_blocks(state: EndpointView, config: CostConfig) -> int:
     return int(tokens // config.shape.block_tokens)
 
 
-def cached_tokens(state: EndpointView, shape: PromptShape, config: CostConfig) -> float:
-    """The request's prompt tokens the endpoint is believed to hold."""
+def cached_tokens(
+    state: EndpointView,
+    shape: PromptShape,
+    config: CostConfig,
+    events: EventsCached | None = None,
+) -> float:
+    """The request's prompt tokens the endpoint is believed to hold (estimated tokens).
+
+    `events`: what the engine's KV events say it holds (`prompt_digests.events_cached`);
+    when given, its share of the prompt is exact and the approximate index is not read.
+    """
+    if events is not None:
+        return float(shape.tokens) * events.share
     if not shape.blocks:
         return 0.0
     matched = state.cost.prefix.matched(shape.blocks)
@@ -342,13 +362,16 @@ def estimate(
     *,
     max_age_s: float,
     peer: float | None = None,
+    events: EventsCached | None = None,
 ) -> Estimate:
     """The request's predicted time to first token on this endpoint (module docstring).
 
-    `peer` is the mean rate its fellow replicas learned (`peer_rate`).
+    `peer` is the mean rate its fellow replicas learned (`peer_rate`);
+    `events` what its KV events say it holds of the prompt (None: not known
+    from events, the approximate index answers).
     """
     tokens = float(shape.tokens) if shape is not None else 0.0
-    cached = cached_tokens(state, shape, config) if shape is not None else 0.0
+    cached = cached_tokens(state, shape, config, events) if shape is not None else 0.0
     uncached = max(0.0, tokens - cached)
     foreign_tokens, foreign_running = foreign_queue(
         endpoint, state, now, config, max_age_s, peer=peer
@@ -360,7 +383,11 @@ def estimate(
         1.0 + config.interference_per_seq * max(0.0, running)
     )
     return Estimate(
-        seconds=seconds, cached_tokens=cached, uncached_tokens=uncached, queued_tokens=queued
+        seconds=seconds,
+        cached_tokens=cached,
+        uncached_tokens=uncached,
+        queued_tokens=queued,
+        prefix_source="events" if events is not None else "approximate",
     )
 
 
@@ -428,6 +455,8 @@ class Prefill:
     default_rate: float
     # When its first token is expected (the endpoint's drain clock at send time).
     expected_at: float
+    # Where the endpoint's cached prefix of the prompt was read from (the request log's field).
+    prefix_source: PrefixSource = "approximate"
     done: bool = False
 
 
@@ -440,12 +469,16 @@ def begin_prefill(
     *,
     max_age_s: float,
     peer: float | None = None,
+    events: EventsCached | None = None,
 ) -> Prefill | None:
     """Count the prompt just sent to this endpoint (after `start_request`).
 
     Queues its uncached tokens, records its blocks in the endpoint's index
     (within the engine's KV capacity) and notes what the index predicted, for
     the engine's prefix-cache counters to confirm. None for an unknown endpoint.
+    `events`: what the endpoint's KV events say it holds of the prompt; the
+    uncached tokens then follow them, while the approximate index still
+    records the prompt and its prediction (it answers when the stream is lost).
     `peer` is the rate its fellow replicas learned (`peer_rate_of`): the drain
     clock must run at the rate the picker assumed, or a replica that learned
     nothing yet looks idle long before its prefill is done.
@@ -455,7 +488,7 @@ def begin_prefill(
         return None
     cost = state.cost
     tokens = float(shape.tokens)
-    believed = cached_tokens(state, shape, config)
+    believed = cached_tokens(state, shape, config, events)
     # What the index alone predicts (before the engine's correction), so that a
     # factor driven to 0 can still recover when the engine's hits come back.
     raw = min(tokens, cost.prefix.matched(shape.blocks) * config.shape.block_tokens)
@@ -477,6 +510,7 @@ def begin_prefill(
         sent_at=now,
         default_rate=default_rate(endpoint, config),
         expected_at=cost.prefill_busy_until,
+        prefix_source="events" if events is not None else "approximate",
     )
     cost.prefilling += 1
     cost.queued_prefill_tokens += uncached

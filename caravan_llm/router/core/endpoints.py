@@ -75,6 +75,9 @@ class Endpoint:
     prefill_tokens_per_s: int | None = None
     # The OpenAI routes its engine serves (Meta `routes`; never from `engine`).
     routes: frozenset[EngineRoute] = DEFAULT_ENGINE_ROUTES
+    # The host port of its KV relay's digest stream at `address` (the placements'
+    # `kv_port`, never its own Meta); None: no stream, the approximate index only.
+    kv_port: int | None = None
 
     def serves(self, route: EngineRoute | None) -> bool:
         """Whether its engine serves `route` (None: any route)."""
@@ -82,8 +85,17 @@ class Endpoint:
 
     @property
     def base_url(self) -> str:
-        host = f"[{self.address}]" if ":" in self.address else self.address
-        return f"http://{host}:{self.port}"
+        return _url(self.address, self.port)
+
+    @property
+    def kv_url(self) -> str | None:
+        """Where its KV relay serves the digest stream's host (None: no relay)."""
+        return None if self.kv_port is None else _url(self.address, self.kv_port)
+
+
+def _url(address: str, port: int) -> str:
+    host = f"[{address}]" if ":" in address else address
+    return f"http://{host}:{port}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,12 +206,16 @@ def snapshot_from_health(
     previous: EndpointSnapshot | None = None,
     *,
     virtual_nodes: int = DEFAULT_VIRTUAL_NODES,
+    placed: Mapping[str, PlacedAddress] | None = None,
 ) -> tuple[EndpointSnapshot, tuple[SkippedEntry, ...]]:
     """Build the snapshot from the health entries of every model service.
 
     `previous` lets a model whose set of endpoint ids did not change keep its
     hash ring, so a health flip costs no rehashing. Entries are skipped, with a
     reason, when malformed or when their service ID repeats one already taken.
+    `placed` (service ID -> where Nomad put the allocation) gives an endpoint
+    its KV relay's port, only when the endpoint is at the placed address and
+    port: a router reads a digest stream only where the scheduler placed one.
     """
     by_id: dict[str, Endpoint] = {}
     skipped: list[SkippedEntry] = []
@@ -210,6 +226,9 @@ def snapshot_from_health(
             except MalformedEntryError as exc:
                 skipped.append(SkippedEntry(service_name, entry.service_id or None, str(exc)))
                 continue
+            kv_port = _placed_kv_port(endpoint, placed)
+            if kv_port is not None:
+                endpoint = replace(endpoint, kv_port=kv_port)
             if endpoint.id in by_id:
                 skipped.append(
                     SkippedEntry(
@@ -239,6 +258,13 @@ def snapshot_from_health(
     return EndpointSnapshot(index=index, models=models, by_id=by_id), tuple(skipped)
 
 
+def _placed_kv_port(endpoint: Endpoint, placed: Mapping[str, PlacedAddress] | None) -> int | None:
+    where = None if placed is None else placed.get(endpoint.id)
+    if where is None or (where.address, where.port) != (endpoint.address, endpoint.port):
+        return None
+    return where.kv_port
+
+
 class UnverifiedReason(StrEnum):
     """Why an entry is not an endpoint caravan placed (a bounded metric label)."""
 
@@ -260,6 +286,8 @@ class PlacedAddress:
     address: str
     port: int
     node: str = ""  # the Nomad node's name; "" = unknown
+    # The host port of its `kv` label (the KV relay's digest stream); None: no relay.
+    kv_port: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

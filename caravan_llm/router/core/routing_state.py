@@ -3,8 +3,11 @@
 Discovery is the only writer. It builds a new `RoutingView` from Consul and
 swaps it in with one assignment (`state.view = new`), together with the live
 state reconciled for it; readers on the same event loop never see half an
-update and never lock. The live state (`caravan_llm.router.core.live_state`) is the one mutable
-part: per-endpoint counters that outlive the swaps.
+update and never lock. The live state (`caravan_llm.router.core.live_state`) is one mutable
+part: per-endpoint counters that outlive the swaps. The exact prefix index
+(`caravan_llm.router.core.kv_index.KvIndex`) is the other: the KV feed
+(`caravan_llm.router.feeds.kv_feed`) is its one writer, message by message on
+the same loop, and drops a replica when it leaves the view.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from caravan_llm.router.core.endpoints import EMPTY_SNAPSHOT, EndpointSnapshot
+from caravan_llm.router.core.kv_index import KvIndex
 from caravan_llm.router.core.live_state import LiveStates
 
 
@@ -41,9 +45,11 @@ class RoutingView:
 class RoutingState:
     """Holder of the current view and live state; discovery swaps, everyone else reads."""
 
-    def __init__(self) -> None:
+    def __init__(self, kv: KvIndex | None = None) -> None:
         self.view = RoutingView()
         self.live: LiveStates = {}
+        # Per replica, the blocks its engine holds, from its KV relay's stream.
+        self.kv = kv if kv is not None else KvIndex()
         # True once discovery has read everything from Consul at least once.
         self.synced = False
         self._listeners: list[Callable[[], None]] = []

@@ -72,6 +72,7 @@ from caravan_llm.router.core.errors import (
     RouteNotServed,
 )
 from caravan_llm.router.core.live_state import Lease, Outcome, finish_request, start_request
+from caravan_llm.router.core.prompt_digests import events_cached
 from caravan_llm.router.core.replacement import still_excluded
 from caravan_llm.router.core.routing_state import KnownModel, RoutingState
 from caravan_llm.router.feeds.model_failures import ModelFailures
@@ -393,6 +394,7 @@ class AdmissionGate:
             now,
             config=self._balancer,
             memory=self._memory,
+            kv=state.kv,
         )
 
     def _lease(self, endpoint: Endpoint, features: RequestFeatures, now: float) -> Admitted:
@@ -409,6 +411,7 @@ class AdmissionGate:
             self._balancer.cost,
             max_age_s=self._balancer.load_max_age_s,
             peer=peer_rate_of(self._state.view.snapshot, live, features.model),
+            events=events_cached(self._state.kv, endpoint, features.exact, now),
         )
         return Admitted(endpoint, lease, prefill)
 

@@ -38,7 +38,9 @@ its verdict for the endpoint's breaker: success, failure (connect error,
 5xx, broken stream) or none (4xx, client gone).
 
 One canonical log line per request (`request`: model, endpoint, status,
-attempts, failovers, ttfb, duration), never bodies, headers or keys.
+attempts, failovers, ttfb, duration, and `prefix_source`: whether the cost
+model read the chosen endpoint's cached prefix from its KV events or the
+approximate index), never bodies, headers or keys.
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ from caravan_llm.router.edge.parsed_request import (
     REQUEST_ID_HEADER,
     ParsedRequest,
 )
+from caravan_llm.router.edge.prompt_digests import PromptDigester
 from caravan_llm.router.edge.request_guard import error_response
 from caravan_llm.router.edge.routes import (
     RouteSpec,
@@ -207,6 +210,9 @@ class Attempts:
     # Replicas that were serving and answered this request HTTP 500, not counted against
     # them yet: the input's fault or theirs (`caravan_llm.router.core.input_fault`).
     suspects: dict[str, UpstreamStatusError] = field(default_factory=dict)
+    # Where the cost model read the latest attempt's endpoint's cached prefix from
+    # (`events` or `approximate`); None: no prefix was looked up (no prompt, another policy).
+    prefix_source: str | None = None
 
 
 @dataclass(slots=True)
@@ -292,8 +298,10 @@ class Proxy:
         wall_clock: Callable[[], float] = time.time,
         request_log: RequestLog | None = None,
         engine_keys: EngineKeySource | None = None,
+        digester: PromptDigester | None = None,
     ) -> None:
         self._engine_keys = engine_keys
+        self._digester = digester
         self._settings = settings
         self._request_log = request_log or log_request
         self._state = state
@@ -399,6 +407,12 @@ class Proxy:
     ) -> Exchange:
         payload = parsed.payload
         responses = spec.route is EngineRoute.RESPONSES
+        shape = prompt_shape(payload, self._shape, responses=responses) if self._use_cost else None
+        exact = (
+            self._digester.exact_prompt(parsed.model, payload, route=spec.route)
+            if shape is not None and self._digester is not None
+            else None
+        )
         return Exchange(
             request=request,
             parsed=parsed,
@@ -415,11 +429,8 @@ class Proxy:
                     if self._use_affinity
                     else None
                 ),
-                prompt=(
-                    prompt_shape(payload, self._shape, responses=responses)
-                    if self._use_cost
-                    else None
-                ),
+                prompt=shape,
+                exact=exact,
             ),
             headers=self._upstream_headers(request, parsed.request_id),
         )
@@ -963,6 +974,8 @@ class Proxy:
         exchange.attempts.count += 1
         exchange.attempts.endpoint_id = admitted.endpoint.id
         exchange.attempts.current = admitted
+        if admitted.prefill is not None:
+            exchange.attempts.prefix_source = admitted.prefill.prefix_source
         return admitted
 
     async def _admit_attempt(
@@ -1128,6 +1141,7 @@ class Proxy:
                 "failovers": attempts.failovers,
                 "ttfb_s": None if reply.ttfb_s is None else round(reply.ttfb_s, 6),
                 "duration_s": round(duration, 6),
+                "prefix_source": attempts.prefix_source,
             }
             if parsed.key_name is not None:
                 fields["key"] = parsed.key_name

@@ -204,7 +204,7 @@ def trusted_services(
             served_models=(known.served_model_name,),
             placed={
                 nomad_service_id(alloc.alloc_id, known.name): PlacedAddress(
-                    alloc.address, alloc.port, alloc.node
+                    alloc.address, alloc.port, alloc.node, alloc.kv_port
                 )
                 for alloc in allocations
             },
@@ -399,14 +399,16 @@ class Discovery:
         previous = self._state.view
         entries_by_service = {name: list(entries) for name, entries in self._health.items()}
         profiles = self._profiles if self._profiles is not None else {}
+        trusted = trusted_services(profiles, self._placements or {})
         verified, unverified = verify_entries(
-            entries_by_service,
-            trusted_services(profiles, self._placements or {}),
-            allow_unverified=self._allow_unverified,
+            entries_by_service, trusted, allow_unverified=self._allow_unverified
         )
         self._report_unverified(unverified)
         index = max(self._health_index.values(), default=0)
-        snapshot, skipped = snapshot_from_health(verified, index, previous=previous.snapshot)
+        placed = {sid: where for trust in trusted.values() for sid, where in trust.placed.items()}
+        snapshot, skipped = snapshot_from_health(
+            verified, index, previous=previous.snapshot, placed=placed
+        )
         self._log_skipped(skipped)
         draining = draining_endpoint_ids(
             (entry for entries in self._health.values() for entry in entries),

@@ -9,8 +9,8 @@
     await app[RUNTIME].deregister()              # shutdown: leave Consul first,
     await runner.cleanup()                       # then stop accepting, let streams finish
 
-The long-lived tasks (discovery, load scraper, admission tick, demand
-writer) run in one `asyncio.TaskGroup` inside one supervisor task started
+The long-lived tasks (discovery, load scraper, KV feed, admission tick,
+demand writer) run in one `asyncio.TaskGroup` inside one supervisor task started
 from `cleanup_ctx` and cancelled when the app is cleaned up, after in-flight
 requests had their `shutdown_timeout_s`; the shared `aiohttp.ClientSession`
 closes last.
@@ -40,6 +40,7 @@ from caravan_llm.common.contract import ROUTER_SERVICE, RouterMetaKey, router_me
 from caravan_llm.common.preflight import Preflight
 from caravan_llm.router.core.breaker import phase_at
 from caravan_llm.router.core.endpoints import CheckStatus
+from caravan_llm.router.core.kv_index import KvIndex
 from caravan_llm.router.core.routing_state import RoutingState
 from caravan_llm.router.edge.admission_gate import AdmissionGate, DemandSignal, DemandStore
 from caravan_llm.router.edge.api_keys import KeyRing, build_key_ring, load_key_file
@@ -48,11 +49,13 @@ from caravan_llm.router.edge.http_limits import (
     GuardedAppRunner,
     default_connection_limit,
 )
+from caravan_llm.router.edge.prompt_digests import PromptDigester, PromptTokens
 from caravan_llm.router.edge.proxy import Proxy, RequestLog, log_request
 from caravan_llm.router.edge.request_guard import RequestGuard
 from caravan_llm.router.edge.routes import ROUTES
 from caravan_llm.router.feeds.discovery import Discovery, DiscoveryConsul
 from caravan_llm.router.feeds.engine_keys import EngineKeys, VariableReader
+from caravan_llm.router.feeds.kv_feed import KvFeed
 from caravan_llm.router.feeds.load_scraper import LoadScraper
 from caravan_llm.router.feeds.model_failures import ModelFailures, watch_failures
 from caravan_llm.router.feeds.preflight import PreflightConsul, router_capabilities
@@ -151,6 +154,7 @@ class RouterRuntime:
         request_log: RequestLog | None = None,
         keys: KeyRing | None = None,
         nomad: VariableReader | None = None,
+        prompt_tokens: PromptTokens | None = None,
     ) -> None:
         self.settings = settings
         self.consul = consul
@@ -169,7 +173,7 @@ class RouterRuntime:
             clock=wall_clock,
         )
         self.clock = clock
-        self.state = RoutingState()
+        self.state = RoutingState(KvIndex(stale_after_s=settings.kv_events_stale_after_s))
         self.metrics = RouterMetrics(registry)
         self.service_id = router_service_id(advertise_address(settings), settings.port)
         self.demand = DemandSignal(
@@ -203,6 +207,22 @@ class RouterRuntime:
             allow_unverified=settings.allow_unverified_endpoints,
         )
         self._session: aiohttp.ClientSession | None = None
+        # Each placed replica's KV relay stream into state.kv (the exact prefix index).
+        self.kv_feed = (
+            KvFeed(
+                self.session,
+                self.state,
+                engine_keys=self.engine_keys,
+                metrics=self.metrics,
+                stale_after_s=settings.kv_events_stale_after_s,
+                connect_timeout_s=settings.connect_timeout_s,
+                backoff_min_s=settings.kv_events_backoff_min_s,
+                backoff_max_s=settings.kv_events_backoff_max_s,
+                clock=clock,
+            )
+            if settings.kv_events
+            else None
+        )
         self.keys = keys if keys is not None else key_ring(settings)
         self.request_guard = RequestGuard(
             keys=self.keys,
@@ -226,6 +246,11 @@ class RouterRuntime:
             wall_clock=wall_clock,
             request_log=request_log or log_request,
             engine_keys=self.engine_keys,
+            digester=(
+                PromptDigester(prompt_tokens, self.state, self.engine_keys)
+                if prompt_tokens is not None and self.kv_feed is not None
+                else None
+            ),
         )
         self.metrics.add_state_collector(self.state_view)
         self.shutting_down = False
@@ -274,6 +299,8 @@ class RouterRuntime:
                     group.create_task(self.engine_keys.run(), name="router-engine-keys")
                 group.create_task(self.discovery.run(), name="router-discovery")
                 group.create_task(scraper.run(), name="router-load-scraper")
+                if self.kv_feed is not None:
+                    group.create_task(self.kv_feed.run(), name="router-kv-feed")
                 group.create_task(self.gate.run(), name="router-admission-tick")
                 group.create_task(self.demand.run(), name="router-demand-writer")
                 group.create_task(
@@ -386,11 +413,17 @@ class RouterRuntime:
         depths = dict.fromkeys(state.view.profiles, 0)
         depths.update(dict.fromkeys(state.view.snapshot.models, 0))
         depths.update(self.gate.queue_depths())
+        kv_streams: dict[str, int] = {}
+        for endpoint in state.view.snapshot.by_id.values():
+            if endpoint.kv_port is not None:
+                stream = state.kv.state(endpoint.id, now)
+                kv_streams[stream] = kv_streams.get(stream, 0) + 1
         return RouterStateView(
             endpoints=gauges,
             queue_depths=depths,
             discovery_synced=state.synced,
             discovery_staleness_s=self.discovery.staleness_s(self.clock()),
+            kv_streams=kv_streams,
         )
 
 
@@ -412,13 +445,17 @@ def create_app(
     wall_clock: Callable[[], float] = time.time,
     request_log: RequestLog | None = None,
     nomad: VariableReader | None = None,
+    prompt_tokens: PromptTokens | None = None,
 ) -> web.Application:
     """The router's aiohttp application; `consul` must be open for the app's lifetime.
 
     `request_log` writes the canonical line of each request (default: stdlib
     logging on `caravan_llm.router.edge.proxy`). `nomad` (open for the app's lifetime too) is
     where the engines' API keys are read from when `engine_api_keys` is on;
-    without it no key is sent upstream.
+    without it no key is sent upstream (and no KV relay stream can be read).
+    `prompt_tokens` gives requests' token ids for the exact prefix index
+    (`caravan_llm.router.edge.prompt_digests`); without it every replica uses
+    the approximate index.
     """
     runtime = RouterRuntime(
         settings,
@@ -428,6 +465,7 @@ def create_app(
         wall_clock=wall_clock,
         request_log=request_log,
         nomad=nomad,
+        prompt_tokens=prompt_tokens,
     )
     app = _guarded_app(runtime, client_max_size=settings.max_body_bytes)
     app.cleanup_ctx.append(runtime.lifecycle)

@@ -50,10 +50,12 @@ from caravan_llm.common.contract import (
     encode_engine_routes,
     encode_placements,
     encode_stream_traits,
+    engine_key_path,
     model_service_name,
     nomad_service_id,
     replica_job_id,
 )
+from caravan_llm.common.nomad_api import QueryResult, Variable, VariableMetadata
 from caravan_llm.devcluster.consul.server import ConsulConfig, ConsulServer
 from caravan_llm.router.settings import RouterSettings
 from caravan_llm.router.wiring.app import RUNTIME, RouterRuntime, app_runner, create_app
@@ -111,8 +113,10 @@ def start_engine(
     sim: Mapping[str, str] | None = None,
     timeout_s: float = 30.0,
     extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
 ) -> Engine:
-    """Start a simulated engine on a free port and wait until it says where it is bound."""
+    """Start a simulated engine on a free port and wait until it says where it is bound
+    (`env`: variables added to this process's environment, such as `VLLM_API_KEY`)."""
     knobs = {"load_seconds": "0", "step_seconds": "0.005", "output_tokens": "16"}
     knobs.update(sim or {})
     args = [
@@ -144,7 +148,12 @@ def start_engine(
     log_path = Path(name)
     with os.fdopen(handle, "wb") as log_file:
         process = subprocess.Popen(
-            args, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            args,
+            cwd=REPO,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **env} if env is not None else None,
         )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -212,11 +221,13 @@ async def register_replica(
     flavor: str = "vllm",
     capacity: int = 64,
     check: str = "http",
+    kv_port: int | None = None,
 ) -> str:
     """Register a replica as Nomad would, and place it as the scheduler would; returns its id.
 
     `check`: "http" (on /health every 1s), "ttl" (set by the test), or "none"
-    (Consul then reads the instance as passing).
+    (Consul then reads the instance as passing). `kv_port`: its KV relay's port
+    on 127.0.0.1, published in the placement.
     """
     alloc_id = str(uuid.uuid4())
     service_id = nomad_service_id(alloc_id, model)
@@ -230,6 +241,7 @@ async def register_replica(
             job_id=replica_job_id(model, replica),
             address="127.0.0.1",
             port=port,
+            kv_port=kv_port,
         ),
     )
     checks: tuple[HttpCheck | TtlCheck, ...] = ()
@@ -306,10 +318,16 @@ async def running_router(
         "log_format": "text",
     }
     clock: Callable[[], float] = overrides.pop("clock", time.monotonic)
+    # Passed to create_app as they are: where request lines go, the prompts' token ids.
+    app_options = {
+        name: overrides.pop(name) for name in ("request_log", "prompt_tokens") if name in overrides
+    }
     values.update(overrides)
     settings = RouterSettings(**values)
     registry = CollectorRegistry()
-    app = create_app(settings, consul=consul, registry=registry, clock=clock, nomad=nomad)
+    app = create_app(
+        settings, consul=consul, registry=registry, clock=clock, nomad=nomad, **app_options
+    )
     runner = app_runner(app, settings)
     await runner.setup()
     try:
@@ -537,3 +555,26 @@ class FakeEngine:
             return response
         finally:
             self.in_flight -= 1
+
+
+class KeyVariables:
+    """Nomad Variables holding one model's engine key (the router's reads only)."""
+
+    def __init__(self, keys: Mapping[str, str]) -> None:
+        self.vars = {
+            engine_key_path(model): Variable(
+                VariableMetadata("default", engine_key_path(model), 5, 5), {"api_key": key}
+            )
+            for model, key in keys.items()
+        }
+
+    async def list_variables(
+        self, prefix: str = "", *, index: int | None = None, wait_s: float | None = None
+    ) -> QueryResult[list[VariableMetadata]]:
+        del wait_s
+        if index is not None:
+            await asyncio.Event().wait()  # a blocking query: nothing changes in this test
+        return QueryResult(5, [v.meta for p, v in self.vars.items() if p.startswith(prefix)])
+
+    async def get_variable(self, path: str) -> Variable | None:
+        return self.vars.get(path)

@@ -3,13 +3,12 @@ client's own credentials (issue 12 item 5)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import Mapping
 
 import aiohttp
 from router_cluster import (
     FakeEngine,
+    KeyVariables,
     chat_body,
     register_replica,
     routable_count,
@@ -18,34 +17,9 @@ from router_cluster import (
 )
 
 from caravan_llm.common.consul_api import ConsulClient
-from caravan_llm.common.contract import engine_key_path
-from caravan_llm.common.nomad_api import QueryResult, Variable, VariableMetadata
 
 MODEL = "tiny"
 ENGINE_KEY = "engine-key-of-the-model"
-
-
-class KeyVariables:
-    """Nomad Variables holding one model's engine key (the router's reads only)."""
-
-    def __init__(self, keys: Mapping[str, str]) -> None:
-        self.vars = {
-            engine_key_path(model): Variable(
-                VariableMetadata("default", engine_key_path(model), 5, 5), {"api_key": key}
-            )
-            for model, key in keys.items()
-        }
-
-    async def list_variables(
-        self, prefix: str = "", *, index: int | None = None, wait_s: float | None = None
-    ) -> QueryResult[list[VariableMetadata]]:
-        del wait_s
-        if index is not None:
-            await asyncio.Event().wait()  # a blocking query: nothing changes in this test
-        return QueryResult(5, [v.meta for p, v in self.vars.items() if p.startswith(prefix)])
-
-    async def get_variable(self, path: str) -> Variable | None:
-        return self.vars.get(path)
 
 
 async def test_engine_gets_the_model_key_and_never_the_clients_credentials(
