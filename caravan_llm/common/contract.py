@@ -560,6 +560,35 @@ def served_name_owners(declared: Mapping[str, tuple[str, int]]) -> dict[str, str
     return owners
 
 
+def declared_name_owners(declared: Mapping[str, tuple[tuple[str, ...], int]]) -> dict[str, str]:
+    """Which model keeps each OpenAI `model` value when profiles in KV declare it twice.
+
+    `declared` maps a model to (every name it serves: its served name, then its
+    LoRA adapters' names; its key's CreateIndex). Models are taken in the order
+    they were declared (then by name, on a tie); a model keeps its names only
+    if none of them is kept already, so a model that loses one name loses all
+    (the scheduler leaves it undeployed; routers ignore it). Answers name ->
+    owning model; a model owns its names iff `owners[n] == model` for each.
+    With one name per model this is `served_name_owners`.
+    """
+    owners: dict[str, str] = {}
+    for name, (names, _) in sorted(declared.items(), key=lambda item: (item[1][1], item[0])):
+        if any(served in owners for served in names):
+            continue
+        for served in names:
+            owners[served] = name
+    return owners
+
+
+class ModelAdapterView(BaseModel):
+    """One LoRA adapter of a profile, as readers outside the scheduler see it."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    # The OpenAI `model` value that selects the adapter.
+    name: Annotated[str, StringConstraints(min_length=1)]
+
+
 class ModelView(BaseModel):
     """What a reader outside the scheduler needs from `<prefix>models/<name>`.
 
@@ -580,10 +609,18 @@ class ModelView(BaseModel):
     # directory there; else the router has no tokenizer for the model and
     # keeps the approximate prefix index (issue 24).
     tokenizer: str | None = None
+    # The profile's LoRA adapters, each served under its own name with this
+    # model as its parent (issue 25); where each is loaded is `adapters/<name>`.
+    adapters: tuple[ModelAdapterView, ...] = ()
 
     @property
     def served_name(self) -> str:
         return served_name_of(self.name, self.served_model_name)
+
+    @property
+    def declared_names(self) -> tuple[str, ...]:
+        """Every `model` value the profile serves: its served name, then its adapters'."""
+        return (self.served_name, *(adapter.name for adapter in self.adapters))
 
 
 def decode_model_view(raw: bytes | str, *, key: str, model: str) -> ModelView:

@@ -58,6 +58,7 @@ from caravan_llm.common.contract import (
     KVLayout,
     ModelFailure,
     ScaleOverride,
+    declared_name_owners,
     decode_demand,
     decode_desired_count,
     decode_drain,
@@ -65,7 +66,6 @@ from caravan_llm.common.contract import (
     encode_desired_count,
     encode_drain,
     encode_models_revision,
-    served_name_owners,
 )
 from caravan_llm.scheduler.cluster_config import CLUSTER_CONFIG_CODEC, ClusterConfig
 from caravan_llm.scheduler.model_history import (
@@ -433,16 +433,16 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
     # Two models may not share a served name (submit refuses it; KV writes
     # around caravan are held to it here): the one declared first keeps it,
     # by the contract's rule, which the routers follow too.
-    owners = served_name_owners(
-        {name: (p.served_name, declared_at[name]) for name, p in profiles.items()}
+    # Adapter names are `model` values too: unique across every profile's served
+    # name and adapters (`declared_name_owners`).
+    owners = declared_name_owners(
+        {name: (p.declared_names, declared_at[name]) for name, p in profiles.items()}
     )
     for name, profile in list(profiles.items()):
-        owner = owners[profile.served_name]
-        if owner != name:
-            invalid[name] = (
-                f"served_model_name: {profile.served_name!r} is already served by model "
-                f"{owner!r}; choose another served_model_name or delete {owner} first"
-            )
+        taken = [(n, owners[n]) for n in profile.declared_names if owners.get(n, name) != name]
+        if taken:
+            served, owner = taken[0]
+            invalid[name] = name_clash_message(profile, served, owner)
             del profiles[name]
     return DesiredState(
         profiles=profiles,
@@ -455,6 +455,24 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
         overrides=overrides,
         failures=failures,
         cluster_config=cluster_config,
+    )
+
+
+def name_clash_message(profile: ModelProfile, name: str, owner: str, where: str = "") -> str:
+    """Why `profile` may not serve `name`: model `owner` serves it (one line, naming the field).
+
+    `where` says where the owner was declared ("" for a stored model).
+    """
+    if name == profile.served_name:
+        field, other = "served_model_name", "served_model_name"
+    else:
+        index = [adapter.name for adapter in profile.adapters].index(name)
+        field, other = f"adapters[{index}].name", "adapter name"
+    if where:
+        return f"{field}: {name!r} is also served by model {owner!r} in {where}"
+    return (
+        f"{field}: {name!r} is already served by model {owner!r}; "
+        f"choose another {other} or delete {owner} first"
     )
 
 
