@@ -56,12 +56,14 @@ from caravan_llm.common.contract import (
     DemandRecord,
     DrainRecord,
     KVLayout,
+    ModelAdapters,
     ModelFailure,
     ScaleOverride,
     declared_name_owners,
     decode_demand,
     decode_desired_count,
     decode_drain,
+    decode_model_adapters,
     decode_models_revision,
     encode_desired_count,
     encode_drain,
@@ -321,6 +323,8 @@ class DesiredState:
     failures: Mapping[str, ModelFailure] = field(default_factory=dict)
     # The cluster config the leading scheduler renders with, when it published one.
     cluster_config: ClusterConfig | None = None
+    # The LoRA adapters each replica of a model holds, as the leader last published.
+    adapters: Mapping[str, ModelAdapters] = field(default_factory=dict)
 
     def desired_count(self, name: str) -> int:
         """The desired replica count: the stored one clamped to the profile's bounds."""
@@ -367,6 +371,7 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
     state: dict[str, bytes] = {}
     overrides: dict[str, ScaleOverride] = {}
     failures: dict[str, ModelFailure] = {}
+    adapters: dict[str, ModelAdapters] = {}
     cluster_config: ClusterConfig | None = None
     for entry in entries:
         if entry.key == layout.cluster_config:
@@ -414,6 +419,13 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
                 log.warning(
                     "scale_override_unreadable", extra={"key": entry.key, "error": str(exc)}
                 )
+        elif entry.key.startswith(layout.adapters):
+            model = _suffix(entry, layout.adapters)
+            try:
+                adapters[model] = decode_model_adapters(entry.value, key=entry.key, model=model)
+            except ContractError as exc:
+                # Unreadable: status shows none until the leader writes it again.
+                log.warning("adapters_unreadable", extra={"key": entry.key, "error": str(exc)})
         elif entry.key.startswith(layout.failures):
             try:
                 failures[_suffix(entry, layout.failures)] = ModelFailure.decode(entry.value)
@@ -455,6 +467,7 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
         overrides=overrides,
         failures=failures,
         cluster_config=cluster_config,
+        adapters=adapters,
     )
 
 
