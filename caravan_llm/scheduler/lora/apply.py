@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from caravan_llm.common.contract import (
+    ALLOC_ID_PATTERN,
     AdapterFailure,
     ModelAdapters,
     ReplicaAdapters,
@@ -218,7 +220,8 @@ def _ready_targets(
         ]
         for alloc in sorted(passing, key=lambda a: -a.create_time_ns)[:1]:
             engine = observed.engines.get(alloc.id)
-            if engine is None:
+            # As for placements: only Nomad's own allocations, at the address Nomad gave.
+            if engine is None or not re.match(ALLOC_ID_PATTERN, alloc.id):
                 continue
             host = engine.port.host_ip
             host = f"[{host}]" if ":" in host else host
