@@ -115,3 +115,18 @@ async def test_adapters_are_loaded_as_planned_a_bad_one_is_reported_and_removal_
         after = [await listed(http, url, key) for url in await engines(stack)]
     assert all("code" not in held for held in after)
     assert set(GOOD[:2]) == set().union(*after)
+
+
+async def test_the_lora_example_runs_as_it_is(stack: LocalStack) -> None:
+    """The example profile's adapter folders exist on devcluster's nodes: all three load."""
+    await submit(stack, example("qwen-vllm-h100-lora.yaml"))
+    reader = StatusReader(
+        store=store_of(stack), nomad=stack.scheduler.nomad, health=stack.scheduler.consul
+    )
+
+    async def all_loaded() -> set[str] | None:
+        status = await reader.model("qwen-lora")
+        loaded = {a for r in status.replicas for a in r.adapters_loaded or ()}
+        return loaded if len(loaded) == 3 else None
+
+    assert {"qwen-sql", "qwen-support", "qwen-poet"} == await eventually(all_loaded, timeout_s=90)
