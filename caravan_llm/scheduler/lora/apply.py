@@ -44,6 +44,7 @@ from caravan_llm.common.contract import (
     ModelAdapters,
     ReplicaAdapters,
 )
+from caravan_llm.common.errors import HashiError
 from caravan_llm.scheduler.assess import Assessment
 from caravan_llm.scheduler.engines.base import AdapterLoading, RuntimeAdapterApi
 from caravan_llm.scheduler.engines.registry import adapter_for
@@ -233,8 +234,8 @@ def _ready_targets(
 class LoraApplier:
     """Keeps each runtime-LoRA model's replicas holding what the plan says (module docstring).
 
-    What it keeps between passes is only the failures it saw (when each may be
-    tried again), returned in every document it builds.
+    What it keeps between passes is the failures it saw (when each may be tried
+    again), returned in every document it builds, and its last documents.
     """
 
     # The model's engine API key (EngineKeys.cached_model_key); None: engines run without keys.
@@ -245,6 +246,8 @@ class LoraApplier:
     retry_failed_after_s: float = 60.0
     clock: Callable[[], float] = time.time
     _failures: dict[tuple[str, str], _Failure] = field(default_factory=dict)
+    # The documents of the last pass, said again for a model whose key could not be read.
+    _last: dict[str, ModelAdapters] = field(default_factory=dict)
 
     async def reconcile(
         self,
@@ -267,6 +270,7 @@ class LoraApplier:
             api = self.api_factory(session)
             for name, desired in lora_models.items():
                 documents[name] = await self._model(name, desired, observed, assessment, api)
+        self._last = dict(documents)
         return documents
 
     def _forget_failures(self, lora_models: Mapping[str, DesiredModel]) -> None:
@@ -295,7 +299,13 @@ class LoraApplier:
             return _at_start(
                 name, observed, assessment, tuple(sorted(sources)), facts.request_model
             )
-        key = None if self.engine_key is None else await self.engine_key(name)
+        try:
+            key = None if self.engine_key is None else await self.engine_key(name)
+        except HashiError as exc:
+            # Nomad Variables unreachable: keep saying what was last known (the
+            # publisher would otherwise delete the document), and try next pass.
+            log.warning("lora_engine_key_unavailable", extra={"model": name, "error": str(exc)})
+            return self._last.get(name, ModelAdapters(model=name))
         targets = [
             AdapterTarget(name, job_id, alloc_id, url, facts.api, key)
             for job_id, alloc_id, url in _ready_targets(name, observed, assessment)

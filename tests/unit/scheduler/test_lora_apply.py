@@ -16,6 +16,7 @@ from caravan_llm.common.contract import (
     decode_model_adapters,
     encode_model_adapters,
 )
+from caravan_llm.common.errors import HashiUnavailable
 from caravan_llm.common.nomad_api import AllocatedPort
 from caravan_llm.scheduler.assess import assess
 from caravan_llm.scheduler.cluster_config import ClusterConfig
@@ -175,3 +176,25 @@ def test_a_document_under_another_models_key_is_refused() -> None:
     with pytest.raises(ContractError) as refused:
         decode_model_adapters(raw, key="caravan/adapters/qwen", model="qwen")
     assert "caravan/adapters/qwen: model 'other' does not match its key" == str(refused.value)
+
+
+async def test_an_unreadable_engine_key_keeps_the_last_document() -> None:
+    """When Nomad Variables cannot be read, the model's last document is said again."""
+    engines, clock = FakeEngines(), [NOW]
+    failing = [False]
+
+    async def key(model: str) -> str:
+        if failing[0]:
+            raise HashiUnavailable("nomad variables: connection refused")
+        return f"key-of-{model}"
+
+    def factory(session: aiohttp.ClientSession) -> FakeEngines:
+        del session
+        return engines
+
+    applier = LoraApplier(engine_key=key, api_factory=factory, clock=lambda: clock[0])
+    profile = make_vllm(adapters=[SQL], lora={"max_loras": 1})
+    seen = two_ready_replicas(profile)
+    first = await run(applier, profile, seen)
+    failing[0] = True
+    assert first == await run(applier, profile, seen)
