@@ -213,12 +213,32 @@ def choose_llamacpp_engine(folder: Path, *, prefer_real: bool) -> LlamaCppEngine
     return LlamaCppEngine(binary=_simulated_llama_server(folder), model=model, real=False)
 
 
+def provide_example_adapters(node_root: Path, document: Mapping[str, Any]) -> list[str]:
+    """A LoRA adapter folder (peft's adapter_config.json, with the declared rank) at every
+    absolute adapter path the example profile names, under `node_root`; the paths provided.
+    The simulated vLLM loads what has an adapter_config.json."""
+    provided = []
+    for adapter in document.get("adapters") or []:
+        source = adapter.get("source") if isinstance(adapter, dict) else None
+        if not isinstance(source, str) or not source.startswith("/"):
+            continue
+        folder = node_root / source.lstrip("/")
+        folder.mkdir(parents=True, exist_ok=True)
+        config = {"peft_type": "LORA", "r": adapter.get("rank") or 8}
+        (folder / "adapter_config.json").write_text(json.dumps(config), encoding="utf-8")
+        provided.append(source)
+    return provided
+
+
 def provide_example_models(node_root: Path, engine: LlamaCppEngine) -> list[str]:
-    """Put a model file at every absolute path an example llama.cpp profile names, under
-    `node_root` (devcluster's stand-in for each node's file system); the paths provided."""
+    """Put a model file at every absolute path an example llama.cpp profile names, and an
+    adapter folder at every adapter path, under `node_root` (devcluster's stand-in for each
+    node's file system); the paths provided."""
     provided = []
     for path in sorted(example_profiles_dir().glob("*.yaml")):
         document = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if isinstance(document, dict):
+            provided += provide_example_adapters(node_root, document)
         if not isinstance(document, dict) or document.get("engine") != "llamacpp":
             continue
         model = document.get("model")

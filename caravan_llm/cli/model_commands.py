@@ -487,6 +487,35 @@ def format_list(models: list[dict[str, Any]]) -> str:
     return _table(rows)
 
 
+def _names(names: list[str] | None) -> str:
+    return ", ".join(names) if names else "none"
+
+
+def adapter_lines(model: dict[str, Any], now: float) -> list[str]:
+    """The LoRA adapters of `caravan status`: declared, per replica desired and loaded,
+    and each adapter that failed to load with the engine's answer."""
+    adapters = model.get("adapters")
+    if adapters is None:
+        return []
+    lines = [f"adapters: {_names(adapters.get('declared'))}"]
+    for r in model.get("replicas") or []:
+        if r.get("adapters_desired") is None and r.get("adapters_loaded") is None:
+            continue
+        lines.append(
+            f"  replica {r['replica']}: loaded {_names(r.get('adapters_loaded'))}; "
+            f"desired {_names(r.get('adapters_desired'))}"
+        )
+    unplaced = adapters.get("unplaced") or []
+    if unplaced:
+        lines.append(f"  unplaced (lora.max_loras slots full): {_names(unplaced)}")
+    lines.extend(
+        f"  adapter {f['adapter']} failed to load on {f['job_id']} "
+        f"({_age(now - float(f['since']))} ago): {f['reason']} (source {f['source']})"
+        for f in adapters.get("failed") or []
+    )
+    return lines
+
+
 def format_status(model: dict[str, Any], now: float) -> str:
     header = (
         f"{model['name']} ({model['engine']}, served as {model['served_model_name']}, "
@@ -537,6 +566,7 @@ def format_status(model: dict[str, Any], now: float) -> str:
                 lines.extend(f"  {line}" for line in said[1:])
     else:
         lines.append("no replicas")
+    lines.extend(adapter_lines(model, now))
     if model.get("prefetch"):
         lines.append(f"prefetch: {model['prefetch']}")
     autoscaler = model.get("autoscaler") or {}

@@ -225,6 +225,19 @@ class KVLayout:
         return f"{self.placements}{name}"
 
     @property
+    def adapters(self) -> str:
+        return f"{self.prefix}adapters/"
+
+    def adapters_key(self, name: str) -> str:
+        """Which LoRA adapters each replica of a model holds (JSON `ModelAdapters`).
+
+        Written only by the leading scheduler, on change, after it loaded and
+        unloaded adapters in a pass; routers send `model=<adapter>` to a
+        replica whose `loaded` names it.
+        """
+        return f"{self.adapters}{name}"
+
+    @property
     def overrides(self) -> str:
         return f"{self.prefix}override/"
 
@@ -392,6 +405,7 @@ def replica_key_path(job_id: str) -> str:
 #                        autoscaler's memory type (scheduler/autoscale/memory.py)
 #   cluster-config       a `JsonCodec` of `caravan_llm.scheduler.cluster_config.ClusterConfig`
 #   placements/<name>    `encode_placements` / `decode_placements` (above)
+#   adapters/<name>      `ModelAdapters`, `encode_model_adapters` / `decode_model_adapters`
 #   models-revision      `encode_models_revision` / `decode_models_revision`
 #
 # and, in each replica's Consul service Meta, its metric names:
@@ -567,6 +581,35 @@ def served_name_owners(declared: Mapping[str, tuple[str, int]]) -> dict[str, str
     return owners
 
 
+def declared_name_owners(declared: Mapping[str, tuple[tuple[str, ...], int]]) -> dict[str, str]:
+    """Which model keeps each OpenAI `model` value when profiles in KV declare it twice.
+
+    `declared` maps a model to (every name it serves: its served name, then its
+    LoRA adapters' names; its key's CreateIndex). Models are taken in the order
+    they were declared (then by name, on a tie); a model keeps its names only
+    if none of them is kept already, so a model that loses one name loses all
+    (the scheduler leaves it undeployed; routers ignore it). Answers name ->
+    owning model; a model owns its names iff `owners[n] == model` for each.
+    With one name per model this is `served_name_owners`.
+    """
+    owners: dict[str, str] = {}
+    for name, (names, _) in sorted(declared.items(), key=lambda item: (item[1][1], item[0])):
+        if any(served in owners for served in names):
+            continue
+        for served in names:
+            owners[served] = name
+    return owners
+
+
+class ModelAdapterView(BaseModel):
+    """One LoRA adapter of a profile, as readers outside the scheduler see it."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    # The OpenAI `model` value that selects the adapter.
+    name: Annotated[str, StringConstraints(min_length=1)]
+
+
 class ModelView(BaseModel):
     """What a reader outside the scheduler needs from `<prefix>models/<name>`.
 
@@ -587,10 +630,18 @@ class ModelView(BaseModel):
     # directory there; else the router has no tokenizer for the model and
     # keeps the approximate prefix index (issue 24).
     tokenizer: str | None = None
+    # The profile's LoRA adapters, each served under its own name with this
+    # model as its parent (issue 25); where each is loaded is `adapters/<name>`.
+    adapters: tuple[ModelAdapterView, ...] = ()
 
     @property
     def served_name(self) -> str:
         return served_name_of(self.name, self.served_model_name)
+
+    @property
+    def declared_names(self) -> tuple[str, ...]:
+        """Every `model` value the profile serves: its served name, then its adapters'."""
+        return (self.served_name, *(adapter.name for adapter in self.adapters))
 
 
 def decode_model_view(raw: bytes | str, *, key: str, model: str) -> ModelView:
@@ -1040,3 +1091,91 @@ def decode_engine_routes(meta: Mapping[str, object]) -> frozenset[EngineRoute]:
         )
     known = {route.value: route for route in EngineRoute}
     return frozenset(known[name] for name in names if name in known)
+
+
+# -- adapters/<name>: the LoRA adapters each replica holds (issue 25) ------------------------
+#
+# KV, not the service's Meta: Nomad writes a service's Meta from the job spec, so
+# a change there would re-register (restart) the replica, while adapters are
+# loaded and unloaded at run time. One writer (the leading scheduler, on change);
+# routers read it with the placements (blocking queries under the prefix).
+
+
+class ReplicaAdapters(BaseModel):
+    """What one replica allocation holds now, and what the plan wants it to hold."""
+
+    model_config = _Frozen
+
+    alloc_id: Annotated[str, StringConstraints(pattern=ALLOC_ID_PATTERN)]
+    job_id: Annotated[str, StringConstraints(min_length=1)]
+    # The adapters the engine lists as loaded (after this pass's loads and
+    # unloads): where routers send `model=<adapter>`.
+    loaded: tuple[str, ...] = ()
+    # The adapters the scheduler's plan wants it to hold (scheduler/lora/plan.py).
+    desired: tuple[str, ...] = ()
+
+
+class AdapterFailure(BaseModel):
+    """An adapter the engine refused to load, with its answer (a bad path: vLLM's 404)."""
+
+    model_config = _Frozen
+
+    adapter: Annotated[str, StringConstraints(min_length=1)]
+    source: str
+    # The replica job that refused it, and the engine's answer (status and message).
+    job_id: str
+    reason: str
+    # Wall-clock time of the first refusal of this source (Unix seconds).
+    since: float = Field(allow_inf_nan=False)
+
+
+class ModelAdapters(BaseModel):
+    """The document at `<prefix>adapters/<model>`: the adapters of one model's replicas."""
+
+    model_config = _Frozen
+
+    model: Annotated[str, StringConstraints(pattern=MODEL_NAME_PATTERN.pattern)]
+    replicas: tuple[ReplicaAdapters, ...] = ()
+    # Adapters that failed to load; the scheduler retries them later.
+    failed: tuple[AdapterFailure, ...] = ()
+    # Adapters the replicas' slots (lora.max_loras) left out of the plan.
+    unplaced: tuple[str, ...] = ()
+    # How a request names an adapter on this model's engine: `{adapter}` the
+    # adapter's name (vLLM), `{served}:{adapter}` (SGLang), with `{served}` the
+    # model's served name: what a router puts in `model` when it forwards.
+    request_model: str = "{adapter}"
+
+    def holders(self, adapter: str) -> tuple[str, ...]:
+        """The allocations that hold `adapter` now (their `loaded` names it)."""
+        return tuple(r.alloc_id for r in self.replicas if adapter in r.loaded)
+
+
+_ADAPTERS = JsonCodec(ModelAdapters)
+
+
+def encode_model_adapters(document: ModelAdapters) -> str:
+    """The JSON the scheduler writes: everything sorted, so equal states encode alike."""
+    ordered = document.model_copy(
+        update={
+            "replicas": tuple(
+                r.model_copy(
+                    update={"loaded": tuple(sorted(r.loaded)), "desired": tuple(sorted(r.desired))}
+                )
+                for r in sorted(document.replicas, key=lambda r: r.alloc_id)
+            ),
+            "failed": tuple(sorted(document.failed, key=lambda f: (f.adapter, f.job_id))),
+            "unplaced": tuple(sorted(document.unplaced)),
+        }
+    )
+    return _ADAPTERS.encode(ordered)
+
+
+def decode_model_adapters(raw: bytes | str, *, key: str, model: str) -> ModelAdapters:
+    """The adapters document at `key`, which must be that of `model`.
+
+    Raises ContractError naming the key and the first field in error.
+    """
+    document = _ADAPTERS.decode(raw, key=key)
+    if document.model != model:
+        raise ContractError(f"{key}: model {document.model!r} does not match its key")
+    return document

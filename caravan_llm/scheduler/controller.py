@@ -8,9 +8,11 @@
    outdated, placed, draining, unplaceable, failed) and per model;
 3. plan (`scheduler/plan.py`, pure): the actions that move the world towards
    the profiles;
-4. apply: the actions, with bounded concurrency;
-5. publish (`scheduler/publish.py`): metrics, `placements/` and `failed/`,
-   on change only.
+4. apply: the actions, with bounded concurrency; then the LoRA step
+   (`scheduler/lora/apply.py`): each ready replica's adapters, read, planned
+   (`scheduler/lora/plan.py`, pure) and loaded or unloaded through the engine;
+5. publish (`scheduler/publish.py`): metrics, `placements/`, `failed/` and
+   `adapters/`, on change only.
 
 Each step hands the next its result; nothing of a pass is kept on the
 controller. What it keeps between passes is the planner's returned memory,
@@ -43,6 +45,7 @@ from caravan_llm.common.nomad_api import DeregisterResult, RegisterResult
 from caravan_llm.scheduler.assess import assess
 from caravan_llm.scheduler.cluster_config import ClusterConfig
 from caravan_llm.scheduler.engine_keys import EngineKeys
+from caravan_llm.scheduler.lora.apply import LoraApplier
 from caravan_llm.scheduler.metrics import SchedulerMetrics
 from caravan_llm.scheduler.model_store import DesiredState, ModelStore
 from caravan_llm.scheduler.observe import HealthSource, NomadReads, observe, read_nomad
@@ -136,8 +139,12 @@ class Controller:
         inflight: Callable[[ObservedReplica], float | None] = lambda _replica: None,
         clock: Callable[[], float] = time.time,
         engine_keys: EngineKeys | None = None,
+        lora: LoraApplier | None = None,
     ) -> None:
         self.engine_keys = engine_keys
+        self.lora = lora or LoraApplier(
+            engine_key=None if engine_keys is None else engine_keys.cached_model_key
+        )
         self.store = store
         self.nomad = nomad
         self.health = health
@@ -260,6 +267,10 @@ class Controller:
         outcomes = await self.apply_all(result.actions)
         applied, failed = outcomes.count(_Outcome.APPLIED), outcomes.count(_Outcome.FAILED)
         conflicts = outcomes.count(_Outcome.CONFLICT)
+        if self.is_leader():
+            # The adapters each ready replica holds (scheduler/lora/apply.py).
+            adapters = await self.lora.reconcile(models, observed, assessment)
+            await self.publisher.publish_adapters(adapters)
         await self.publisher.publish_failures(desired, assessment, now)
         self.metrics.reconcile_passes.labels(outcome="ok" if not failed else "error").inc()
         requeue = result.requeue_after_s

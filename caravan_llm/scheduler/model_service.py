@@ -25,6 +25,7 @@ from caravan_llm.scheduler.model_store import (
     ModelStore,
     UnknownModelError,
     WriteConflictError,
+    name_clash_message,
 )
 from caravan_llm.scheduler.profile_policy import document_policy_problems, policy_problems
 from caravan_llm.scheduler.profiles import ModelProfile, ProfileError, profile_from_mapping
@@ -123,32 +124,32 @@ def _render_problems(profile: ModelProfile, config: ClusterConfig) -> list[str]:
 def _clash_problems(
     submitted: list[tuple[str, ModelProfile]], stored: Mapping[str, ModelProfile]
 ) -> list[SubmissionProblem]:
-    """Two models may not share a served name: the router could route to only one of them."""
+    """Two models may not share a `model` value (a served name or an adapter's name): the
+    router could route it to only one of them."""
     problems: list[SubmissionProblem] = []
     replaced = {profile.name for _, profile in submitted}
-    owners = {p.served_name: name for name, p in sorted(stored.items()) if name not in replaced}
+    owners = {
+        served: name
+        for name, p in sorted(stored.items())
+        if name not in replaced
+        for served in p.declared_names
+    }
     seen: dict[str, tuple[str, str]] = {}
     for source, profile in submitted:
-        served = profile.served_name
-        owner = owners.get(served)
-        if owner is not None:
-            problems.append(
-                SubmissionProblem(
-                    source,
-                    f"served_model_name: {served!r} is already served by model {owner!r}; "
-                    f"choose another served_model_name or delete {owner} first",
+        for served in profile.declared_names:
+            owner = owners.get(served)
+            if owner is not None:
+                problems.append(
+                    SubmissionProblem(source, name_clash_message(profile, served, owner))
                 )
-            )
-        earlier = seen.get(served)
-        if earlier is not None and earlier[0] != profile.name:
-            problems.append(
-                SubmissionProblem(
-                    source,
-                    f"served_model_name: {served!r} is also served by model {earlier[0]!r} "
-                    f"in {earlier[1]}",
+            earlier = seen.get(served)
+            if earlier is not None and earlier[0] != profile.name:
+                problems.append(
+                    SubmissionProblem(
+                        source, name_clash_message(profile, served, earlier[0], earlier[1])
+                    )
                 )
-            )
-        seen.setdefault(served, (profile.name, source))
+            seen.setdefault(served, (profile.name, source))
     return problems
 
 

@@ -56,16 +56,18 @@ from caravan_llm.common.contract import (
     DemandRecord,
     DrainRecord,
     KVLayout,
+    ModelAdapters,
     ModelFailure,
     ScaleOverride,
+    declared_name_owners,
     decode_demand,
     decode_desired_count,
     decode_drain,
+    decode_model_adapters,
     decode_models_revision,
     encode_desired_count,
     encode_drain,
     encode_models_revision,
-    served_name_owners,
 )
 from caravan_llm.scheduler.cluster_config import CLUSTER_CONFIG_CODEC, ClusterConfig
 from caravan_llm.scheduler.model_history import (
@@ -321,6 +323,8 @@ class DesiredState:
     failures: Mapping[str, ModelFailure] = field(default_factory=dict)
     # The cluster config the leading scheduler renders with, when it published one.
     cluster_config: ClusterConfig | None = None
+    # The LoRA adapters each replica of a model holds, as the leader last published.
+    adapters: Mapping[str, ModelAdapters] = field(default_factory=dict)
 
     def desired_count(self, name: str) -> int:
         """The desired replica count: the stored one clamped to the profile's bounds."""
@@ -367,6 +371,7 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
     state: dict[str, bytes] = {}
     overrides: dict[str, ScaleOverride] = {}
     failures: dict[str, ModelFailure] = {}
+    adapters: dict[str, ModelAdapters] = {}
     cluster_config: ClusterConfig | None = None
     for entry in entries:
         if entry.key == layout.cluster_config:
@@ -414,6 +419,13 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
                 log.warning(
                     "scale_override_unreadable", extra={"key": entry.key, "error": str(exc)}
                 )
+        elif entry.key.startswith(layout.adapters):
+            model = _suffix(entry, layout.adapters)
+            try:
+                adapters[model] = decode_model_adapters(entry.value, key=entry.key, model=model)
+            except ContractError as exc:
+                # Unreadable: status shows none until the leader writes it again.
+                log.warning("adapters_unreadable", extra={"key": entry.key, "error": str(exc)})
         elif entry.key.startswith(layout.failures):
             try:
                 failures[_suffix(entry, layout.failures)] = ModelFailure.decode(entry.value)
@@ -433,16 +445,16 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
     # Two models may not share a served name (submit refuses it; KV writes
     # around caravan are held to it here): the one declared first keeps it,
     # by the contract's rule, which the routers follow too.
-    owners = served_name_owners(
-        {name: (p.served_name, declared_at[name]) for name, p in profiles.items()}
+    # Adapter names are `model` values too: unique across every profile's served
+    # name and adapters (`declared_name_owners`).
+    owners = declared_name_owners(
+        {name: (p.declared_names, declared_at[name]) for name, p in profiles.items()}
     )
     for name, profile in list(profiles.items()):
-        owner = owners[profile.served_name]
-        if owner != name:
-            invalid[name] = (
-                f"served_model_name: {profile.served_name!r} is already served by model "
-                f"{owner!r}; choose another served_model_name or delete {owner} first"
-            )
+        taken = [(n, owners[n]) for n in profile.declared_names if owners.get(n, name) != name]
+        if taken:
+            served, owner = taken[0]
+            invalid[name] = name_clash_message(profile, served, owner)
             del profiles[name]
     return DesiredState(
         profiles=profiles,
@@ -455,6 +467,25 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
         overrides=overrides,
         failures=failures,
         cluster_config=cluster_config,
+        adapters=adapters,
+    )
+
+
+def name_clash_message(profile: ModelProfile, name: str, owner: str, where: str = "") -> str:
+    """Why `profile` may not serve `name`: model `owner` serves it (one line, naming the field).
+
+    `where` says where the owner was declared ("" for a stored model).
+    """
+    if name == profile.served_name:
+        field, other = "served_model_name", "served_model_name"
+    else:
+        index = [adapter.name for adapter in profile.adapters].index(name)
+        field, other = f"adapters[{index}].name", "adapter name"
+    if where:
+        return f"{field}: {name!r} is also served by model {owner!r} in {where}"
+    return (
+        f"{field}: {name!r} is already served by model {owner!r}; "
+        f"choose another {other} or delete {owner} first"
     )
 
 

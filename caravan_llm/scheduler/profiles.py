@@ -35,6 +35,12 @@ from caravan_llm.common.contract import (
 )
 from caravan_llm.scheduler.engines.base import Driver, EngineAdapter, resolve_metrics
 from caravan_llm.scheduler.engines.registry import Engine, adapter_for, engine_key_env_names
+from caravan_llm.scheduler.lora.profile import (
+    LoraAdapter,
+    LoraLimits,
+    check_adapter_list,
+    check_adapters,
+)
 from caravan_llm.scheduler.weights_cache import WeightsCache, check_weights
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -249,6 +255,10 @@ class ModelProfile(BaseModel):
     metrics: MetricsOverride | None = None
     # Where the weights live (a Nomad host or CSI volume) and an optional prefetch.
     weights: WeightsCache | None = None
+    # LoRA adapters served as models of their own, and the limits of a replica
+    # (scheduler/lora/profile.py). LoRA is on when either is given.
+    adapters: tuple[LoraAdapter, ...] = ()
+    lora: LoraLimits | None = None
 
     @field_validator("name")
     @classmethod
@@ -300,6 +310,7 @@ class ModelProfile(BaseModel):
         clash = sorted(set(self.env) & set(self.secrets))
         if clash:
             raise ValueError(f"env and secrets both set {', '.join(clash)}; keep one")
+        check_adapter_list(self.adapters, self.served_name)
         policy = self.autoscaling
         if (
             policy is not None
@@ -320,6 +331,18 @@ class ModelProfile(BaseModel):
     @property
     def uses_gpu(self) -> bool:
         return self.gpu is not None
+
+    @property
+    def lora_limits(self) -> LoraLimits | None:
+        """The LoRA limits in force when LoRA is on (adapters or a `lora:` block), else None."""
+        if self.lora is not None:
+            return self.lora
+        return LoraLimits() if self.adapters else None
+
+    @property
+    def declared_names(self) -> tuple[str, ...]:
+        """Every OpenAI `model` value this profile serves: its served name, then its adapters."""
+        return (self.served_name, *(adapter.name for adapter in self.adapters))
 
 
 def check_engine_rules(profile: ModelProfile) -> None:
@@ -346,7 +369,7 @@ def check_engine_rules(profile: ModelProfile) -> None:
             raise ValueError(
                 f"engine_args: {flag} is set by caravan from the profile; "
                 "use the profile field instead (model, served_model_name, tensor_parallel, "
-                "max_concurrency, context_length)"
+                "max_concurrency, context_length, adapters, lora)"
             )
     policy = profile.autoscaling
     reports_kv_cache = resolve_metrics(facts.metrics, profile.metrics).kv_cache_usage is not None
@@ -357,6 +380,7 @@ def check_engine_rules(profile: ModelProfile) -> None:
         )
     if profile.weights is not None:
         check_weights(profile.weights, profile.model, profile.env, facts)
+    check_adapters(profile.adapters, profile.lora, weights=profile.weights, facts=facts)
 
 
 def _reads_as(adapter: EngineAdapter, arg: str, flag: str) -> bool:

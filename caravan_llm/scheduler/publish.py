@@ -1,4 +1,5 @@
-"""After a pass: say what it found, on change only (metrics, logs, `placements/`, `failed/`).
+"""After a pass: say what it found, on change only (metrics, logs, `placements/`, `failed/`,
+`adapters/`).
 
 Everything here reads the pass's observation, assessment and plan; nothing
 decides. What the publisher keeps between passes is only what it last said
@@ -22,10 +23,12 @@ from caravan_llm.common.consul_api import KVEntry
 from caravan_llm.common.contract import (
     ALLOC_ID_PATTERN,
     MODEL_NAME_PATTERN,
+    ModelAdapters,
     PlacedAllocation,
     Placements,
     PlacementsError,
     decode_placements,
+    encode_model_adapters,
     encode_placements,
 )
 from caravan_llm.common.errors import HashiError
@@ -106,10 +109,13 @@ class Publisher:
         self._unplaced: set[str] = set()
         self._failure_gauges: set[str] = set()
         self._prefetch_failed: set[str] = set()
+        # What this process last wrote under adapters/, by model; None until read.
+        self._adapters: dict[str, str] | None = None
 
     def forget_placements(self) -> None:
         """Another leader may write placements meanwhile: read them again before writing."""
         self._published = None
+        self._adapters = None
 
     def record_plan(self, result: Plan, observed: Observation) -> None:
         """The per-model gauges, and a log line for what newly went wrong."""
@@ -203,6 +209,39 @@ class Publisher:
             # Counted by class like every failed Nomad or Consul call (the alerts read these).
             self.metrics.errors.labels(kind=type(exc).__name__).inc()
             log.warning("placements_publish_failed", extra={"error": str(exc)})
+
+    async def publish_adapters(self, documents: Mapping[str, ModelAdapters]) -> None:
+        """Write each LoRA model's `adapters/<model>` where it changed; delete the others'.
+
+        Failures are logged and retried on the next pass (routers then route on
+        the last document a little longer).
+        """
+        kv = self.store.kv
+        prefix = self.store.layout.adapters
+        try:
+            if self._adapters is None:
+                _, entries = await kv.kv_get_recurse(prefix)
+                self._adapters = {
+                    entry.key[len(prefix) :]: entry.value.decode("utf-8", "replace")
+                    for entry in entries
+                    if entry.key[len(prefix) :] and "/" not in entry.key[len(prefix) :]
+                }
+            published = self._adapters
+            wanted = {model: encode_model_adapters(doc) for model, doc in documents.items()}
+            for model in sorted(published.keys() - wanted.keys()):
+                await kv.kv_delete(self.store.layout.adapters_key(model))
+                published.pop(model, None)
+                log.info("adapters_cleared", extra={"model": model})
+            for model, document in sorted(wanted.items()):
+                if published.get(model) == document:
+                    continue
+                await kv.kv_put(self.store.layout.adapters_key(model), document)
+                published[model] = document
+                log.info("adapters_published", extra={"model": model})
+        except HashiError as exc:
+            self._adapters = None
+            self.metrics.errors.labels(kind=type(exc).__name__).inc()
+            log.warning("adapters_publish_failed", extra={"error": str(exc)})
 
     async def publish_failures(
         self, desired: DesiredState, assessment: Assessment, now: float

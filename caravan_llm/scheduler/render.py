@@ -321,6 +321,13 @@ def _relay_task(kv_events: KvEventsSettings, job_id: str) -> dict[str, Any]:
     return task
 
 
+def _lora_env(profile: ModelProfile, adapter: EngineAdapter) -> dict[str, str]:
+    """What the engine needs to take adapters at run time, when the profile turns LoRA on."""
+    if profile.lora_limits is None:
+        return {}
+    return dict(adapter.facts.adapters.runtime_env)
+
+
 def _task(
     profile: ModelProfile, adapter: EngineAdapter, config: ClusterConfig, job_id: str
 ) -> dict[str, Any]:
@@ -329,7 +336,7 @@ def _task(
         "Name": TASK_NAME,
         "Driver": adapter.driver(profile).value,
         "Config": adapter.task_config(profile),
-        "Env": dict(sorted(profile.env.items())),
+        "Env": dict(sorted({**profile.env, **_lora_env(profile, adapter)}.items())),
         "Resources": _resources(profile, adapter, gpu_class),
         "KillTimeout": _ns(KILL_TIMEOUT_S),
         "KillSignal": "SIGTERM",

@@ -21,6 +21,7 @@ from caravan_llm.common.consul_api import HealthEntry
 from caravan_llm.common.contract import (
     ROUTER_SERVICE,
     SCHEDULER_SERVICE,
+    ModelAdapters,
     ModelFailure,
     ScaleOverride,
 )
@@ -60,6 +61,10 @@ class ReplicaStatus:
     # that run's stderr (scheduler/engine_logs.py), or why they are unavailable.
     engine_stderr: tuple[str, ...] = ()
     engine_stderr_unavailable: str | None = None
+    # LoRA adapters (models with LoRA on): what the replica's engine holds and what
+    # the scheduler's plan wants it to hold; None: not reported (LoRA off, not ready).
+    adapters_loaded: tuple[str, ...] | None = None
+    adapters_desired: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +93,9 @@ class ModelStatus:
     # The profile's version in its history (`caravan history`); None when it
     # was written around caravan.
     version: int | None = None
+    # LoRA (profiles with LoRA on): {"declared": [names], "failed": [{"adapter",
+    # "source", "job_id", "reason", "since"}], "unplaced": [names]}; None: LoRA off.
+    adapters: Mapping[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -253,7 +261,7 @@ def model_status(
         except ValueError:
             autoscaler = {"error": "autoscaler state in KV is unreadable"}
     override = state.overrides.get(name)
-    return summarise_model(
+    summary = summarise_model(
         name,
         profile,
         state.desired_count(name),
@@ -262,6 +270,40 @@ def model_status(
         override=override if override is not None and override.in_force(now) else None,
         failure=state.failures.get(name),
         prefetch=assessed.prefetch,
+    )
+    return with_adapters(summary, profile, state.adapters.get(name))
+
+
+def with_adapters(
+    status: ModelStatus, profile: ModelProfile, document: ModelAdapters | None
+) -> ModelStatus:
+    """The status with its LoRA adapters: per replica desired and loaded, and failures (pure).
+
+    A replica is matched by its job (one live allocation each); a replica the
+    leader's last document does not name shows none.
+    """
+    if profile.lora_limits is None:
+        return status
+    by_job = {} if document is None else {r.job_id: r for r in document.replicas}
+    replicas = tuple(
+        replace(
+            replica,
+            adapters_loaded=by_job[replica.job_id].loaded,
+            adapters_desired=by_job[replica.job_id].desired,
+        )
+        if replica.job_id in by_job
+        else replica
+        for replica in status.replicas
+    )
+    failed = [] if document is None else [f.model_dump() for f in document.failed]
+    return replace(
+        status,
+        replicas=replicas,
+        adapters={
+            "declared": [adapter.name for adapter in profile.adapters],
+            "failed": failed,
+            "unplaced": [] if document is None else list(document.unplaced),
+        },
     )
 
 

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 VOLUME_NAME = "weights"
 PREFETCH_GROUP = "prefetch"
 PREFETCH_TASK = "prefetch"
+# The tasks that download adapters named by a Hugging Face id: `adapter-<index>`.
+PREFETCH_ADAPTER_TASK_PREFIX = "adapter-"
 PREFETCH_SUFFIX = "-prefetch"
 # Job Meta of the prefetch job: which model it fills (JobMetaKey.MODEL) and this kind.
 PREFETCH_KIND_KEY = "caravan_kind"
@@ -145,9 +147,12 @@ def _prefetch_command(profile: ModelProfile, prefetch: Prefetch) -> tuple[str, .
 
 
 def _prefetch_task_config(
-    profile: ModelProfile, prefetch: Prefetch, config: ClusterConfig
+    profile: ModelProfile,
+    prefetch: Prefetch,
+    config: ClusterConfig,
+    command: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
-    program, *args = _prefetch_command(profile, prefetch)
+    program, *args = command or _prefetch_command(profile, prefetch)
     if prefetch.driver == "exec":
         return {"command": program, "args": args}
     return {
@@ -156,6 +161,31 @@ def _prefetch_task_config(
         "entrypoint": [program],
         "args": args,
     }
+
+
+def _adapter_download_tasks(
+    profile: ModelProfile, prefetch: Prefetch, config: ClusterConfig, model_task: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """With the engine's default download, one more task per adapter named by a Hugging Face
+    id (`hf download <id>` into the same cache), run beside the model's: the allocation
+    completes when all have. A prefetch with its own command brings the adapters itself."""
+    download = adapter_for(profile.engine).facts.weights.default_download
+    if prefetch.command or download is None:
+        return []
+    tasks: list[dict[str, Any]] = []
+    for index, adapter in enumerate(profile.adapters):
+        if adapter.is_path:
+            continue
+        tasks.append(
+            {
+                **model_task,
+                "Name": f"{PREFETCH_ADAPTER_TASK_PREFIX}{index}",
+                "Config": _prefetch_task_config(
+                    profile, prefetch, config, (*download, adapter.source)
+                ),
+            }
+        )
+    return tasks
 
 
 def _canonical_hash(document: Any) -> str:
@@ -187,6 +217,7 @@ def render_prefetch(
     }
     if templates:
         task["Templates"] = templates
+    tasks = [task, *_adapter_download_tasks(profile, prefetch, config, task)]
     job: dict[str, Any] = {
         "ID": job_id,
         "Name": job_id,
@@ -214,7 +245,7 @@ def render_prefetch(
                 # A failed prefetch is shown, not retried on other nodes forever.
                 "ReschedulePolicy": {"Attempts": 0, "Interval": 0, "Unlimited": False},
                 "Volumes": {VOLUME_NAME: _volume_request(weights, read_only=False, prefetch=True)},
-                "Tasks": [task],
+                "Tasks": tasks,
             }
         ],
     }

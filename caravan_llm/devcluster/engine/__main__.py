@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from caravan_llm.devcluster.engine.flags import EngineSettings, FlagError, parse_engine_args
+from caravan_llm.devcluster.engine.lora import LoraModuleError
 from caravan_llm.devcluster.engine.model_file import (
     MODEL_LOAD_EXIT_CODE,
     check_model_file,
@@ -79,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         asyncio.run(_serve(settings))
+    except LoraModuleError as exc:
+        # vLLM stops at start when a --lora-modules adapter does not load.
+        log.error("ValueError: %s", exc)  # noqa: TRY400 - the engine's one line, no traceback
+        return 1
     except OSError as exc:
         # A taken port ends the real engines at once too.
         log.error("cannot serve on %s:%s: %s", settings.host, settings.port, exc)  # noqa: TRY400

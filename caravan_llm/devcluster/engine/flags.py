@@ -35,6 +35,14 @@ from caravan_llm.devcluster.engine.kv_events import (
     KvEventsConfigError,
     parse_kv_events_config,
 )
+from caravan_llm.devcluster.engine.lora import (
+    MAX_LORA_RANKS,
+    NODE_ROOT_ENV,
+    LoraConfig,
+    LoraModuleError,
+    parse_lora_module,
+    runtime_updating,
+)
 from caravan_llm.kvrelay.wire import Encoding
 
 Flavor = Literal["vllm", "llamacpp", "sglang"]
@@ -69,8 +77,6 @@ VLLM_IGNORED_VALUE_FLAGS = (
     "--uvicorn-log-level",
     "--root-path",
     "--response-role",
-    "--max-loras",
-    "--max-lora-rank",
     "--limit-mm-per-prompt",
     "--override-generation-config",
     "--hf-overrides",
@@ -92,7 +98,6 @@ VLLM_IGNORED_SWITCHES = (
     "--disable-uvicorn-access-log",
     "--enable-auto-tool-choice",
     "--disable-frontend-multiprocessing",
-    "--enable-lora",
     "--disable-custom-all-reduce",
     "--enable-expert-parallel",
     "--async-scheduling",
@@ -241,6 +246,13 @@ class EngineSettings:
         path = Path(self.tokenizer or self.model)
         return path if path.is_dir() else None
 
+    # vLLM's --enable-lora and its limits (None: LoRA off), and whether
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING mounts the load and unload routes.
+    lora: LoraConfig | None = None
+    runtime_lora_updating: bool = False
+    # Where the engine finds adapter folders (the node folder, HF_HOME).
+    lora_env: Mapping[str, str] = field(default_factory=dict)
+
     @property
     def api_flavor(self) -> ApiFlavor:
         """Whose OpenAI request and response behaviour this flavour has."""
@@ -330,11 +342,16 @@ def vllm_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--kv-events-config", default=None)
+    # LoRA (devcluster/engine/lora.py).
+    parser.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--max-loras", type=int, default=1)
+    parser.add_argument("--max-lora-rank", type=int, default=16, choices=MAX_LORA_RANKS)
+    parser.add_argument("--max-cpu-loras", type=int, default=None)
+    parser.add_argument("--lora-modules", nargs="+", default=None)
     ignored = parser.add_argument_group("accepted and ignored by the simulator")
     for flag in VLLM_IGNORED_VALUE_FLAGS:
         names = [flag, _VLLM_SHORT_FLAGS[flag]] if flag in _VLLM_SHORT_FLAGS else [flag]
         ignored.add_argument(*names, dest=f"ignored_{flag}", default=None)
-    ignored.add_argument("--lora-modules", nargs="+", default=None)
     for flag in VLLM_IGNORED_SWITCHES:
         ignored.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
     _add_sim_flags(parser)
@@ -579,6 +596,30 @@ def _vllm_settings(args: argparse.Namespace, env: Mapping[str, str]) -> EngineSe
         kv_events_encoding=_kv_events_encoding(values),
         dev_mode=_dev_mode(env),
         tokenizer=args.tokenizer,
+        lora=_lora_config(args),
+        runtime_lora_updating=runtime_updating(env),
+        lora_env={k: env[k] for k in (NODE_ROOT_ENV, "HF_HOME") if k in env},
+    )
+
+
+def _lora_config(args: argparse.Namespace) -> LoraConfig | None:
+    """vLLM's LoRA flags; --lora-modules needs --enable-lora (the modules load into it)."""
+    if not args.enable_lora:
+        if args.lora_modules:
+            raise FlagError("--lora-modules: LoRA is not enabled; add --enable-lora")
+        return None
+    try:
+        modules = tuple(parse_lora_module(value) for value in args.lora_modules or ())
+    except LoraModuleError as exc:
+        raise FlagError(str(exc)) from None
+    max_loras = _positive("--max-loras", args.max_loras)
+    if args.max_cpu_loras is not None and args.max_cpu_loras < max_loras:
+        raise FlagError(f"max_cpu_loras ({args.max_cpu_loras}) must be >= max_loras ({max_loras})")
+    return LoraConfig(
+        max_loras=max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        modules=modules,
     )
 
 

@@ -344,6 +344,8 @@ class VllmMetrics:
         self._seen_queries = 0
         self._seen_hits = 0
         self._seen_preemptions = 0
+        # vllm:lora_requests_info, created on the first LoRA update (only with --enable-lora).
+        self._lora_info: Gauge | None = None
 
     def observe_step(self, outcome: StepOutcome) -> None:
         if outcome.emitted:
@@ -382,6 +384,25 @@ class VllmMetrics:
 
     def observe_aborted(self) -> None:
         self._success["abort"].inc()
+
+    def observe_lora(
+        self, *, max_lora: int, running: list[str], waiting: list[str], now: float
+    ) -> None:
+        """vLLM's `vllm:lora_requests_info`: one series, its labels the adapters of the running
+        and waiting requests (comma-separated, in order of first appearance) and
+        `max_lora`, its value the wall-clock time of the update; only with --enable-lora."""
+        if self._lora_info is None:
+            self._lora_info = Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
+                registry=self.registry,
+                multiprocess_mode="livemostrecent",
+            )
+        # As vLLM, every combination seen stays a series with the time it was last
+        # set: a reader takes the series with the latest value (GIE's rule).
+        labels = (str(max_lora), ",".join(dict.fromkeys(waiting)), ",".join(dict.fromkeys(running)))
+        self._lora_info.labels(*labels).set(now)
 
     def render(self, stats: CoreStats) -> bytes:
         self._running.set(stats.running)

@@ -40,6 +40,7 @@ from caravan_llm.devcluster.engine.flags import LLAMACPP_TRAINED_CONTEXT, Engine
 from caravan_llm.devcluster.engine.hf_tokenizer import HfTokenizer
 from caravan_llm.devcluster.engine.kv_events import KvEventPublisher
 from caravan_llm.devcluster.engine.loop import EngineLoop, RequestHandle
+from caravan_llm.devcluster.engine.lora import LoadedAdapter, LoraRegistry
 from caravan_llm.devcluster.engine.metrics import (
     PROMETHEUS_TEXT_CONTENT_TYPE,
     LlamacppMetrics,
@@ -151,6 +152,12 @@ class SimulatedEngine:
         # The model's own tokenizer when its directory has one (else the regex tokenizer).
         directory = settings.tokenizer_directory
         self._hf = HfTokenizer.from_directory(directory) if directory is not None else None
+        # vLLM's LoRA adapters (--enable-lora); the adapter each request in flight uses.
+        self.lora: LoraRegistry | None = None
+        if settings.flavor == "vllm" and settings.lora is not None:
+            self.lora = LoraRegistry(settings.lora, env=settings.lora_env)
+            self.lora.load_static()
+        self._adapter_of: dict[str, str] = {}
         self.shape: ApiShape
         self._vllm_metrics: VllmMetrics | None = None
         self._llamacpp_metrics: LlamacppMetrics | None = None
@@ -212,6 +219,12 @@ class SimulatedEngine:
             if self.settings.dev_mode:
                 # vLLM mounts its cache-reset route only with VLLM_SERVER_DEV_MODE=1.
                 routes.append(web.post("/reset_prefix_cache", self._reset_prefix_cache))
+            if self.settings.runtime_lora_updating:
+                # vLLM mounts these only with VLLM_ALLOW_RUNTIME_LORA_UPDATING (lora.py).
+                routes += [
+                    web.post("/v1/load_lora_adapter", self._load_lora_adapter),
+                    web.post("/v1/unload_lora_adapter", self._unload_lora_adapter),
+                ]
         else:
             routes += [
                 web.get("/v1/health", self._health),
@@ -319,6 +332,34 @@ class SimulatedEngine:
         if not self.core.reset_prefix_cache():
             return _json_response({"detail": "Prefix cache reset failed."}, status=409)
         return web.Response(status=200)
+
+    async def _load_lora_adapter(self, request: web.Request) -> web.Response:
+        return await self._lora_call(request, load=True)
+
+    async def _unload_lora_adapter(self, request: web.Request) -> web.Response:
+        return await self._lora_call(request, load=False)
+
+    async def _lora_call(self, request: web.Request, *, load: bool) -> web.Response:
+        """vLLM's load and unload routes: a text body on success, an error object otherwise."""
+        try:
+            text = self._lora_change(await self._read_json(request), load=load)
+        except ApiError as err:
+            return self._error(err)
+        return web.Response(status=200, text=text)
+
+    def _lora_change(self, body: Any, *, load: bool) -> str:
+        if not isinstance(body, dict):
+            raise ApiError(400, "Input should be a valid dictionary", error_type="BadRequestError")
+        if self.lora is None:
+            # vLLM's engine has no LoRA manager without --enable-lora.
+            raise ApiError(
+                500,
+                "LoRA is not enabled. Use --enable-lora to enable LoRA.",
+                error_type="InternalServerError",
+            )
+        if load:
+            return self.lora.load(body.get("lora_name"), body.get("lora_path"))
+        return self.lora.unload(body.get("lora_name"))
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
@@ -483,6 +524,19 @@ class SimulatedEngine:
                 }
                 for name in s.served_model_names
             ]
+            cards += [
+                {
+                    "id": adapter.name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "vllm",
+                    "root": adapter.path,
+                    "parent": s.served_model_names[0],
+                    "max_model_len": None,
+                    "permission": cards[0]["permission"],
+                }
+                for adapter in (self.lora.loaded.values() if self.lora is not None else ())
+            ]
             return _json_response({"object": "list", "data": cards})
         card = {
             "id": s.model_name,
@@ -533,6 +587,14 @@ class SimulatedEngine:
             body = self._sglang_metrics.render(stats)
             return web.Response(body=body, headers={"Content-Type": PROMETHEUS_TEXT_CONTENT_TYPE})
         if self._vllm_metrics is not None:
+            if self.lora is not None:
+                running = set(self.core.running_ids())
+                self._vllm_metrics.observe_lora(
+                    max_lora=self.lora.config.max_loras,
+                    running=[a for rid, a in self._adapter_of.items() if rid in running],
+                    waiting=[a for rid, a in self._adapter_of.items() if rid not in running],
+                    now=time.time(),
+                )
             body = self._vllm_metrics.render(stats)
             return web.Response(body=body, headers={"Content-Type": PROMETHEUS_TEXT_CONTENT_TYPE})
         if not self.settings.metrics_enabled or self._llamacpp_metrics is None:
@@ -805,9 +867,12 @@ class SimulatedEngine:
             for handle in handles:
                 self.loop.abort(handle.request_id)
             return self._error(ApiError(400, str(exc)))
+        adapter = self._adapter(parsed)
         for branch, handle in zip(plans, handles, strict=True):
             request_id = branch.spec.request_id
             self._finish_reasons[request_id] = branch.output.finish_reason
+            if adapter is not None:
+                self._adapter_of[request_id] = adapter.name
             self._task_ids += 1
             self._active[request_id] = _Active(
                 prompt_tokens=branch.prompt_tokens,
@@ -835,6 +900,7 @@ class SimulatedEngine:
             for branch in plans:
                 request_id = branch.spec.request_id
                 self._active.pop(request_id, None)
+                self._adapter_of.pop(request_id, None)
                 if self._finish_reasons.pop(request_id, None) is not None:
                     # Still unfinished: the client went away or the connection was dropped.
                     self.loop.abort(request_id)
@@ -857,8 +923,11 @@ class SimulatedEngine:
     def _check_model(self, parsed: GenerateRequest) -> None:
         if self.settings.api_flavor != "vllm" or parsed.model is None:
             return
-        if parsed.model not in self.settings.served_model_names:
-            raise ApiError(404, self._unknown_model_message(parsed.model), param="model")
+        if parsed.model in self.settings.served_model_names:
+            return
+        if self.lora is not None and parsed.model in self.lora.loaded:
+            return
+        raise ApiError(404, self._unknown_model_message(parsed.model), param="model")
 
     def _unknown_model_message(self, model: str) -> str:
         aliases = ", ".join(self.settings.served_model_names)
@@ -917,8 +986,11 @@ class SimulatedEngine:
                 )
             wanted = parsed.max_tokens if parsed.max_tokens is not None else s.default_max_tokens
             max_new = min(wanted, room) if wanted is not None else room
-        # Each choice of an n > 1 request draws its own text.
+        # Each choice of an n > 1 request draws its own text; an adapter gives text of its own.
         seed = (parsed.seed if parsed.seed is not None else s.sim.seed) + choice
+        adapter = self._adapter(parsed)
+        if adapter is not None:
+            seed += adapter.seed_salt
         key = generation_key(parsed.key_prompt)
         output = plan_output(
             key=key,
@@ -969,6 +1041,12 @@ class SimulatedEngine:
         else:
             ids = self._hf.encode(parsed.prompt, add_special_tokens=False)
         return ids, tuple(ids)
+
+    def _adapter(self, parsed: GenerateRequest) -> LoadedAdapter | None:
+        """The LoRA adapter a request names in `model`, if any."""
+        if self.lora is None or parsed.model is None:
+            return None
+        return self.lora.loaded.get(parsed.model)
 
     def _draw_fault(self) -> Fault | None:
         sim = self.settings.sim

@@ -38,6 +38,7 @@ from typing import Any
 import yaml
 
 from caravan_llm.devcluster import vllm_real
+from caravan_llm.devcluster.engine.lora import NODE_ROOT_ENV
 from caravan_llm.devcluster.engine.model_file import CHECK_MODEL_FILE_ENV
 from caravan_llm.devcluster.llama_server_build import find_llama_server
 from caravan_llm.devcluster.nomad.model import AllocatedPort
@@ -257,6 +258,9 @@ def task_process_env(task_env: Mapping[str, str], settings: DriverSettings) -> d
     env = {k: v for k, v in settings.host_env.items() if k not in ENV_DENYLIST}
     if settings.check_model_files:
         env[CHECK_MODEL_FILE_ENV] = "1"
+    if settings.node_root is not None:
+        # The simulated vLLM reads adapter folders named at run time under it.
+        env[NODE_ROOT_ENV] = str(settings.node_root)
     env.update(task_env)
     return env
 

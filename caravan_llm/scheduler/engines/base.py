@@ -21,8 +21,8 @@ must not import the profile module back.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -54,6 +54,29 @@ class ResourceShape(Protocol):
 
     @property
     def cores(self) -> int | None: ...
+
+
+class LoraAdapterShape(Protocol):
+    """What an engine adapter reads of one LoRA adapter a profile declares (`adapters:`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def source(self) -> str: ...
+
+
+class LoraLimitsShape(Protocol):
+    """What an engine adapter reads of a profile's LoRA limits (`lora:`)."""
+
+    @property
+    def max_loras(self) -> int: ...
+
+    @property
+    def max_lora_rank(self) -> int: ...
+
+    @property
+    def max_cpu_loras(self) -> int | None: ...
 
 
 class EngineProfile(Protocol):
@@ -101,6 +124,14 @@ class EngineProfile(Protocol):
     @property
     def weights(self) -> object | None:
         """The profile's weights cache (None: the engine fetches or finds the model itself)."""
+        ...
+
+    @property
+    def adapters(self) -> Sequence[LoraAdapterShape]: ...
+
+    @property
+    def lora_limits(self) -> LoraLimitsShape | None:
+        """The LoRA limits when LoRA is on (adapters or a `lora:` block), else None."""
         ...
 
 
@@ -185,6 +216,52 @@ HF_HUB_WEIGHTS = WeightsFacts(
 )
 
 
+class AdapterLoading(StrEnum):
+    """How an engine takes LoRA adapters."""
+
+    # Loaded and unloaded through its HTTP API while it serves: the scheduler
+    # places each adapter on some replicas (scheduler/lora/plan.py) and changing
+    # the profile's adapters restarts nothing.
+    RUNTIME = "runtime"
+    # Named on its command line: every replica holds every adapter, and a change
+    # of the adapters is a new spec (the replicas are replaced).
+    START = "start"
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeAdapterApi:
+    """The engine's routes for adapters at run time (all behind its API key)."""
+
+    # GET: the OpenAI model list, in which an adapter's entry has `parent` set.
+    list_path: str
+    # POST {"lora_name", "lora_path"}: 200 once loaded; an error status otherwise.
+    load_path: str
+    # POST {"lora_name"}: 200 once unloaded; 404 when it is not loaded.
+    unload_path: str
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterFacts:
+    """What an engine does with LoRA adapters (a profile's `adapters:` and `lora:`)."""
+
+    # None: the engine takes no adapters; `refusal` says why, for the profile's error.
+    loading: AdapterLoading | None
+    refusal: str = ""
+    # The runtime routes (RUNTIME only).
+    api: RuntimeAdapterApi | None = None
+    # Variables the engine needs to take adapters at run time, rendered by caravan
+    # (a profile's `env` may not set them: the profile policy refuses them).
+    runtime_env: Mapping[str, str] = field(default_factory=dict)
+    # The values its `max_lora_rank` flag accepts; None: any positive rank.
+    ranks: frozenset[int] | None = None
+    # How a request names an adapter in `model`: `{adapter}` the adapter's name,
+    # `{served}` the base model's served name (SGLang: `{served}:{adapter}`).
+    request_model: str = "{adapter}"
+
+
+NO_ADAPTERS = AdapterFacts(loading=None, refusal="this engine takes no LoRA adapters")
+
+
 @dataclass(frozen=True, slots=True)
 class KvEventsFacts:
     """How an engine is told to publish its KV-cache events (engines/kv_events.py)."""
@@ -233,6 +310,8 @@ class EngineFacts:
     # How the engine publishes its KV-cache events (engines/kv_events.py);
     # None: it publishes none, and routers keep the approximate prefix index.
     kv_events: KvEventsFacts | None = None
+    # What it does with LoRA adapters (how it loads them, its limits' flags).
+    adapters: AdapterFacts = NO_ADAPTERS
 
 
 class EngineAdapter(Protocol):

@@ -17,6 +17,7 @@ from caravan_llm.common.contract import HTTP_PORT_LABEL, EngineRoute, StreamTrai
 from caravan_llm.common.engine_metrics import MetricNames
 from caravan_llm.scheduler.engines.base import (
     METRICS_PATH,
+    AdapterFacts,
     Driver,
     EngineFacts,
     ResolvedMetrics,
@@ -120,6 +121,20 @@ LLAMACPP_ROUTES = frozenset(EngineRoute) - {
 }
 
 
+# llama-server takes `--lora FNAME` (GGUF adapters) at start only and applies
+# them to every request (or, with `--lora-init-without-apply`, by a `lora`
+# field of the request body): it never selects an adapter by the request's
+# `model`, which is how caravan serves adapters, so profiles are refused.
+LLAMACPP_ADAPTERS = AdapterFacts(
+    loading=None,
+    refusal=(
+        "llama.cpp takes `--lora` adapters at start only and applies them to every "
+        "request, never by the request's `model` (how caravan serves an adapter); "
+        "serve a merged GGUF as a profile of its own, or use engine vllm or sglang"
+    ),
+)
+
+
 LLAMACPP_FACTS = EngineFacts(
     name="llamacpp",
     shown="llama.cpp",
@@ -137,6 +152,7 @@ LLAMACPP_FACTS = EngineFacts(
     # default download (a prefetch gives its own command).
     weights=WeightsFacts(hub_cache_env=None, offline_env={}, default_download=None),
     routes=LLAMACPP_ROUTES,
+    adapters=LLAMACPP_ADAPTERS,
 )
 
 

@@ -38,6 +38,8 @@ from caravan_llm.common.engine_metrics import MetricNames
 from caravan_llm.scheduler.engines.base import (
     HF_HUB_WEIGHTS,
     METRICS_PATH,
+    AdapterFacts,
+    AdapterLoading,
     EngineFacts,
     GpuContainerSizing,
     KvEventsFacts,
@@ -95,6 +97,12 @@ MANAGED_FLAGS = frozenset(
         "--api-key",
         # Rendered when the cluster's KV events are on (see vllm.py).
         "--kv-events-config",
+        # LoRA: from the profile's `adapters` and `lora` (`lora_args`).
+        "--enable-lora",
+        "--lora-paths",
+        "--max-loras-per-batch",
+        "--max-lora-rank",
+        "--max-loaded-loras",
     }
 )
 DENIED_FLAGS = (
@@ -133,6 +141,18 @@ SGLANG_ROUTES = frozenset(EngineRoute) - {
 # `kv_events.sglang_page_size` (16) when the profile sets no page size.
 SGLANG_KV_EVENTS = KvEventsFacts(flag="--kv-events-config", enable_field=False)
 PAGE_SIZE_FLAG = "--page-size"
+# LoRA (docs.sglang.io, "LoRA Serving"): `--enable-lora`, `--lora-paths
+# <NAME>=<PATH>` (a path or a Hugging Face id), `--max-loras-per-batch`,
+# `--max-lora-rank`, `--max-loaded-loras` (adapters in CPU memory, at least
+# max-loras-per-batch). SGLang also has /load_lora_adapter and
+# /unload_lora_adapter; caravan names the adapters at start (every replica
+# holds every one; a change replaces the replicas) until its run-time contract
+# is checked against a real server. A request names an adapter as
+# `<base>:<adapter>` in `model` (SGLang's OpenAI-compatible form).
+SGLANG_ADAPTERS = AdapterFacts(
+    loading=AdapterLoading.START,
+    request_model="{served}:{adapter}",
+)
 
 
 SGLANG_FACTS = EngineFacts(
@@ -152,6 +172,7 @@ SGLANG_FACTS = EngineFacts(
     weights=HF_HUB_WEIGHTS,
     routes=SGLANG_ROUTES,
     kv_events=SGLANG_KV_EVENTS,
+    adapters=SGLANG_ADAPTERS,
 )
 
 
@@ -218,7 +239,26 @@ class SglangAdapter(GpuContainerSizing):
             args += kv_events_args(SGLANG_KV_EVENTS)
             if not has_flag(profile.engine_args, PAGE_SIZE_FLAG):
                 args += [PAGE_SIZE_FLAG, str(self.kv_events.sglang_page_size)]
+        args += self.lora_args(profile)
         args += list(profile.engine_args)
+        return args
+
+    def lora_args(self, profile: EngineProfile) -> list[str]:
+        """LoRA on with the profile's limits, and every adapter named at start."""
+        limits = profile.lora_limits
+        if limits is None:
+            return []
+        args = [
+            "--enable-lora",
+            "--max-loras-per-batch",
+            str(limits.max_loras),
+            "--max-lora-rank",
+            str(limits.max_lora_rank),
+        ]
+        if limits.max_cpu_loras is not None:
+            args += ["--max-loaded-loras", str(limits.max_cpu_loras)]
+        if profile.adapters:
+            args += ["--lora-paths", *(f"{a.name}={a.source}" for a in profile.adapters)]
         return args
 
     def task_config(self, profile: EngineProfile) -> dict[str, Any]:

@@ -17,10 +17,13 @@ from caravan_llm.common.engine_metrics import MetricNames
 from caravan_llm.scheduler.engines.base import (
     HF_HUB_WEIGHTS,
     METRICS_PATH,
+    AdapterFacts,
+    AdapterLoading,
     EngineFacts,
     GpuContainerSizing,
     KvEventsFacts,
     ResolvedMetrics,
+    RuntimeAdapterApi,
     check_gpu_engine,
 )
 from caravan_llm.scheduler.engines.kv_events import (
@@ -65,6 +68,11 @@ MANAGED_FLAGS = frozenset(
         # Rendered when the cluster's KV events are on; a profile's own could
         # publish token ids outside the allocation (`tcp://*`).
         "--kv-events-config",
+        # LoRA: from the profile's `adapters` and `lora` (LORA_FLAGS).
+        "--max-loras",
+        "--max-lora-rank",
+        "--max-cpu-loras",
+        "--lora-modules",
     }
 )
 DENIED_FLAGS = (
@@ -112,6 +120,24 @@ DEFAULT_MAX_NUM_SEQS = 256
 # GPU by default, 128 on the CPU build, `--block-size` in engine_args): the
 # relay learns it from the events.
 VLLM_KV_EVENTS = KvEventsFacts(flag="--kv-events-config", enable_field=True)
+# LoRA at run time (vllm/entrypoints/serve/lora/api_router.py): the load and
+# unload routes are mounted only with VLLM_ALLOW_RUNTIME_LORA_UPDATING (else
+# 404 {"detail": "Not Found"}); under /v1, so behind the API key like the rest.
+# A bad path answers 404 NotFoundError ("Loading lora <name> failed: No adapter
+# found for <path>"), a second load of a name 400 InvalidUserInput, an unload
+# of a name not loaded 404. A loaded adapter is listed in /v1/models with
+# `parent` set to the base model and answers requests whose `model` is its name.
+VLLM_ADAPTERS = AdapterFacts(
+    loading=AdapterLoading.RUNTIME,
+    api=RuntimeAdapterApi(
+        list_path="/v1/models",
+        load_path="/v1/load_lora_adapter",
+        unload_path="/v1/unload_lora_adapter",
+    ),
+    runtime_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"},
+    # `MaxLoRARanks` in vllm/config/lora.py: --max-lora-rank takes only these.
+    ranks=frozenset({1, 8, 16, 32, 64, 128, 256, 320, 512}),
+)
 
 
 VLLM_FACTS = EngineFacts(
@@ -134,6 +160,7 @@ VLLM_FACTS = EngineFacts(
     weights=HF_HUB_WEIGHTS,
     routes=VLLM_ROUTES,
     kv_events=VLLM_KV_EVENTS,
+    adapters=VLLM_ADAPTERS,
 )
 
 
@@ -189,7 +216,25 @@ class VllmAdapter(GpuContainerSizing):
             args += ["--max-model-len", str(profile.context_length)]
         if self.kv_events is not None:
             args += kv_events_args(VLLM_KV_EVENTS)
+        args += self.lora_args(profile)
         args += list(profile.engine_args)
+        return args
+
+    def lora_args(self, profile: EngineProfile) -> list[str]:
+        """LoRA on, with the profile's limits; the adapters themselves are loaded at run
+        time by the scheduler, so a change of `adapters` changes no job."""
+        limits = profile.lora_limits
+        if limits is None:
+            return []
+        args = [
+            "--enable-lora",
+            "--max-loras",
+            str(limits.max_loras),
+            "--max-lora-rank",
+            str(limits.max_lora_rank),
+        ]
+        if limits.max_cpu_loras is not None:
+            args += ["--max-cpu-loras", str(limits.max_cpu_loras)]
         return args
 
     def task_config(self, profile: EngineProfile) -> dict[str, Any]:

@@ -101,3 +101,36 @@ def test_status_shows_a_crashed_engines_last_stderr_lines_under_the_table():
         "  replica 1 engine stderr (last lines):",
         "    gguf_init_from_file: failed to open GGUF file '/opt/x.gguf'",
     ] == lines[-2:]
+
+
+def test_status_shows_each_replicas_adapters_and_a_failed_one_with_its_reason():
+    """With LoRA on, status lists the declared adapters, each replica's loaded and desired
+    ones, what did not fit, and each adapter that failed to load with the engine's answer."""
+    adapters = {
+        "declared": ["sql", "chat", "bad"],
+        "failed": [
+            {
+                "adapter": "bad",
+                "source": "/m/missing",
+                "job_id": "caravan-qwen-0",
+                "reason": "HTTP 404: Loading lora bad failed: No adapter found for /m/missing",
+                "since": 40.0,
+            }
+        ],
+        "unplaced": ["old"],
+    }
+    replicas = [
+        replica(0, adapters_loaded=["sql"], adapters_desired=["sql", "chat"]),
+        replica(1, adapters_loaded=[], adapters_desired=[]),
+    ]
+    text = format_status(model(replicas=replicas, adapters=adapters), now=100.0)
+    assert [
+        "adapters: sql, chat, bad",
+        "  replica 0: loaded sql; desired sql, chat",
+        "  replica 1: loaded none; desired none",
+        "  unplaced (lora.max_loras slots full): old",
+        (
+            "  adapter bad failed to load on caravan-qwen-0 (60s ago): HTTP 404: Loading lora bad "
+            "failed: No adapter found for /m/missing (source /m/missing)"
+        ),
+    ] == [line for line in text.splitlines() if "adapter" in line or line.startswith("  ")][-5:]

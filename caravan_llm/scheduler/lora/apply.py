@@ -1,0 +1,466 @@
+"""The LoRA step of a reconcile pass: read what replicas hold, plan, load and unload (I/O).
+
+After the pass has applied its job actions, for each model whose engine takes
+adapters at run time (`AdapterLoading.RUNTIME`, vLLM):
+
+1. each ready replica's engine is asked what it holds (the engine's model
+   list, entries with `parent` set), with the model's engine key; a replica
+   that does not answer is left out of this pass (unknown, not empty);
+2. `plan_adapters` (pure, scheduler/lora/plan.py) says what each should hold,
+   weighted by the demand the `AdapterDemandSource` gives (none yet: routers
+   will publish it), leaving out adapters whose last load failed recently;
+3. the difference is applied through the engine's API: unloads first (they
+   free slots), then loads; an adapter loaded from another source than the
+   profile's now is unloaded and loaded again;
+4. the result is one `ModelAdapters` document per model (what each replica
+   holds now, what it should, which adapters failed and why), which the
+   publisher writes to `adapters/<model>` on change.
+
+An engine that refuses a load (a bad path: vLLM answers 404) is recorded with
+its answer; the adapter is left out of the plan for `retry_failed_after_s`,
+so its slot serves the others meanwhile, then tried again. Models whose engine
+names its adapters at start (SGLang) get the document too: every ready replica
+holds every adapter, as rendered.
+
+Nothing here decides what to hold; it reads, asks the plan and applies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+
+from caravan_llm.common.contract import (
+    ALLOC_ID_PATTERN,
+    AdapterFailure,
+    ModelAdapters,
+    ReplicaAdapters,
+)
+from caravan_llm.common.errors import HashiError
+from caravan_llm.scheduler.assess import Assessment
+from caravan_llm.scheduler.engines.base import AdapterLoading, RuntimeAdapterApi
+from caravan_llm.scheduler.engines.registry import adapter_for
+from caravan_llm.scheduler.lora.plan import NO_DEMAND, AdapterDemand, plan_adapters
+from caravan_llm.scheduler.world import DesiredModel, Observation
+
+log = logging.getLogger(__name__)
+
+# An engine lists its models from memory: a replica that takes longer is left out.
+LIST_TIMEOUT_S = 5.0
+# Loading reads the adapter from the volume (or downloads it) into the engine.
+LOAD_TIMEOUT_S = 60.0
+# Loads and unloads in flight at once, over all replicas.
+APPLY_CONCURRENCY = 4
+# How much of an engine's error body a failure keeps.
+MAX_REASON_CHARS = 300
+
+
+class AdapterApiError(Exception):
+    """An engine's adapter route did not do what was asked; `reason` says what it answered.
+
+    Retryable: a refused load is tried again after `retry_failed_after_s`, an
+    unreachable engine on the next pass.
+    """
+
+    retryable = True
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterTarget:
+    """One ready replica's engine: where it listens, and its key (never shown)."""
+
+    model: str
+    job_id: str
+    alloc_id: str
+    base_url: str
+    api: RuntimeAdapterApi
+    api_key: str | None = field(default=None, repr=False)
+
+
+class AdapterApi(Protocol):
+    """The engine calls the LoRA step makes (HttpAdapterApi; a fake in tests)."""
+
+    async def loaded(self, target: AdapterTarget) -> dict[str, str]:
+        """The adapters the engine holds, name -> the source it loaded each from."""
+        ...
+
+    async def load(self, target: AdapterTarget, name: str, source: str) -> None: ...
+
+    async def unload(self, target: AdapterTarget, name: str) -> None: ...
+
+
+class AdapterDemandSource(Protocol):
+    """Demand per adapter of a model (routers will publish it; issue 25's routing)."""
+
+    def __call__(self, model: str) -> AdapterDemand: ...
+
+
+def no_demand(model: str) -> AdapterDemand:
+    """No figures: every adapter weighs the same."""
+    del model
+    return NO_DEMAND
+
+
+def _headers(target: AdapterTarget) -> dict[str, str]:
+    return {} if target.api_key is None else {"Authorization": f"Bearer {target.api_key}"}
+
+
+def _reason(status: int, text: str) -> str:
+    """The engine's answer in one line: its OpenAI error message when it sent one."""
+    message = text.strip()
+    try:
+        body = json.loads(text)
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            message = error["message"]
+        elif isinstance(body.get("detail"), str):
+            message = body["detail"]
+    return f"HTTP {status}: {' '.join(message.split())[:MAX_REASON_CHARS]}"
+
+
+@dataclass(slots=True)
+class HttpAdapterApi:
+    """The engine's adapter routes over HTTP (the routes are the engine's facts)."""
+
+    session: aiohttp.ClientSession
+
+    async def loaded(self, target: AdapterTarget) -> dict[str, str]:
+        url = target.base_url + target.api.list_path
+        try:
+            async with self.session.get(
+                url,
+                headers=_headers(target),
+                timeout=aiohttp.ClientTimeout(total=LIST_TIMEOUT_S),
+            ) as response:
+                text = await response.text()
+                if response.status != 200:
+                    raise AdapterApiError(_reason(response.status, text))
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise AdapterApiError(f"unreachable: {type(exc).__name__}") from exc
+        return _adapters_of(text)
+
+    async def load(self, target: AdapterTarget, name: str, source: str) -> None:
+        await self._post(target, target.api.load_path, {"lora_name": name, "lora_path": source})
+
+    async def unload(self, target: AdapterTarget, name: str) -> None:
+        await self._post(target, target.api.unload_path, {"lora_name": name})
+
+    async def _post(self, target: AdapterTarget, path: str, body: dict[str, str]) -> None:
+        try:
+            async with self.session.post(
+                target.base_url + path,
+                json=body,
+                headers=_headers(target),
+                timeout=aiohttp.ClientTimeout(total=LOAD_TIMEOUT_S),
+            ) as response:
+                text = await response.text()
+                if response.status != 200:
+                    raise AdapterApiError(_reason(response.status, text))
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise AdapterApiError(f"unreachable: {type(exc).__name__}") from exc
+
+
+def _adapters_of(text: str) -> dict[str, str]:
+    """The entries of an OpenAI model list with `parent` set: name -> `root` (its source)."""
+    try:
+        document: Any = json.loads(text)
+    except ValueError as exc:
+        raise AdapterApiError("the model list is not JSON") from exc
+    data = document.get("data") if isinstance(document, dict) else None
+    if not isinstance(data, list):
+        raise AdapterApiError("the model list has no `data` list")
+    found: dict[str, str] = {}
+    for entry in data:
+        if not isinstance(entry, dict) or entry.get("parent") is None:
+            continue
+        name, root = entry.get("id"), entry.get("root")
+        if isinstance(name, str):
+            found[name] = root if isinstance(root, str) else ""
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    record: AdapterFailure
+    retry_at: float
+
+
+def _ready_targets(
+    name: str, observed: Observation, assessment: Assessment
+) -> list[tuple[str, str, str]]:
+    """(job id, alloc id, base URL) of each ready, not draining replica of the model."""
+    model = assessment.models.get(name)
+    if model is None:
+        return []
+    found: list[tuple[str, str, str]] = []
+    for judged in model.replicas:
+        if not judged.ready or judged.draining:
+            continue
+        replica = observed.replicas.get(judged.job_id)
+        if replica is None:
+            continue
+        passing = [
+            a
+            for a in replica.live_allocs()
+            if a.client_status == "running" and observed.health.get(a.id) == "passing"
+        ]
+        for alloc in sorted(passing, key=lambda a: -a.create_time_ns)[:1]:
+            engine = observed.engines.get(alloc.id)
+            # As for placements: only Nomad's own allocations, at the address Nomad gave.
+            if engine is None or not re.match(ALLOC_ID_PATTERN, alloc.id):
+                continue
+            host = engine.port.host_ip
+            host = f"[{host}]" if ":" in host else host
+            found.append((judged.job_id, alloc.id, f"http://{host}:{engine.port.value}"))
+    return found
+
+
+@dataclass(slots=True)
+class LoraApplier:
+    """Keeps each runtime-LoRA model's replicas holding what the plan says (module docstring).
+
+    What it keeps between passes is the failures it saw (when each may be tried
+    again), returned in every document it builds, and its last documents.
+    """
+
+    # The model's engine API key (EngineKeys.cached_model_key); None: engines run without keys.
+    engine_key: Callable[[str], Awaitable[str]] | None = None
+    demand: AdapterDemandSource = no_demand
+    # Builds the engine client for one pass (tests pass a fake).
+    api_factory: Callable[[aiohttp.ClientSession], AdapterApi] = HttpAdapterApi
+    retry_failed_after_s: float = 60.0
+    clock: Callable[[], float] = time.time
+    _failures: dict[tuple[str, str], _Failure] = field(default_factory=dict)
+    # The documents of the last pass, said again for a model whose key could not be read.
+    _last: dict[str, ModelAdapters] = field(default_factory=dict)
+
+    async def reconcile(
+        self,
+        models: Mapping[str, DesiredModel],
+        observed: Observation,
+        assessment: Assessment,
+    ) -> dict[str, ModelAdapters]:
+        """Apply the plan of every model with LoRA on; one document per such model."""
+        lora_models = {
+            name: desired
+            for name, desired in sorted(models.items())
+            if desired.profile.lora_limits is not None
+            and adapter_for(desired.profile.engine).facts.adapters.loading is not None
+        }
+        self._forget_failures(lora_models)
+        if not lora_models:
+            return {}
+        documents: dict[str, ModelAdapters] = {}
+        async with aiohttp.ClientSession() as session:
+            api = self.api_factory(session)
+            for name, desired in lora_models.items():
+                documents[name] = await self._model(name, desired, observed, assessment, api)
+        self._last = dict(documents)
+        return documents
+
+    def _forget_failures(self, lora_models: Mapping[str, DesiredModel]) -> None:
+        """Drop failures of adapters gone from their profile, or whose source changed."""
+        for key in list(self._failures):
+            model, adapter = key
+            desired = lora_models.get(model)
+            sources = (
+                {} if desired is None else {a.name: a.source for a in desired.profile.adapters}
+            )
+            if sources.get(adapter) != self._failures[key].record.source:
+                del self._failures[key]
+
+    async def _model(
+        self,
+        name: str,
+        desired: DesiredModel,
+        observed: Observation,
+        assessment: Assessment,
+        api: AdapterApi,
+    ) -> ModelAdapters:
+        profile = desired.profile
+        facts = adapter_for(profile.engine).facts.adapters
+        sources = {adapter.name: adapter.source for adapter in profile.adapters}
+        if facts.loading is AdapterLoading.START or facts.api is None:
+            return _at_start(
+                name, observed, assessment, tuple(sorted(sources)), facts.request_model
+            )
+        try:
+            key = None if self.engine_key is None else await self.engine_key(name)
+        except HashiError as exc:
+            # Nomad Variables unreachable: keep saying what was last known (the
+            # publisher would otherwise delete the document), and try next pass.
+            log.warning("lora_engine_key_unavailable", extra={"model": name, "error": str(exc)})
+            return self._last.get(name, ModelAdapters(model=name))
+        targets = [
+            AdapterTarget(name, job_id, alloc_id, url, facts.api, key)
+            for job_id, alloc_id, url in _ready_targets(name, observed, assessment)
+        ]
+        held = await self._read_held(api, targets)
+        now = self.clock()
+        placeable = [
+            adapter
+            for adapter in sources
+            if (failure := self._failures.get((name, adapter))) is None or now >= failure.retry_at
+        ]
+        limits = profile.lora_limits
+        assert limits is not None  # noqa: S101 - reconcile keeps LoRA models only
+        by_id = {t.alloc_id: t for t in targets if t.alloc_id in held}
+        # A replica holds an adapter only if it loaded it from the profile's source now.
+        current = {
+            alloc_id: frozenset(n for n, root in held[alloc_id].items() if sources.get(n) == root)
+            for alloc_id in by_id
+        }
+        placement = plan_adapters(current, placeable, self.demand(name), limits.max_loras)
+        loaded = {alloc_id: set(held[alloc_id]) for alloc_id in by_id}
+        semaphore = asyncio.Semaphore(APPLY_CONCURRENCY)
+
+        async def apply_replica(target: AdapterTarget) -> None:
+            want = placement.holds[target.alloc_id]
+            have = held[target.alloc_id]
+            stale = [n for n in sorted(have) if n not in want or sources.get(n) != have[n]]
+            for adapter in stale:
+                async with semaphore:
+                    await self._unload(api, target, adapter, loaded)
+            for adapter in sorted(want - current[target.alloc_id]):
+                async with semaphore:
+                    await self._load(api, target, adapter, sources[adapter], loaded)
+
+        async with asyncio.TaskGroup() as group:
+            for target in by_id.values():
+                group.create_task(apply_replica(target))
+        return ModelAdapters(
+            model=name,
+            replicas=tuple(
+                ReplicaAdapters(
+                    alloc_id=alloc_id,
+                    job_id=by_id[alloc_id].job_id,
+                    loaded=tuple(sorted(loaded[alloc_id])),
+                    desired=tuple(sorted(placement.holds[alloc_id])),
+                )
+                for alloc_id in sorted(by_id)
+            ),
+            failed=tuple(
+                failure.record
+                for (model, _), failure in sorted(self._failures.items())
+                if model == name
+            ),
+            unplaced=placement.unplaced,
+            request_model=facts.request_model,
+        )
+
+    async def _read_held(
+        self, api: AdapterApi, targets: list[AdapterTarget]
+    ) -> dict[str, dict[str, str]]:
+        """What each replica holds; one that does not answer is left out (unknown)."""
+        held: dict[str, dict[str, str]] = {}
+        for target in targets:
+            try:
+                held[target.alloc_id] = await api.loaded(target)
+            except AdapterApiError as exc:
+                log.warning(
+                    "lora_list_failed",
+                    extra={"model": target.model, "job_id": target.job_id, "error": exc.reason},
+                )
+        return held
+
+    async def _unload(
+        self,
+        api: AdapterApi,
+        target: AdapterTarget,
+        adapter: str,
+        loaded: dict[str, set[str]],
+    ) -> None:
+        try:
+            await api.unload(target, adapter)
+        except AdapterApiError as exc:
+            log.warning(
+                "lora_unload_failed",
+                extra={
+                    "model": target.model,
+                    "job_id": target.job_id,
+                    "adapter": adapter,
+                    "error": exc.reason,
+                },
+            )
+            return
+        loaded[target.alloc_id].discard(adapter)
+        log.info(
+            "lora_unloaded",
+            extra={"model": target.model, "job_id": target.job_id, "adapter": adapter},
+        )
+
+    async def _load(
+        self,
+        api: AdapterApi,
+        target: AdapterTarget,
+        adapter: str,
+        source: str,
+        loaded: dict[str, set[str]],
+    ) -> None:
+        key = (target.model, adapter)
+        try:
+            await api.load(target, adapter, source)
+        except AdapterApiError as exc:
+            now = self.clock()
+            earlier = self._failures.get(key)
+            since = earlier.record.since if earlier is not None else now
+            self._failures[key] = _Failure(
+                AdapterFailure(
+                    adapter=adapter,
+                    source=source,
+                    job_id=target.job_id,
+                    reason=exc.reason,
+                    since=since,
+                ),
+                retry_at=now + self.retry_failed_after_s,
+            )
+            log.warning(
+                "lora_load_failed",
+                extra={
+                    "model": target.model,
+                    "job_id": target.job_id,
+                    "adapter": adapter,
+                    "error": exc.reason,
+                    "retry_in_s": self.retry_failed_after_s,
+                },
+            )
+            return
+        self._failures.pop(key, None)
+        loaded[target.alloc_id].add(adapter)
+        log.info(
+            "lora_loaded",
+            extra={"model": target.model, "job_id": target.job_id, "adapter": adapter},
+        )
+
+
+def _at_start(
+    name: str,
+    observed: Observation,
+    assessment: Assessment,
+    adapters: tuple[str, ...],
+    request_model: str,
+) -> ModelAdapters:
+    """An engine that takes its adapters at start holds all of them once ready."""
+    return ModelAdapters(
+        model=name,
+        replicas=tuple(
+            ReplicaAdapters(alloc_id=alloc_id, job_id=job_id, loaded=adapters, desired=adapters)
+            for job_id, alloc_id, _ in _ready_targets(name, observed, assessment)
+        ),
+        request_model=request_model,
+    )
