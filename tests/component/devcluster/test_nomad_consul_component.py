@@ -344,3 +344,17 @@ async def test_deployment_turns_healthy_after_min_healthy_time(cluster: Cluster)
     allocs = await cluster.nomad_get("/v1/job/llama-0/allocations")
     assert allocs[0]["DeploymentStatus"]["Healthy"] is True
     assert (await cluster.nomad_get("/v1/job/llama-0"))["Stable"] is True
+
+
+async def test_a_replica_placed_while_consul_is_down_registers_once_consul_is_back(
+    cluster: Cluster,
+) -> None:
+    """The client retries a service registration its Consul agent refused, as Nomad does."""
+    await cluster.consul.stop_http()
+    try:
+        await cluster.register(llama_job("llama-0"))
+        alloc = await running(cluster, "llama-0")
+    finally:
+        await cluster.consul.start_http()
+    (entry,) = await passing(cluster, "llm-phi3-mini")
+    assert entry["Service"]["ID"].startswith(f"_nomad-task-{alloc['ID']}-")
