@@ -392,34 +392,52 @@ class ProcessSample:
 
 @dataclass(frozen=True, slots=True)
 class Trend:
-    """A least-squares line through a series over a window: its change across the window."""
+    """A series over a window: its level at the start and at the end, and its slope.
+
+    The levels are the medians of the first and of the last fifth of the
+    samples, so a short dip or spike (an outage closing connections, a burst
+    of requests in flight at one sampling instant) moves neither; the slope
+    is the least-squares line's, per hour.
+    """
 
     start_s: float
     end_s: float
     samples: int
-    first: float  # the line's value at start_s
-    change: float  # the line's value at end_s minus `first`
+    first: float
+    last: float
     per_hour: float
+
+    @property
+    def change(self) -> float:
+        return self.last - self.first
 
     @property
     def relative(self) -> float | None:
         return self.change / self.first if self.first > 0 else None
 
 
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    if len(ordered) % 2:
+        return ordered[middle]
+    return (ordered[middle - 1] + ordered[middle]) / 2
+
+
 def trend(points: Sequence[tuple[float, float]]) -> Trend | None:
-    """The least-squares line through (time, value) points; None for fewer than 3."""
+    """The levels and slope of (time, value) points; None for fewer than 3 or one instant."""
     if len(points) < 3:
         return None
-    xs = [p[0] for p in points]
-    ys = [p[1] for p in points]
+    ordered = sorted(points)
+    xs = [p[0] for p in ordered]
+    ys = [p[1] for p in ordered]
     mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
     spread = sum((x - mean_x) ** 2 for x in xs)
     if spread == 0:
         return None
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
-    start, end = min(xs), max(xs)
-    first = mean_y + slope * (start - mean_x)
-    return Trend(start, end, len(points), first, slope * (end - start), slope * 3600)
+    fifth = max(1, len(ys) // 5)
+    return Trend(xs[0], xs[-1], len(ys), _median(ys[:fifth]), _median(ys[-fifth:]), slope * 3600)
 
 
 # RSS may grow by less than this over the judged window (issue 26's acceptance).

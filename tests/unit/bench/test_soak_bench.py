@@ -241,16 +241,24 @@ def series(process: str, incarnation: int, start: float, end: float, rss, *, fds
 
 
 class TestProcesses:
-    def test_trend_of_a_line_is_exact(self) -> None:
-        """A straight line's trend gives its start value and its change across the window."""
+    def test_trend_of_a_line(self) -> None:
+        """A straight line's levels are its ends; its slope is per hour."""
         line = trend([(0.0, 100.0), (10.0, 110.0), (20.0, 120.0)])
         assert line is not None
-        assert (100.0, 20.0, 0.2) == (
-            round(line.first, 6),
-            round(line.change, 6),
+        assert (100.0, 120.0, 0.2, 3600.0) == (
+            line.first,
+            line.last,
             round(line.relative, 6),
+            round(line.per_hour, 6),
         )
         assert trend([(0.0, 1.0), (1.0, 2.0)]) is None
+
+    def test_a_short_dip_at_the_start_is_not_growth(self) -> None:
+        """Descriptors closed for a moment (an outage) then back are level, not growing."""
+        values = [19.0, 13.0, 19.0, 19.0, *([19.0] * 16)]
+        line = trend([(float(i * 5), v) for i, v in enumerate(values)])
+        assert line is not None
+        assert 0.0 == line.change
 
     def test_a_growing_process_fails_and_a_level_one_passes(self) -> None:
         """RSS growing 10% over the window fails the 5% limit; a level series passes."""
