@@ -392,12 +392,14 @@ class ProcessSample:
 
 @dataclass(frozen=True, slots=True)
 class Trend:
-    """A series over a window: its level at the start and at the end, and its slope.
+    """A series over a window: its baseline at the start and at the end, and its slope.
 
-    The levels are the medians of the first and of the last fifth of the
-    samples, so a short dip or spike (an outage closing connections, a burst
-    of requests in flight at one sampling instant) moves neither; the slope
-    is the least-squares line's, per hour.
+    A baseline is the 10th percentile of the first (or last) fifth of the
+    samples: the floor the process returns to, which a leak raises. Requests
+    in flight at a sampling instant (each holds a task and descriptors; a
+    frozen engine piles them up for a minute) raise only the peaks, and a
+    short dip (an outage closing connections) is under a tenth of a fifth
+    of an hour's window. The slope is the least-squares line's, per hour.
     """
 
     start_s: float
@@ -416,12 +418,7 @@ class Trend:
         return self.change / self.first if self.first > 0 else None
 
 
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    if len(ordered) % 2:
-        return ordered[middle]
-    return (ordered[middle - 1] + ordered[middle]) / 2
+BASELINE_PERCENTILE = 10
 
 
 def trend(points: Sequence[tuple[float, float]]) -> Trend | None:
@@ -437,7 +434,11 @@ def trend(points: Sequence[tuple[float, float]]) -> Trend | None:
         return None
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
     fifth = max(1, len(ys) // 5)
-    return Trend(xs[0], xs[-1], len(ys), _median(ys[:fifth]), _median(ys[-fifth:]), slope * 3600)
+    first = percentile(ys[:fifth], BASELINE_PERCENTILE)
+    last = percentile(ys[-fifth:], BASELINE_PERCENTILE)
+    assert first is not None
+    assert last is not None
+    return Trend(xs[0], xs[-1], len(ys), first, last, slope * 3600)
 
 
 # RSS may grow by less than this over the judged window (issue 26's acceptance).

@@ -253,12 +253,21 @@ class TestProcesses:
         )
         assert trend([(0.0, 1.0), (1.0, 2.0)]) is None
 
-    def test_a_short_dip_at_the_start_is_not_growth(self) -> None:
-        """Descriptors closed for a moment (an outage) then back are level, not growing."""
-        values = [19.0, 13.0, 19.0, 19.0, *([19.0] * 16)]
+    def test_dips_and_peaks_are_not_growth(self) -> None:
+        """Descriptors closed for a moment (an outage) and a burst in flight leave it level."""
+        values = [19.0] * 100
+        values[3] = 13.0
+        values[90:96] = [40.0] * 6
         line = trend([(float(i * 5), v) for i, v in enumerate(values)])
         assert line is not None
         assert 0.0 == line.change
+
+    def test_a_raised_floor_is_growth(self) -> None:
+        """A series whose floor climbs from 20 to 30 changes by about 10, peaks aside."""
+        values = [20.0 + 10.0 * i / 99 + (15.0 if i % 7 == 0 else 0.0) for i in range(100)]
+        line = trend([(float(i * 5), v) for i, v in enumerate(values)])
+        assert line is not None
+        assert 7.5 < line.change < 10.5
 
     def test_a_growing_process_fails_and_a_level_one_passes(self) -> None:
         """RSS growing 10% over the window fails the 5% limit; a level series passes."""
