@@ -369,6 +369,8 @@ class Load:
     records: list[RequestRecord] = field(default_factory=list)
     in_flight: int = 0
     router_failovers: int = 0
+    # Successful answers without any text (the tiny GGUF model may sample its end at once).
+    empty_answers: int = 0
     _turn: int = 0
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
@@ -405,11 +407,13 @@ class Load:
                         ttft, cause = await self._read_stream(response, start)
                     else:
                         answer = await response.json()
-                        text = "".join(
-                            (c.get("message") or {}).get("content") or ""
-                            for c in answer.get("choices", [])
-                        )
-                        cause = None if text else classify_failure(status=200, empty=True)
+                        choices = answer.get("choices") or [{}]
+                        # An empty text is an answer (a tiny model may end at once);
+                        # no finish_reason is not.
+                        if not (choices[0].get("message") or {}).get("content"):
+                            self.empty_answers += 1
+                        finished = bool(choices[0].get("finish_reason"))
+                        cause = None if finished else classify_failure(status=200, unfinished=True)
                 break
             except aiohttp.ClientConnectorError as exc:
                 # Never reached a router (one restarting): the next one, as a balancer would.
@@ -437,6 +441,7 @@ class Load:
     ) -> tuple[float | None, str | None]:
         ttft = None
         done = False
+        finished = False
         text = []
         async for raw in response.content:
             line = raw.decode(errors="replace").strip()
@@ -451,13 +456,15 @@ class Load:
             event = json.loads(data)
             if "error" in event:
                 return ttft, classify_failure(status=200, stream_error=event["error"])
-            text.extend(
-                (c.get("delta") or {}).get("content") or "" for c in event.get("choices", [])
-            )
+            for choice in event.get("choices") or ():
+                text.append((choice.get("delta") or {}).get("content") or "")
+                finished = finished or bool(choice.get("finish_reason"))
         if not done:
             return ttft, classify_failure(status=200, done=False)
+        if not finished:
+            return ttft, classify_failure(status=200, unfinished=True)
         if not "".join(text):
-            return ttft, classify_failure(status=200, empty=True)
+            self.empty_answers += 1
         return ttft, None
 
     async def record_one(self, model: str, stream: bool, number: int) -> None:
@@ -521,6 +528,9 @@ async def measure_capacity(
             failed = sum(1 for r in counted if r.model == model and r.failed)
             rate = ok / step_s
             line.append(f"{model} {rate:.1f}/s" + (f" ({failed} failed)" if failed else ""))
+            causes = sorted({r.cause for r in counted if r.model == model and r.cause})
+            if causes:
+                line.append(f"[{'; '.join(causes)}]")
             if rate < best[model] * 1.1 or failed:
                 growing.discard(model)
             best[model] = max(best[model], rate)
@@ -863,6 +873,7 @@ class Outcome:
     samples: list[ProcessSample]
     run_s: float
     router_failovers: int
+    empty_answers: int
     tracebacks: dict[str, int]
     engine: str
 
@@ -1017,6 +1028,7 @@ async def _soak(
                 t0 = time.monotonic()
                 load.t0 = t0
                 load.records = []
+                load.empty_answers = load.router_failovers = 0
                 ready: list[ReadySample] = []
                 samples: list[ProcessSample] = []
                 events: list[FaultEvent] = []
@@ -1092,6 +1104,7 @@ async def _soak(
         samples=samples,
         run_s=min(run_s, max(run_end, 1.0)),
         router_failovers=load.router_failovers,
+        empty_answers=load.empty_answers,
         tracebacks=tracebacks,
         engine=stack.engine.description,
     )
@@ -1193,6 +1206,7 @@ def report(outcome: Outcome, args: argparse.Namespace) -> dict[str, Any]:
         "  (connections refused by a restarting router, sent to the other: "
         f"{outcome.router_failovers})"
     )
+    say(f"  (successful answers without text, not failures: {outcome.empty_answers})")
     say("\n== per minute")
     say(
         f"{'min':>3} {'model':<22} {'req':>5} {'fail':>4} {'ttft p50':>9} {'p99':>7} "
@@ -1263,6 +1277,7 @@ def report(outcome: Outcome, args: argparse.Namespace) -> dict[str, Any]:
         "failed": sum(1 for r in outcome.records if r.failed),
         "failures_by_cause": failures,
         "router_failovers": outcome.router_failovers,
+        "empty_answers": outcome.empty_answers,
         "unavailable_faults": outcome.unavailable,
         "faults": [asdict(e) for e in outcome.events],
         "periods": [

@@ -169,14 +169,14 @@ def classify_failure(
     exception: str | None = None,
     stream_error: Any = None,
     done: bool = True,
-    empty: bool = False,
+    unfinished: bool = False,
 ) -> str:
     """The cause of one failed request, as a short stable string.
 
     `exception`: the client's exception class when no full answer came;
     `body`: the decoded JSON of a non-200 answer (None if it was not JSON);
     `stream_error`: the `error` object of an SSE error event; `done`: whether a
-    stream ended with `[DONE]`; `empty`: a 200 answer without any text.
+    stream ended with `[DONE]`; `unfinished`: a 200 answer without a finish_reason.
     """
     if exception is not None:
         return f"client {exception}"
@@ -187,8 +187,8 @@ def classify_failure(
         return f"stream error {error_class(stream_error)}"
     if not done:
         return "stream incomplete (no [DONE])"
-    if empty:
-        return "empty completion"
+    if unfinished:
+        return "answer without finish_reason"
     return "unknown"
 
 

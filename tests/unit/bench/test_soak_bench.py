@@ -140,7 +140,7 @@ class TestCauses:
         assert one == two
 
     def test_client_side_and_stream_causes(self) -> None:
-        """Exceptions, stream error events, missing [DONE] and empty answers are each named."""
+        """Exceptions, stream error events, missing [DONE] and unfinished answers are named."""
         assert "client ServerDisconnectedError" == classify_failure(
             status=None, exception="ServerDisconnectedError"
         )
@@ -148,7 +148,7 @@ class TestCauses:
             status=200, stream_error={"code": "replica_failed", "message": "cut"}
         )
         assert "stream incomplete (no [DONE])" == classify_failure(status=200, done=False)
-        assert "empty completion" == classify_failure(status=200, empty=True)
+        assert "answer without finish_reason" == classify_failure(status=200, unfinished=True)
 
     def test_a_non_openai_error_body_is_unexplained(self) -> None:
         """A 500 with a body that is no OpenAI error is classified as unparsed, unexplained."""
