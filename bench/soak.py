@@ -16,15 +16,17 @@ sequences per replica so the engines, not the machine, bound the capacity).
    (closed loop, half streaming) until a model's throughput stops growing by
    10%; its capacity is the best throughput seen (`--capacity` skips this).
 2. Load: `--load-fraction` (0.7) of each model's capacity, Poisson arrivals,
-   half of them streaming, sent to either router (a connection refused, as
-   during a router's restart, goes to the other, as a load balancer does).
+   half of them streaming, sent round robin to the routers that a
+   health-checking balancer keeps in rotation (/health 200, checked every
+   second); a connection refused goes to the other router.
 3. Faults: one every `--fault-interval` seconds (60-180), drawn from `--seed`
    out of `--faults` (all by default):
    node_kill (powered off, back empty after 30-60 s), alloc_crash (SIGKILL;
    Nomad restarts it), leader_kill (SIGKILL of the leading scheduler, started
    again as a standby 5-15 s later), consul_down (HTTP listener closed for
    10-30 s), nomad_down (devcluster's outage switch: 500 `No cluster leader`
-   for 10-30 s), router_restart (SIGTERM, graceful, started again),
+   for 10-30 s), router_restart (out of the balancer for 5 s, as Nomad's
+   shutdown_delay does, then SIGTERM, graceful, and started again),
    engine_freeze (SIGSTOP of a replica's processes, SIGCONT 20-60 s later),
    netem (200 ms +- 50 ms on loopback to and from one replica for 20-60 s,
    with `tc`; needs the prio and netem qdiscs), disk_full (a replica's node
@@ -110,6 +112,10 @@ GPUS_PER_NODE = 2
 NODE_TMPFS = "256m"
 NETEM = ("delay", "200ms", "50ms")
 IN_FLIGHT_CAP = 1000
+# The load balancer's health check interval, and how long a router is out of
+# it before its restart (Nomad's shutdown_delay; the router jobspec's is 15 s).
+HEALTH_INTERVAL_S = 1.0
+ROUTER_DRAIN_S = 5.0
 REQUEST_TIMEOUT_S = 180.0
 CAPACITY_CLIENTS = (1, 2, 4, 8, 16, 32)
 # The demo stack's scheduler timings (caravan_llm/cli/local_stack.py StackOptions).
@@ -371,15 +377,40 @@ class Load:
     router_failovers: int = 0
     # Successful answers without any text (the tiny GGUF model may sample its end at once).
     empty_answers: int = 0
+    # The load balancer's view (health_checks): routers it sends to, routers drained.
+    in_rotation: set[str] = field(default_factory=set)
+    draining: set[str] = field(default_factory=set)
     _turn: int = 0
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     def router_urls(self) -> list[str]:
+        """The routers in balancing order: those in rotation, round robin (all if none is)."""
         self._turn += 1
-        names = [r.name for r in self.routers]
+        names = [r.name for r in self.routers if r.name in self.in_rotation] or [
+            r.name for r in self.routers
+        ]
         first = self._turn % len(names)
         ordered = names[first:] + names[:first]
         return [f"http://127.0.0.1:{self.ports[name]}/v1/chat/completions" for name in ordered]
+
+    async def health_checks(self) -> None:
+        """As a load balancer in front of the routers does: every HEALTH_INTERVAL_S, a
+        router is in rotation when its /health answers 200 (discovery synced) and it is
+        not being drained (taken out before a restart, as Nomad's shutdown_delay does)."""
+        while True:
+            healthy = set()
+            for router in self.routers:
+                if router.name in self.draining:
+                    continue
+                url = f"http://127.0.0.1:{self.ports[router.name]}/health"
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    async with self.session.get(
+                        url, timeout=aiohttp.ClientTimeout(total=HEALTH_INTERVAL_S)
+                    ) as response:
+                        if response.status == 200:
+                            healthy.add(router.name)
+            self.in_rotation = healthy - self.draining
+            await asyncio.sleep(HEALTH_INTERVAL_S)
 
     async def one(self, model: str, stream: bool, number: int) -> RequestRecord:
         body = {
@@ -572,7 +603,9 @@ class Faults:
         routers: list[Managed],
         session: aiohttp.ClientSession,
         mounted: list[Path],
+        load: Load,
     ) -> None:
+        self.load = load
         self.stack = stack
         self.schedulers = schedulers
         self.scheduler_ports = scheduler_ports
@@ -658,11 +691,19 @@ class Faults:
         return "nomad", back
 
     async def _router_restart(self, pick: float) -> tuple[str | None, Undo | None]:
-        router = next(
-            r for r in self.routers if r.name == pick_target([r.name for r in self.routers], pick)
-        )
-        await router.stop()
-        await router.start()
+        name = pick_target([r.name for r in self.routers], pick)
+        router = next(r for r in self.routers if r.name == name)
+        # As a Nomad rollout does: out of the balancer first (service deregistered,
+        # shutdown_delay), then SIGTERM (in-flight requests finish), then a new one,
+        # which the balancer takes back once its /health passes.
+        self.load.draining.add(router.name)
+        self.load.in_rotation.discard(router.name)
+        try:
+            await asyncio.sleep(ROUTER_DRAIN_S)
+            await router.stop()
+            await router.start()
+        finally:
+            self.load.draining.discard(router.name)
         return router.name, None
 
     async def _engine_freeze(self, pick: float) -> tuple[str | None, Undo | None]:
@@ -1008,6 +1049,8 @@ async def _soak(
                     time.monotonic(),
                     session,
                 )
+                balancer = asyncio.create_task(load.health_checks())
+                await wait_in_rotation(load, len(routers))
                 if args.capacity:
                     capacity = args.capacity
                     say(f"capacity given: {capacity}")
@@ -1039,6 +1082,7 @@ async def _soak(
                     routers=routers,
                     session=session,
                     mounted=mounted,
+                    load=load,
                 )
                 sampler = asyncio.create_task(
                     sample_forever(
@@ -1069,9 +1113,10 @@ async def _soak(
                     with contextlib.suppress(asyncio.CancelledError):
                         await fault_task
                     await faults.undo_all()
-                    sampler.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await sampler
+                    for task in (sampler, balancer):
+                        task.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await task
                 run_end = time.monotonic() - t0
                 records = list(load.records)
         finally:
@@ -1108,6 +1153,14 @@ async def _soak(
         tracebacks=tracebacks,
         engine=stack.engine.description,
     )
+
+
+async def wait_in_rotation(load: Load, count: int) -> None:
+    deadline = time.monotonic() + 60
+    while len(load.in_rotation) < count:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"routers in rotation after 60 s: {sorted(load.in_rotation)}")
+        await asyncio.sleep(HEALTH_INTERVAL_S)
 
 
 async def wait_ready(stack: LocalStack, models: dict[str, str], timeout_s: float) -> None:
