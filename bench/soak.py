@@ -52,6 +52,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -1280,12 +1281,14 @@ def report(outcome: Outcome, args: argparse.Namespace) -> dict[str, Any]:
     say("\n== caravan processes (per minute: RSS MiB / open fds / asyncio tasks; last sample)")
     names = sorted({s.process for s in outcome.samples})
     say(f"{'min':>3} " + " ".join(f"{n:>22}" for n in names))
-    last_minute = int(outcome.run_s // 60)
+    last_minute = max(0, math.ceil(outcome.run_s / 60) - 1)
     for minute in range(last_minute + 1):
         cells = []
         for name in names:
             inside = [
-                s for s in outcome.samples if s.process == name and int(s.at_s // 60) == minute
+                s
+                for s in outcome.samples
+                if s.process == name and min(int(s.at_s // 60), last_minute) == minute
             ]
             if not inside:
                 cells.append(f"{'-':>22}")
