@@ -1332,6 +1332,8 @@ def report(outcome: Outcome, args: argparse.Namespace) -> dict[str, Any]:
         "requests": len(outcome.records),
         "failed": sum(1 for r in outcome.records if r.failed),
         "failures_by_cause": failures,
+        # Each failed request (the first 5,000): model, stream, start, end, ttft, cause.
+        "failed_requests": [asdict(r) for r in outcome.records if r.failed][:5000],
         "router_failovers": outcome.router_failovers,
         "empty_answers": outcome.empty_answers,
         "unavailable_faults": outcome.unavailable,
