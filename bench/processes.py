@@ -71,15 +71,22 @@ def started(
     *,
     new_session: bool = False,
     timeout_s: float = START_TIMEOUT_S,
+    log_path: Path | None = None,
 ) -> Iterator[tuple[Proc, re.Match[str]]]:
     """Run `command` from the repository root until the block ends; yields it and its ready match.
 
     Raises RuntimeError when the process exits, or prints nothing matching
     `pattern`, within `timeout_s`. With `new_session`, it runs in a session
-    of its own and its whole process group is stopped at the end.
+    of its own and its whole process group is stopped at the end. With
+    `log_path` (a new file per process: the ready pattern is searched in all
+    of it), the output goes there and the file is kept.
     """
-    handle, name = tempfile.mkstemp(prefix="caravan-bench-", suffix=".log")
-    log = Path(name)
+    if log_path is None:
+        handle, name = tempfile.mkstemp(prefix="caravan-bench-", suffix=".log")
+        log, keep = Path(name), bool(os.environ.get("CARAVAN_BENCH_KEEP_LOGS"))
+    else:
+        handle = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log, keep = log_path, True
     with os.fdopen(handle, "w") as out:
         process = subprocess.Popen(
             command,
@@ -103,7 +110,7 @@ def started(
         yield proc, match
     finally:
         proc.stop()
-        if os.environ.get("CARAVAN_BENCH_KEEP_LOGS"):
+        if keep and log_path is None:
             print(f"  log of {Path(command[0]).name} {' '.join(command[1:3])}: {log}", flush=True)
-        else:
+        elif not keep:
             log.unlink(missing_ok=True)

@@ -38,6 +38,7 @@ from caravan_llm.common.errors import HashiError
 from caravan_llm.common.leader import LeaderElection
 from caravan_llm.common.nomad_api import NomadClient, NomadSettings
 from caravan_llm.common.preflight import Preflight
+from caravan_llm.common.process_metrics import register_process_metrics
 from caravan_llm.common.watch import BlockingWatch
 from caravan_llm.scheduler.api import ApiAuth, ServerLog, create_api
 from caravan_llm.scheduler.autoscale.loop import Autoscaler
@@ -272,6 +273,7 @@ def build_scheduler(
     Raises ApiTokenError (a SettingsError) when the API tokens are unusable.
     """
     registry = registry if registry is not None else CollectorRegistry()
+    register_process_metrics(registry)
     layout = settings.kv_layout
     metrics = SchedulerMetrics.create(registry)
     store = ModelStore(consul, layout)

@@ -314,6 +314,10 @@ class ConsulHttpApi:
         self._closing = True
         self.state.raft.notify()
 
+    def reopen(self) -> None:
+        """Serve blocking queries again after `close` (the listener is back)."""
+        self._closing = False
+
     def meta_headers(self, index: int, options: QueryOptions | None = None) -> dict[str, str]:
         return {
             # Never answer index 0: clients would busy-loop (Consul's setIndex does the same).

@@ -160,19 +160,28 @@ class ConsulServer:
         task.add_done_callback(report)
         self._tasks.append(task)
 
-    async def __aenter__(self) -> Self:
-        self._register_self()
+    async def _serve_http(self, port: int) -> web.AppRunner:
+        """The HTTP API's runner, listening on `port` (0: any free port)."""
         # handler_cancellation: a client that hangs up ends its blocking query.
-        self._runner = web.AppRunner(
+        runner = web.AppRunner(
             self._api.build_app(),
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=1.0,
         )
-        await self._runner.setup()
+        await runner.setup()
         try:
-            site = web.TCPSite(self._runner, self.config.host, self.config.http_port)
+            site = web.TCPSite(runner, self.config.host, port)
             await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        return runner
+
+    async def __aenter__(self) -> Self:
+        self._register_self()
+        self._runner = await self._serve_http(self.config.http_port)
+        try:
             address = self._runner.addresses[0]
             self._http_port = int(address[1])
             await self._dns.start(self.config.host, self.config.dns_port)
@@ -204,6 +213,31 @@ class ConsulServer:
         if self._runner is not None:
             await self._runner.cleanup()
         log.info("consul_stopped")
+
+    # -- outages -----------------------------------------------------------------
+
+    @property
+    def http_up(self) -> bool:
+        return self._runner is not None
+
+    async def stop_http(self) -> None:
+        """Consul goes down for its clients: the HTTP listener closes (connection refused)
+        and open blocking queries end. The catalog, KV and sessions stay, and session TTLs
+        and checks keep running, so a leader that cannot renew loses its lock as it would."""
+        runner, self._runner = self._runner, None
+        if runner is None:
+            return
+        self._api.close()
+        await runner.cleanup()
+        log.info("consul_http_stopped")
+
+    async def start_http(self) -> None:
+        """Consul is back, on the same address."""
+        if self._runner is not None:
+            return
+        self._api.reopen()
+        self._runner = await self._serve_http(self._http_port)
+        log.info("consul_http_started", extra={"http_addr": self.http_addr})
 
     # -- simulated nodes (the same operations as /v1/devcluster/*) -------------
 

@@ -512,6 +512,8 @@ class AllocRunner:
         }
         self.stop_requested = asyncio.Event()
         self.registered: dict[str, Json] = {}  # service id -> registration
+        # False after a sync Consul refused in part (its agent down): `_watch` retries it.
+        self.services_in_sync = True
         self.checks: list[_CheckWatch] = []
         self.health_started_ns = client.clock_ns()
         self.healthy_since_ns: int | None = None
@@ -717,12 +719,19 @@ class AllocRunner:
         if consul is None:
             self.registered = wanted
             return
-        for stale in set(self.registered) - set(wanted):
-            await consul.deregister_service(self.client.node.name, stale)
+        # Only what Consul took counts as registered: the rest is retried by `_watch`,
+        # as Nomad's service client retries a sync its Consul agent refused.
+        registered = dict(self.registered)
+        for stale in set(registered) - set(wanted):
+            if await consul.deregister_service(self.client.node.name, stale):
+                del registered[stale]
         for sid, body in wanted.items():
-            if self.registered.get(sid) != body:
-                await consul.register_service(self.client.node.name, body)
-        self.registered = wanted
+            if registered.get(sid) != body and await consul.register_service(
+                self.client.node.name, body
+            ):
+                registered[sid] = body
+        self.registered = registered
+        self.services_in_sync = registered == wanted
 
     async def deregister_services(self) -> None:
         consul = self.client.consul
@@ -751,6 +760,8 @@ class AllocRunner:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(CHECK_POLL_S / 2)
+            if not self.services_in_sync and not self.stop_requested.is_set():
+                await self.sync_services()
             now = self.client.clock_ns()
             statuses = {c.check_id: self.client.check_status(c.check_id) for c in self.checks}
             self._track_health(now, statuses)

@@ -177,7 +177,12 @@ class ConsulAgentClient:
         return headers
 
     async def _put(
-        self, path: str, *, node_name: str | None = None, body: Json | None = None
+        self,
+        path: str,
+        *,
+        node_name: str | None = None,
+        body: Json | None = None,
+        missing_ok: bool = False,
     ) -> bool:
         try:
             async with self.session.put(
@@ -186,6 +191,8 @@ class ConsulAgentClient:
                 headers=self._headers(node_name),
                 timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
             ) as response:
+                if response.status == 404 and missing_ok:
+                    return True
                 if response.status >= 300:
                     log.warning(
                         "consul_request_failed",
@@ -215,7 +222,10 @@ class ConsulAgentClient:
         return await self._put("/v1/agent/service/register", node_name=node_name, body=registration)
 
     async def deregister_service(self, node_name: str, service_id_: str) -> bool:
-        return await self._put(f"/v1/agent/service/deregister/{service_id_}", node_name=node_name)
+        """True once the service is gone (a service Consul does not know is gone)."""
+        return await self._put(
+            f"/v1/agent/service/deregister/{service_id_}", node_name=node_name, missing_ok=True
+        )
 
     async def check_statuses(self, node_name: str) -> dict[str, str] | None:
         """CheckID -> status on the node's agent; None when Consul could not be read."""

@@ -38,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from caravan_llm.common.consul_api import HttpCheck, ServiceRegistration
 from caravan_llm.common.contract import ROUTER_SERVICE, RouterMetaKey, router_metrics_addr
 from caravan_llm.common.preflight import Preflight
+from caravan_llm.common.process_metrics import register_process_metrics
 from caravan_llm.router.core.breaker import phase_at
 from caravan_llm.router.core.endpoints import CheckStatus
 from caravan_llm.router.core.kv_index import KvIndex
@@ -467,6 +468,7 @@ def create_app(
         nomad=nomad,
         prompt_tokens=prompt_tokens,
     )
+    register_process_metrics(registry)
     app = _guarded_app(runtime, client_max_size=settings.max_body_bytes)
     app.cleanup_ctx.append(runtime.lifecycle)
     proxy = runtime.proxy

@@ -404,3 +404,17 @@ async def test_a_dead_leader_or_a_failed_task_takes_its_siblings_with_it(
     assert status == alloc["ClientStatus"]
     assert event in [e["Type"] for e in sibling["Events"]]
     assert ("dead", "Killed") == (sibling["State"], sibling["Events"][-1]["Type"])
+
+
+async def test_a_replica_placed_while_consul_is_down_registers_once_consul_is_back(
+    cluster: Cluster,
+) -> None:
+    """The client retries a service registration its Consul agent refused, as Nomad does."""
+    await cluster.consul.stop_http()
+    try:
+        await cluster.register(llama_job("llama-0"))
+        alloc = await running(cluster, "llama-0")
+    finally:
+        await cluster.consul.start_http()
+    (entry,) = await passing(cluster, "llm-phi3-mini")
+    assert entry["Service"]["ID"].startswith(f"_nomad-task-{alloc['ID']}-")

@@ -1,0 +1,326 @@
+"""The soak bench's own arithmetic: fault timeline, failure causes, periods, trends, verdicts."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+
+# bench/ holds scripts, not a package: load the module by its path.
+_PLAN = Path(__file__).resolve().parents[3] / "bench" / "soak_plan.py"
+_spec = importlib.util.spec_from_file_location("soak_plan", _PLAN)
+assert _spec is not None
+assert _spec.loader is not None
+soak_plan = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("soak_plan", soak_plan)
+_spec.loader.exec_module(soak_plan)
+
+FAULT_DURATIONS_S = soak_plan.FAULT_DURATIONS_S
+FAULT_GAP_S = soak_plan.FAULT_GAP_S
+FAULT_KINDS = soak_plan.FAULT_KINDS
+PeriodModel = soak_plan.PeriodModel
+ProcessSample = soak_plan.ProcessSample
+ReadySample = soak_plan.ReadySample
+RequestRecord = soak_plan.RequestRecord
+account_periods = soak_plan.account_periods
+classify_failure = soak_plan.classify_failure
+is_classified = soak_plan.is_classified
+judge = soak_plan.judge
+judge_processes = soak_plan.judge_processes
+message_class = soak_plan.message_class
+minute_stats = soak_plan.minute_stats
+parse_faults = soak_plan.parse_faults
+parse_range = soak_plan.parse_range
+percentile = soak_plan.percentile
+periods = soak_plan.periods
+pick_target = soak_plan.pick_target
+plan_faults = soak_plan.plan_faults
+trend = soak_plan.trend
+
+HOUR = 3600.0
+
+
+class TestPlanFaults:
+    def test_one_seed_gives_one_timeline(self) -> None:
+        """The same seed and settings plan the same faults; another seed plans others."""
+        first = plan_faults(7, HOUR, (60, 180))
+        assert first == plan_faults(7, HOUR, (60, 180))
+        assert first != plan_faults(8, HOUR, (60, 180))
+
+    def test_faults_come_one_interval_apart_and_end_before_the_next(self) -> None:
+        """Starts are 60-180 s apart; each fault ends FAULT_GAP_S before the next and the run."""
+        faults = plan_faults(3, HOUR, (60, 180))
+        starts = [f.at_s for f in faults]
+        assert 60 <= starts[0] <= 180
+        gaps = [b - a for a, b in itertools.pairwise(starts)]
+        assert all(60 <= gap <= 180 for gap in gaps), gaps
+        ends = [f.at_s + f.duration_s for f in faults]
+        assert all(
+            end <= nxt - FAULT_GAP_S + 1e-6 for end, nxt in zip(ends, starts[1:], strict=False)
+        )
+        assert ends[-1] <= HOUR - FAULT_GAP_S + 1e-6
+
+    def test_an_hour_at_one_to_three_minutes_holds_at_least_twenty_faults(self) -> None:
+        """With the default interval an hour plans 20 or more faults (issue 26's recorded run)."""
+        assert all(len(plan_faults(seed, HOUR, (60, 180))) >= 20 for seed in range(20))
+
+    def test_durations_stay_in_each_kinds_range(self) -> None:
+        """With room enough, a fault lasts between its kind's shortest and longest duration."""
+        for fault in plan_faults(11, 4 * HOUR, (100, 180)):
+            shortest, longest = FAULT_DURATIONS_S[fault.kind]
+            assert shortest <= fault.duration_s <= longest, fault
+
+    def test_only_the_chosen_kinds_are_planned(self) -> None:
+        """A subset of kinds plans only those kinds."""
+        kinds = {f.kind for f in plan_faults(5, HOUR, (60, 180), ("netem", "node_kill"))}
+        assert kinds <= {"netem", "node_kill"}
+
+    def test_short_intervals_cut_durations_to_fit(self) -> None:
+        """Intervals shorter than a duration cut it so it still ends before the next fault."""
+        faults = plan_faults(2, 600, (20, 25), ("consul_down",))
+        assert faults
+        assert all(f.duration_s <= 25 - FAULT_GAP_S for f in faults)
+
+    def test_no_kinds_no_faults(self) -> None:
+        """An empty choice of kinds plans nothing."""
+        assert () == plan_faults(1, HOUR, (60, 180), ())
+
+
+class TestParsing:
+    def test_range(self) -> None:
+        """LOW-HIGH in seconds parses to floats."""
+        assert (30.0, 60.5) == parse_range("30-60.5")
+
+    @pytest.mark.parametrize("text", ["60", "0-10", "90-60", "a-b", ""])
+    def test_bad_range_names_the_text(self, text: str) -> None:
+        """A malformed or empty range is refused with the text in the message."""
+        with pytest.raises(ValueError, match="LOW"):
+            parse_range(text)
+
+    def test_faults_keep_the_canonical_order(self) -> None:
+        """Chosen kinds come back in FAULT_KINDS order; `all` is every kind."""
+        assert ("node_kill", "netem") == parse_faults("netem, node_kill")
+        assert FAULT_KINDS == parse_faults("all")
+
+    def test_unknown_fault_is_named(self) -> None:
+        """An unknown kind is refused, naming it and the choices."""
+        with pytest.raises(ValueError, match="meteor"):
+            parse_faults("node_kill,meteor")
+
+
+def test_pick_target_is_stable_over_candidate_order() -> None:
+    """The same draw picks the same target whatever order the candidates come in."""
+    assert pick_target(["c", "a", "b"], 0.5) == pick_target(["b", "c", "a"], 0.5) == "b"
+    assert "c" == pick_target(["a", "b", "c"], 0.999)
+    assert pick_target([], 0.3) is None
+
+
+class TestCauses:
+    def test_openai_error_with_names_and_numbers_normalised(self) -> None:
+        """A router error reads as status, code and the message with its names replaced."""
+        body = {
+            "error": {
+                "message": "Timed out waiting for free capacity of model 'tiny-chat' after 30 s",
+                "type": "service_unavailable",
+                "code": "no_capacity",
+            }
+        }
+        expected = (
+            "http 503 no_capacity: Timed out waiting for free capacity of model <name> after <n> s"
+        )
+        assert expected == classify_failure(status=503, body=body)
+
+    def test_equal_causes_on_different_replicas_read_the_same(self) -> None:
+        """Replica ids and numbers do not split one cause into many."""
+        one = message_class("Replica 5f0c1a2b-aaaa failed the request: answered HTTP 500")
+        two = message_class("Replica 9e8d7c6b-bbbb failed the request: answered HTTP 502")
+        assert one == two
+
+    def test_client_side_and_stream_causes(self) -> None:
+        """Exceptions, stream error events, missing [DONE] and unfinished answers are named."""
+        assert "client ServerDisconnectedError" == classify_failure(
+            status=None, exception="ServerDisconnectedError"
+        )
+        assert "stream error replica_failed: cut" == classify_failure(
+            status=200, stream_error={"code": "replica_failed", "message": "cut"}
+        )
+        assert "stream incomplete (no [DONE])" == classify_failure(status=200, done=False)
+        assert "answer without finish_reason" == classify_failure(status=200, unfinished=True)
+
+    def test_a_non_openai_error_body_is_unexplained(self) -> None:
+        """A 500 with a body that is no OpenAI error is classified as unparsed, unexplained."""
+        cause = classify_failure(status=500, body=None)
+        assert "http 500 unparsed error body" == cause
+        assert not is_classified(cause)
+        assert is_classified("client ClientConnectorError")
+
+
+def record(
+    model: str, start: float, end: float, cause: str | None = None, ttft: float | None = None
+):
+    return RequestRecord(model, ttft is not None, start, end, ttft, cause)
+
+
+class TestPeriods:
+    def test_each_fault_opens_a_period(self) -> None:
+        """Faults cut the run; the first period has no fault, the last ends with the run."""
+        cut = periods(300.0, [(200.0, "netem"), (100.0, "node_kill")])
+        assert [(0.0, 100.0, None), (100.0, 200.0, "node_kill"), (200.0, 300.0, "netem")] == [
+            (p.start_s, p.end_s, p.fault) for p in cut
+        ]
+
+    def test_a_request_counts_where_it_ended(self) -> None:
+        """A stream started before a fault and cut by it fails in the fault's period."""
+        cut = periods(200.0, [(100.0, "node_kill")])
+        requests = [
+            record("m", 95.0, 101.0, "stream error replica_failed: cut"),
+            record("m", 10, 12),
+        ]
+        ready = [ReadySample(50.0, "m", 2), ReadySample(110.0, "m", 1), ReadySample(150.0, "m", 2)]
+        rows = account_periods(cut, ["m"], requests, ready)
+        assert [(0, 2, 1, 0), (1, 1, 1, 1)] == [
+            (r.period, r.min_ready, r.requests, r.failures) for r in rows
+        ]
+        assert {"stream error replica_failed: cut": 1} == rows[1].causes
+
+    def test_the_state_entering_a_period_counts(self) -> None:
+        """The last sample before a period starts is part of its fewest-ready count."""
+        cut = periods(200.0, [(100.0, "alloc_crash")])
+        ready = [ReadySample(99.0, "m", 1), ReadySample(120.0, "m", 2)]
+        rows = account_periods(cut, ["m"], [], ready)
+        assert 1 == rows[1].min_ready
+
+    def test_unknown_samples_are_skipped_and_none_known_is_none(self) -> None:
+        """Unreadable samples (Consul down) do not count; a period with none known is None."""
+        cut = periods(100.0, [])
+        assert (
+            2
+            == account_periods(cut, ["m"], [], [ReadySample(5, "m", None), ReadySample(6, "m", 2)])[
+                0
+            ].min_ready
+        )
+        assert account_periods(cut, ["m"], [], [ReadySample(5, "m", None)])[0].min_ready is None
+
+
+class TestMinutes:
+    def test_percentiles_are_nearest_rank(self) -> None:
+        """p50 and p99 of 1..100 are 50 and 99; no values give None."""
+        values = [float(v) for v in range(1, 101)]
+        assert (50.0, 99.0) == (percentile(values, 50), percentile(values, 99))
+        assert percentile([], 50) is None
+
+    def test_per_minute_latency_counts_only_successes(self) -> None:
+        """TTFT comes from successful streams, end-to-end from successes; failures are counted."""
+        requests = [
+            record("m", 0.0, 2.0, ttft=0.5),
+            record("m", 1.0, 2.0),
+            record("m", 3.0, 50.0, cause="client TimeoutError"),
+            record("m", 61.0, 62.0),
+        ]
+        first, second = minute_stats(requests, ["m"], 120.0)
+        assert (3, 1, 0.5, 1.0, 2.0) == (
+            first.requests,
+            first.failures,
+            first.ttft_p50_s,
+            first.e2e_p50_s,
+            first.e2e_p99_s,
+        )
+        assert (1, None) == (second.requests, second.ttft_p50_s)
+
+
+def series(process: str, incarnation: int, start: float, end: float, rss, *, fds=50.0, tasks=20.0):
+    samples = []
+    at = start
+    while at <= end:
+        samples.append(ProcessSample(at, process, incarnation, rss(at), fds, tasks))
+        at += 10.0
+    return samples
+
+
+class TestProcesses:
+    def test_trend_of_a_line(self) -> None:
+        """A straight line's levels are its ends; its slope is per hour."""
+        line = trend([(0.0, 100.0), (10.0, 110.0), (20.0, 120.0)])
+        assert line is not None
+        assert (100.0, 120.0, 0.2, 3600.0) == (
+            line.first,
+            line.last,
+            round(line.relative, 6),
+            round(line.per_hour, 6),
+        )
+        assert trend([(0.0, 1.0), (1.0, 2.0)]) is None
+
+    def test_dips_and_peaks_are_not_growth(self) -> None:
+        """Descriptors closed for a moment (an outage) and a burst in flight leave it level."""
+        values = [19.0] * 100
+        values[3] = 13.0
+        values[90:96] = [40.0] * 6
+        line = trend([(float(i * 5), v) for i, v in enumerate(values)])
+        assert line is not None
+        assert 0.0 == line.change
+
+    def test_a_raised_floor_is_growth(self) -> None:
+        """A series whose floor climbs from 20 to 30 changes by about 10, peaks aside."""
+        values = [20.0 + 10.0 * i / 99 + (15.0 if i % 7 == 0 else 0.0) for i in range(100)]
+        line = trend([(float(i * 5), v) for i, v in enumerate(values)])
+        assert line is not None
+        assert 7.5 < line.change < 10.5
+
+    def test_a_growing_process_fails_and_a_level_one_passes(self) -> None:
+        """RSS growing 10% over the window fails the 5% limit; a level series passes."""
+        samples = [
+            *series("router-a", 0, 0, 3600, lambda t: 100e6 * (1 + 0.1 * max(0.0, t - 600) / 3000)),
+            *series("router-b", 0, 0, 3600, lambda t: 100e6),
+        ]
+        verdicts = {v.process: v for v in judge_processes(samples, 600, 3600, 1500)}
+        assert (False, True) == (verdicts["router-a"].rss_ok, verdicts["router-b"].rss_ok)
+        assert verdicts["router-b"].fds_flat
+
+    def test_a_restarted_process_warms_up_from_its_own_start(self) -> None:
+        """Incarnation 1, started at 1200 s, is judged from 1800 s; a late one is not judged."""
+        samples = [
+            *series("scheduler-a", 1, 1200, 3600, lambda t: 50e6),
+            *series("scheduler-b", 1, 3300, 3600, lambda t: 50e6),
+        ]
+        verdicts = {v.process: v for v in judge_processes(samples, 600, 3600, 1500)}
+        assert (1800.0, 3600.0) == verdicts["scheduler-a"].window
+        assert not verdicts["scheduler-b"].judged
+        assert "under the 1500s" in verdicts["scheduler-b"].reason
+
+    def test_climbing_descriptors_are_not_flat(self) -> None:
+        """Descriptors climbing by 100 over the window are not flat; tasks level are."""
+        samples = series("router-a", 0, 0, 3600, lambda t: 1e8)
+        climbing = [
+            ProcessSample(s.at_s, s.process, 0, s.rss_bytes, 50 + s.at_s / 30, s.tasks)
+            for s in samples
+        ]
+        (verdict,) = judge_processes(climbing, 600, 3600, 1500)
+        assert (False, True) == (verdict.fds_flat, verdict.tasks_flat)
+
+
+class TestJudge:
+    def test_a_failure_with_two_ready_replicas_fails_the_run(self) -> None:
+        """One failed request in a period with 2 ready replicas fails the first line."""
+        rows = [
+            PeriodModel(0, "m", 2, 100, 0),
+            PeriodModel(1, "m", 2, 100, 1, {"client TimeoutError": 1}),
+            PeriodModel(2, "m", 1, 100, 3, {"http 503 no_capacity: x": 3}),
+        ]
+        first, second, *_ = judge(rows, [])
+        assert (False, True) == (first.passed, second.passed)
+        assert "period 1 m (1)" in first.detail
+
+    def test_an_unparsed_failure_below_two_replicas_is_unexplained(self) -> None:
+        """Below 2 replicas failures are allowed only with a cause; unparsed ones fail."""
+        rows = [PeriodModel(0, "m", 1, 10, 2, {"http 500 unparsed error body": 2})]
+        first, second, *_ = judge(rows, [])
+        assert (True, False) == (first.passed, second.passed)
+
+    def test_processes_without_a_judged_window_are_not_judged(self) -> None:
+        """When no incarnation lived long enough after warm-up, the process lines are unknown."""
+        samples = series("router-a", 0, 0, 100, lambda t: 1e8)
+        verdicts = judge([], judge_processes(samples, 600, 100, 60))
+        assert [None, None, None] == [v.passed for v in verdicts[2:]]
