@@ -630,7 +630,9 @@ class Faults:
 
     async def inject(self, fault: PlannedFault) -> tuple[str | None, Undo | None]:
         """Make the fault; its target and how to undo it (None: nothing to undo)."""
-        maker = getattr(self, f"_{fault.kind}")
+        maker: Callable[[float], Awaitable[tuple[str | None, Undo | None]]] = getattr(
+            self, f"_{fault.kind}"
+        )
         return await maker(fault.pick)
 
     async def _node_kill(self, pick: float) -> tuple[str | None, Undo | None]:
@@ -767,6 +769,11 @@ class Faults:
                 await undo()
 
 
+def skipped(fault: PlannedFault, at: float, note: str) -> FaultEvent:
+    """The timeline's entry for a fault that was not injected, and why."""
+    return FaultEvent(fault.index, fault.kind, round(at, 2), None, fault.duration_s, None, note)
+
+
 async def run_faults(
     plan: tuple[PlannedFault, ...],
     faults: Faults,
@@ -778,41 +785,17 @@ async def run_faults(
         await asyncio.sleep(max(0.0, t0 + fault.at_s - time.monotonic()))
         at = time.monotonic() - t0
         if fault.kind in unavailable:
-            events.append(
-                FaultEvent(
-                    fault.index,
-                    fault.kind,
-                    round(at, 2),
-                    None,
-                    fault.duration_s,
-                    None,
-                    "unavailable: " + unavailable[fault.kind],
-                )
-            )
+            events.append(skipped(fault, at, "unavailable: " + unavailable[fault.kind]))
             say(f"  [{at:7.1f}s] {fault.kind}: unavailable, skipped")
             continue
         try:
             target, undo = await faults.inject(fault)
         except Exception as exc:
-            events.append(
-                FaultEvent(
-                    fault.index,
-                    fault.kind,
-                    round(at, 2),
-                    None,
-                    fault.duration_s,
-                    None,
-                    f"not injected: {type(exc).__name__}: {exc}",
-                )
-            )
+            events.append(skipped(fault, at, f"not injected: {type(exc).__name__}: {exc}"))
             say(f"  [{at:7.1f}s] {fault.kind}: not injected ({exc})")
             continue
         if target is None:
-            events.append(
-                FaultEvent(
-                    fault.index, fault.kind, round(at, 2), None, fault.duration_s, None, "no target"
-                )
-            )
+            events.append(skipped(fault, at, "no target"))
             say(f"  [{at:7.1f}s] {fault.kind}: no target, skipped")
             continue
         say(f"  [{at:7.1f}s] {fault.kind} -> {target}")
