@@ -181,7 +181,7 @@ class RouterSettings(BaseSettings):
     # before it is routed on the approximate index; the tokenizing goes on in the
     # background and warms the model's segment cache for the next turn. 0: never
     # wait (every request is routed approximately and only warms the cache).
-    exact_prefix_budget_ms: float = Field(default=1.5, ge=0)
+    exact_prefix_budget_ms: float = Field(default=1.0, ge=0)
 
     @field_validator("api_keys", mode="before")
     @classmethod

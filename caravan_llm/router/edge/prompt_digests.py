@@ -160,6 +160,11 @@ class PromptDigester:
         """The model's prompts being tokenized now."""
         return len(self._pending.get(model, ()))
 
+    async def settled(self) -> None:
+        """Return once every prompt being tokenized now is done (benches, tests)."""
+        running = [task for tasks in self._pending.values() for task in tasks]
+        await asyncio.gather(*running, return_exceptions=True)
+
     def _plan(self, model: str) -> tuple[set[DigestKind], dict[str, DigestKey]] | None:
         """The (service, block size) kinds with a stream, and their services' keys; None: none."""
         if self._engine_keys is None:
