@@ -62,7 +62,7 @@ from caravan_llm.kvrelay.wire import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncIterator, Callable, Sequence
 
     from caravan_llm.kvrelay.settings import RelaySettings
 
@@ -159,16 +159,21 @@ class KvRelay:
 
     async def _drain_frames(self, context: zmq.asyncio.Context, sub: zmq.asyncio.Socket) -> None:
         while _readable(sub):
-            parts = await sub.recv_multipart()
-            try:
-                batch = decode_frame(parts)
-            except KvWireError as exc:
-                self.metrics.decode_errors.inc()
-                log.warning("kv_relay_bad_frame", extra={"error": str(exc)[:200]})
-                continue
-            if batch.topic != self._topic:
-                continue  # a longer topic with ours as its prefix (SUB filters by prefix)
-            await self._apply(context, batch)
+            batch = self.decoded(await sub.recv_multipart())
+            if batch is not None:
+                await self._apply(context, batch)
+
+    def decoded(self, parts: Sequence[bytes]) -> EventBatch | None:
+        """The frame's batch when it is one of our topic; a bad frame is counted and logged."""
+        try:
+            batch = decode_frame(parts)
+        except KvWireError as exc:
+            self.metrics.decode_errors.inc()
+            log.warning("kv_relay_bad_frame", extra={"error": str(exc)[:200]})
+            return None
+        if batch.topic != self._topic:
+            return None  # a longer topic with ours as its prefix (SUB filters by prefix)
+        return batch
 
     def _on_monitor_event(self, message: list[bytes]) -> None:
         event = parse_monitor_message(message)["event"]

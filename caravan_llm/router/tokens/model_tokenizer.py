@@ -64,6 +64,9 @@ SPECIAL_TOKEN_NAMES = (
 DEFAULT_SEGMENT_CACHE_CHARS = 16_000_000
 # Pieces this short are tokenized again rather than cached (cheaper than the bookkeeping).
 MIN_CACHED_SEGMENT_CHARS = 16
+# Texts this long are tokenized with the GIL released (`ModelTokenizer._encode`): below it,
+# `encode` is cheaper than `encode_batch` and holds the GIL for well under a millisecond.
+GIL_RELEASE_CHARS = 1024
 
 
 class TokenizerUnavailable(Exception):
@@ -118,7 +121,7 @@ class ModelTokenizer:
     ) -> tuple[int, ...]:
         """The ids `tokenizer(text, add_special_tokens=...)` gives in transformers."""
         if not (use_cache and self.segmentable) or (add_special_tokens and self._prefix is None):
-            return tuple(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+            return self._encode(text, add_special_tokens=add_special_tokens)
         ids = self._segmented(text)
         if add_special_tokens and self._prefix is not None and self._suffix is not None:
             return self._prefix + ids + self._suffix
@@ -158,10 +161,23 @@ class ModelTokenizer:
             # Not the template's own message: it may quote the conversation, never logged.
             raise NotExact("the chat template refused or failed on the messages") from None
 
+    def _encode(self, text: str, *, add_special_tokens: bool) -> tuple[int, ...]:
+        """`Tokenizer.encode`'s ids, letting go of the GIL while a long text is tokenized.
+
+        `Tokenizer.encode` holds the GIL for the whole call (~20 ms at 8k tokens),
+        so the router's event loop would stand still while its worker thread
+        tokenizes; `encode_batch` of one text gives the same ids with the GIL
+        released. Short texts keep `encode`, which is cheaper per call.
+        """
+        if len(text) < GIL_RELEASE_CHARS:
+            return tuple(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        (encoding,) = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        return tuple(encoding.ids)
+
     def _segmented(self, text: str) -> tuple[int, ...]:
         splitter = self._splitter
         if splitter is None:  # pragma: no cover - segmentable implies a splitter
-            return tuple(self._tokenizer.encode(text, add_special_tokens=False).ids)
+            return self._encode(text, add_special_tokens=False)
         ids: list[int] = []
         start = 0
         for match in splitter.finditer(text):
@@ -175,14 +191,14 @@ class ModelTokenizer:
 
     def _piece(self, piece: str) -> tuple[int, ...]:
         if len(piece) < MIN_CACHED_SEGMENT_CHARS:
-            return tuple(self._tokenizer.encode(piece, add_special_tokens=False).ids)
+            return self._encode(piece, add_special_tokens=False)
         cached = self._cache.get(piece)
         if cached is not None:
             self._cache.move_to_end(piece)
             self._hits += 1
             return cached
         self._misses += 1
-        ids = tuple(self._tokenizer.encode(piece, add_special_tokens=False).ids)
+        ids = self._encode(piece, add_special_tokens=False)
         if len(piece) <= self._cache_limit:
             self._cache[piece] = ids
             self._cached_chars += len(piece)

@@ -393,6 +393,7 @@ async def test_no_token_id_of_the_prompt_crosses_to_the_router(
                 await eventually(
                     lambda: set(digests_of(tokens)) <= router.digests(), WAIT_S, "the digests"
                 )
+                held = router.digests()
             batches = await side.batches_until(lambda bs: len(bs) >= 1, WAIT_S, "a batch")
             engine_bytes = b"".join(part for frame in side.frames for part in frame)
     assert any(isinstance(event, BlockStored) for batch in batches for event in batch.events)
@@ -402,6 +403,9 @@ async def test_no_token_id_of_the_prompt_crosses_to_the_router(
     assert b"event: snapshot" in sent
     assert b"event: delta" in sent
     assert not carries_token_ids(sent, tokens)
+    # The names the router holds are digests, not the ids (nor ids of a block) themselves.
+    assert set() == held & set(tokens)
+    assert not carries_token_ids(json.dumps(sorted(held)).encode(), tokens)
 
 
 # --- losing the engine, losing batches --------------------------------------------------

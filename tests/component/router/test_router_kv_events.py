@@ -32,6 +32,7 @@ from router_cluster import (
     Engine,
     KeyVariables,
     RouterUnderTest,
+    declare_model,
     register_replica,
     routable_count,
     running_router,
@@ -41,8 +42,9 @@ from router_cluster import (
 
 from caravan_llm.common.block_digest import BlockDigest, DigestKey, block_digests
 from caravan_llm.common.consul_api import ConsulClient
-from caravan_llm.common.contract import EngineRoute
+from caravan_llm.common.contract import EngineRoute, ModelView
 from caravan_llm.devcluster.engine.text import ChatMessage, Vocabulary, render_chatml, tokenize
+from caravan_llm.router.tokens.registry import Tokenizers
 
 MODEL = "tiny"
 KEY = "engine-key-of-tiny-for-kv-events"
@@ -61,10 +63,14 @@ class SimulatedEngineTokens:
     def __init__(self) -> None:
         self._vocabulary = Vocabulary()
 
-    def prompt_token_ids(
-        self, model: str, payload: Mapping[str, Any], *, route: EngineRoute
+    async def prompt_token_ids(
+        self, view: ModelView, route: EngineRoute, payload: Mapping[str, Any]
     ) -> Sequence[int] | None:
-        del model
+        del view
+        return self.ids(route, payload)
+
+    def ids(self, route: EngineRoute, payload: Mapping[str, Any]) -> Sequence[int] | None:
+        """The ids, computed on the caller's thread."""
         messages = payload.get("messages")
         if route is not EngineRoute.CHAT_COMPLETIONS or not isinstance(messages, list):
             return None
@@ -75,9 +81,7 @@ class SimulatedEngineTokens:
 
 def digests_of(user: str) -> tuple[BlockDigest, ...]:
     """The prompt's block digests as the relay names the engine's blocks."""
-    ids = SimulatedEngineTokens().prompt_token_ids(
-        MODEL, chat(user), route=EngineRoute.CHAT_COMPLETIONS
-    )
+    ids = SimulatedEngineTokens().ids(EngineRoute.CHAT_COMPLETIONS, chat(user))
     assert ids is not None
     return block_digests(ids, block_size=BLOCK, key=DigestKey.from_secret(KEY))
 
@@ -103,8 +107,9 @@ def ipc_dir() -> Iterator[Path]:
         yield Path(folder)
 
 
-def kv_engine(ipc_dir: Path) -> Engine:
-    """A simulated vLLM with the engine key, publishing KV events on an ipc socket."""
+def kv_engine(ipc_dir: Path, tokenizer: Path | None = None) -> Engine:
+    """A simulated vLLM with the engine key, publishing KV events on an ipc socket
+    (`tokenizer`: a tokenizer.json directory it tokenizes with, as vLLM's --tokenizer)."""
     config = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
@@ -120,6 +125,7 @@ def kv_engine(ipc_dir: Path) -> Engine:
             "4096",
             "--kv-events-config",
             json.dumps(config),
+            *(["--tokenizer", str(tokenizer)] if tokenizer is not None else []),
         ],
         env={"VLLM_API_KEY": KEY},
     )
@@ -321,3 +327,75 @@ async def test_two_routers_reading_one_relay_agree_without_talking(
 
     assert [expected, expected] == held
     assert positions[0] == positions[1]
+
+
+async def test_the_routers_own_tokenizers_name_the_blocks_the_engine_reports(
+    consul: ConsulClient,
+    http: aiohttp.ClientSession,
+    ipc_dir: Path,
+    tiny_tokenizer_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The router's real Tokenizers (the profile's `tokenizer`) on an engine tokenizing with the
+    same tokenizer.json: the second request with a shared system prompt is routed on events."""
+    caplog.set_level(logging.INFO, logger="router.proxy")  # request lines are written at info
+    engine = kv_engine(ipc_dir, tiny_tokenizer_dir)
+    relay_port = free_port()
+    lines = Lines()
+    tokenizers = Tokenizers()
+    options = {
+        **router_options(lines),
+        "prompt_tokens": tokenizers,
+        # Wiring, not speed: a loaded test machine must not route approximately for time.
+        "exact_prefix_budget_ms": 30_000.0,
+    }
+    try:
+        async with relay_process(ipc_dir, relay_port):
+            await declare_model(consul, MODEL, tokenizer=str(tiny_tokenizer_dir))
+            endpoint = await register_replica(consul, MODEL, 0, engine.port, kv_port=relay_port)
+            async with running_router(
+                consul, nomad=KeyVariables({MODEL: KEY}), **options
+            ) as router:
+                await wait_until(
+                    lambda: stream_state(router, endpoint) == "live",
+                    timeout_s=WAIT_S,
+                    what="the stream live",
+                )
+                await post(http, router, "first question")
+                await wait_until(
+                    lambda: (
+                        (router.metric("caravan_router_kv_events_total", endpoint=endpoint) or 0)
+                        > 0
+                    ),
+                    timeout_s=WAIT_S,
+                    what="the first prompt's blocks reported",
+                )
+                await post(http, router, "second question")
+                view = ModelView(name=MODEL, tokenizer=str(tiny_tokenizer_dir))
+                ids = await tokenizers.prompt_token_ids(
+                    view, EngineRoute.CHAT_COMPLETIONS, chat("second question")
+                )
+                assert ids is not None
+                digests = block_digests(ids, block_size=BLOCK, key=DigestKey.from_secret(KEY))
+                # The router names the blocks exactly as the engine's events do: all held.
+                await wait_until(
+                    lambda: (
+                        router.runtime.state.kv.cached_blocks(
+                            endpoint, digests, block_size=BLOCK, now=time.monotonic()
+                        )
+                        == len(digests)
+                    ),
+                    timeout_s=WAIT_S,
+                    what="every block of the second prompt held",
+                )
+                events = router.metric("caravan_router_kv_events_total", endpoint=endpoint)
+                exact = router.metric("caravan_router_exact_prompts_total", outcome="exact")
+    finally:
+        tokenizers.close()
+        engine.stop()
+
+    assert len(digests) > 1
+    assert ["events", "events"] == [line["prefix_source"] for line in lines.lines]
+    assert events is not None
+    assert events > 0
+    assert 2.0 == exact

@@ -9,11 +9,13 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from tokenizers import Tokenizer
 
 from caravan_llm.common.contract import EngineRoute
 from caravan_llm.router.tokens.chat_template import ChatTemplate, ChatTemplateError
 from caravan_llm.router.tokens.conversation import ChatPrompt, template_messages
 from caravan_llm.router.tokens.model_tokenizer import (
+    GIL_RELEASE_CHARS,
     ModelTokenizer,
     TokenizerUnavailable,
     load_model_tokenizer,
@@ -225,3 +227,14 @@ def test_later_turns_reuse_the_cached_history(tiny: ModelTokenizer) -> None:
     tiny.chat_ids(next_turn)
     after = tiny.segment_stats
     assert (1, 1) == (after.hits - before.hits, after.misses - before.misses)
+
+
+@given(text=st.text(min_size=GIL_RELEASE_CHARS, max_size=3 * GIL_RELEASE_CHARS))
+def test_long_texts_tokenized_without_the_gil_give_encodes_ids(
+    tiny: ModelTokenizer, tiny_tokenizer_dir: Path, text: str
+) -> None:
+    """Texts tokenized through encode_batch (the GIL let go) give Tokenizer.encode's ids."""
+    raw = Tokenizer.from_file(str(tiny_tokenizer_dir / "tokenizer.json"))
+    for add_special_tokens in (False, True):
+        expected = tuple(raw.encode(text, add_special_tokens=add_special_tokens).ids)
+        assert expected == tiny.encode(text, add_special_tokens=add_special_tokens, use_cache=False)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +15,7 @@ from pydantic import ValidationError
 from caravan_llm.common.contract import KV_PORT_LABEL
 from caravan_llm.scheduler.cluster_config import ClusterConfig
 from caravan_llm.scheduler.engines.kv_events import KvEventsSettings
-from caravan_llm.scheduler.profiles import ModelProfile, check_engine_rules
+from caravan_llm.scheduler.profiles import ModelProfile, check_engine_rules, load_profile
 from caravan_llm.scheduler.render import render
 
 KEY_PATH = "nomad/jobs/caravan-qwen-0"
@@ -180,3 +182,40 @@ def test_a_profile_may_not_set_its_own_kv_events_config(flag: str) -> None:
     profile = make_vllm(engine_args=[flag, '{"endpoint": "tcp://*:5557"}'])
     with pytest.raises(ValueError, match=f"{flag} is set by caravan"):
         check_engine_rules(profile)
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[3] / "examples" / "profiles").glob("*.yaml"))
+# Where a publisher may listen: an ipc socket inside the allocation (or loopback).
+_INSIDE = re.compile(r"^(ipc://\$\{NOMAD_ALLOC_DIR\}/|tcp://127\.0\.0\.1:|tcp://\[::1\]:)")
+
+
+def _publisher_endpoints(body: dict[str, Any]) -> list[str]:
+    """Every endpoint a rendered job's KV events are published or read on."""
+    found: list[str] = []
+    for task in group_of(body)["Tasks"]:
+        args = task["Config"].get("args", [])
+        for index, arg in enumerate(args[:-1]):
+            if arg == "--kv-events-config":
+                config = json.loads(args[index + 1])
+                found += [
+                    config[name] for name in ("endpoint", "replay_endpoint") if name in config
+                ]
+        env = task.get("Env") or {}
+        found += [value for name, value in env.items() if name.endswith("_ENDPOINT")]
+    return found
+
+
+@pytest.mark.parametrize("driver", ["docker", "raw_exec"], ids=["relay-docker", "relay-raw-exec"])
+def test_no_rendered_publisher_ever_listens_outside_the_allocation(driver: str) -> None:
+    """Every example profile, every replica index, each relay driver: the engines' KV events are
+    on ipc:// sockets in the allocation (never tcp://*, never a routable address)."""
+    config = ClusterConfig.model_validate({"kv_events": {"driver": driver}})
+    endpoints: list[str] = []
+    for profile in [*(load_profile(path) for path in EXAMPLES), make_vllm(), make_sglang()]:
+        for replica in (0, 1, 3):
+            body = render(profile, replica, config=config)
+            assert "tcp://*" not in json.dumps(body)
+            assert "tcp://0.0.0.0" not in json.dumps(body)
+            endpoints += _publisher_endpoints(body)
+    assert endpoints  # the examples do publish KV events
+    assert [] == [endpoint for endpoint in endpoints if not _INSIDE.match(endpoint)]
