@@ -23,7 +23,11 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
             "Route OpenAI requests to the model replicas Consul reports ready. Settings come "
             "from CARAVAN_ROUTER_* variables (see router/README.md); these flags override them. "
             "Consul is found through CONSUL_HTTP_ADDR, CONSUL_HTTP_TOKEN and the other "
-            "variables the Consul CLI reads."
+            "variables the Consul CLI reads. Open files: the router raises its soft "
+            "RLIMIT_NOFILE to the hard limit at start and needs two descriptors per proxied "
+            "connection (one per idle keep-alive one) plus 64; its default connection cap is "
+            "(limit - 64) / 2, so 10,000 connections need a hard limit of at least 20,064 "
+            "(ulimit -Hn, systemd LimitNOFILE)."
         ),
     )
     parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")

@@ -80,6 +80,15 @@ class FailoverOutcome(StrEnum):
     FAILED = "failed"  # no endpoint could take the continuation
 
 
+class RebuildHoldOutcome(StrEnum):
+    """How a request held for a model's rebuild left the hold."""
+
+    ADMITTED = "admitted"  # a replica passed and took it
+    TIMED_OUT = "timed_out"  # no replica came back within the rebuild bound
+    REFUSED = "refused"  # answered otherwise (the model failed for good, route not served)
+    ABANDONED = "abandoned"  # the client went away
+
+
 @dataclass(frozen=True, slots=True)
 class EndpointGauge:
     """One endpoint's current state, as reported at scrape time."""
@@ -233,6 +242,22 @@ class RouterMetrics:
             "Retries and stream continuations held for the replacement of a dead last replica, "
             "by how they ended.",
             ["model", "kind", "outcome"],
+            registry=registry,
+        )
+        # Requests held for the rebuild of a declared model whose every replica is out
+        # (breaker open after its death, critical, or a retry's dead last replica):
+        # held now, and by how each hold ended (RebuildHoldOutcome).
+        self.rebuild_held = Gauge(
+            "caravan_router_rebuild_held_requests",
+            "Requests held right now for the rebuild of a model whose every replica is out.",
+            ["model"],
+            registry=registry,
+        )
+        self.rebuild_holds = Counter(
+            "caravan_router_rebuild_holds_total",
+            "Requests held for the rebuild of a model whose every replica was out, "
+            "by how the hold ended.",
+            ["model", "outcome"],
             registry=registry,
         )
         # Engine answers the router took as refusals of the client's input: its 4xx

@@ -86,8 +86,15 @@ class RouterSettings(BaseSettings):
     cold_start_keepalive_s: float = Field(default=5.0, gt=0)
     # When the last replica of a model dies under a retry or a stream, hold the
     # request (streams: SSE comments every cold_start_keepalive_s) for its
-    # replacement, up to cold_start_timeout_s, instead of failing it.
+    # replacement, up to rebuild_timeout_s, instead of failing it; and hold the
+    # requests that find (or, queued, see) every replica of a declared model out
+    # (breakers open, critical) the same way, instead of queueing them for
+    # queue_timeout_s. False: neither.
     hold_for_replacement: bool = True
+    # The expected rebuild time, bounded: how long such a request is held for the
+    # rebuild of its model's replicas. None: cold_start_timeout_s (Nomad's down
+    # detection, 10-30 s with its defaults, then a cold start of the replica).
+    rebuild_timeout_s: float | None = Field(default=None, gt=0)
     # How often, at most, the demand signal of one model is written to KV.
     demand_interval_s: float = Field(default=5.0, gt=0)
     retry_after_s: int = Field(default=1, ge=1)
@@ -260,4 +267,6 @@ class RouterSettings(BaseSettings):
             cold_start_hold_s=self.cold_start_timeout_s,
             retry_after_s=self.retry_after_s,
             cold_start_retry_after_s=self.cold_start_retry_after_s,
+            rebuild_hold_s=self.rebuild_timeout_s,
+            hold_for_rebuild=self.hold_for_replacement,
         )

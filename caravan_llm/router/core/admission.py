@@ -5,7 +5,9 @@ holds the requests that wait, per model, bounded, ordered by (priority,
 arrival): a lower priority number goes first (vLLM's convention), and equal
 priorities go first come, first served. Each ticket has a deadline; a request
 for a model with no endpoint at all (a cold start) is held longer, for the
-first replica to boot.
+first replica to boot, and so is one for a declared model whose every replica
+is out (`rebuild_hold`): the scheduler rebuilds it, which takes Nomad's down
+detection plus a reschedule and a model load, far longer than a capacity wait.
 
 No asyncio here: the I/O layer pairs each ticket with a future, pops tickets
 when capacity frees up (a request finishes, a snapshot brings an endpoint),
@@ -18,11 +20,17 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, assert_never
 
 from caravan_llm.router.core.balancer import NoEndpointReason, NotPicked, Picked, PickResult
-from caravan_llm.router.core.errors import NoHealthyEndpoint, QueueFull, QueueTimeout, RouterError
+from caravan_llm.router.core.errors import (
+    NoHealthyEndpoint,
+    QueueFull,
+    QueueTimeout,
+    RebuildTimeout,
+    RouterError,
+)
 
 if TYPE_CHECKING:
     from caravan_llm.router.core.endpoints import Endpoint
@@ -40,14 +48,30 @@ class AdmissionPolicy:
     cold_start_hold_s: float = 300.0
     retry_after_s: int = 1
     cold_start_retry_after_s: int = 10
+    # How long a request may wait for the rebuild of a declared model's replicas
+    # when every one is out (dead, breaker open, critical): the expected rebuild
+    # time, bounded. None: cold_start_hold_s (a rebuild is a down detection of
+    # 10-30 s with Nomad's defaults, then a cold start).
+    rebuild_hold_s: float | None = None
+    # Hold requests for a rebuild at all (False: a breaker-open model queues
+    # for queue_timeout_s like a full one, and a retry whose last replica died
+    # ends with 503 at once).
+    hold_for_rebuild: bool = True
 
     def __post_init__(self) -> None:
         if self.max_queue_per_model < 0:
             raise ValueError(f"max_queue_per_model must be >= 0, got {self.max_queue_per_model}")
         if self.queue_timeout_s <= 0 or self.cold_start_hold_s <= 0:
             raise ValueError("queue_timeout_s and cold_start_hold_s must be > 0")
+        if self.rebuild_hold_s is not None and self.rebuild_hold_s <= 0:
+            raise ValueError(f"rebuild_hold_s must be > 0, got {self.rebuild_hold_s}")
         if self.retry_after_s < 1 or self.cold_start_retry_after_s < 1:
             raise ValueError("retry_after_s and cold_start_retry_after_s must be >= 1")
+
+    @property
+    def rebuild_bound_s(self) -> float:
+        """How long a request is held for a rebuild at most."""
+        return self.cold_start_hold_s if self.rebuild_hold_s is None else self.rebuild_hold_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +84,8 @@ class Queue:
     deadline: float
     # Waiting for a first replica (longer deadline; the scheduler gets a demand signal).
     cold_start: bool
+    # Waiting for the rebuild of a replica that is out (breaker open), not for capacity.
+    rebuild: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,18 +118,26 @@ def decide_admission(
     policy: AdmissionPolicy,
     now: float,
     replacement: bool = False,
+    rebuild_expected: bool = False,
 ) -> Decision:
     """What to do with a request, given what the balancer found for it.
+
+    `rebuild_expected`: the scheduler keeps the model's replicas up (a profile
+    declares it, no failure record says they failed for good), so one that is
+    out is rebuilt.
 
     1. An endpoint was picked: admit.
     2. No endpoint serves the model: hold it for a cold start if a profile
        declares the model, else 404.
     3. Endpoints exist but are full, unhealthy or breaker-open: queue, since
-       capacity frees up or Nomad replaces the replica within seconds.
+       capacity frees up or Nomad replaces the replica within seconds. When
+       every one is breaker-open and a rebuild is expected, hold it like a
+       cold start up to the rebuild bound: the replica is dead or failing,
+       and its rebuild takes longer than a capacity wait.
     4. The request already tried every endpoint: 503, no queue (the proxy's
        retry loop ends there), unless it waits for the `replacement` of a
        replica that died (`caravan_llm.router.core.replacement`) and a profile declares the
-       model: then it is held like a cold start, for the rebuilt replica.
+       model: then it is held like a cold start, up to the rebuild bound.
     5. A full queue rejects: 429 when the model is at capacity (back off), 503
        when it is unavailable.
     """
@@ -117,16 +151,45 @@ def decide_admission(
     cold_start = reason is NoEndpointReason.NO_ENDPOINTS
     if cold_start and not model_declared:
         return UnknownModel()
-    if reason is NoEndpointReason.ALL_EXCLUDED and replacement and model_declared:
-        cold_start = True
+    replaced = reason is NoEndpointReason.ALL_EXCLUDED and replacement and model_declared
+    rebuild = (
+        reason is NoEndpointReason.BREAKERS_OPEN and rebuild_expected and policy.hold_for_rebuild
+    )
+    cold_start = cold_start or replaced or rebuild
     retry_after = policy.cold_start_retry_after_s if cold_start else policy.retry_after_s
     if reason is NoEndpointReason.ALL_EXCLUDED and not cold_start:
         return Reject(503, retry_after, reason, queue_full=False)
     if queue_depth >= policy.max_queue_per_model:
         status = 429 if reason is NoEndpointReason.AT_CAPACITY else 503
         return Reject(status, retry_after, reason, queue_full=True)
+    if replaced or rebuild:
+        return Queue(deadline=now + policy.rebuild_bound_s, cold_start=True, rebuild=rebuild)
     hold_s = policy.cold_start_hold_s if cold_start else policy.queue_timeout_s
     return Queue(deadline=now + hold_s, cold_start=cold_start)
+
+
+# Every endpoint of the model is out: none merely full.
+_OUT = frozenset(
+    {NoEndpointReason.NO_ENDPOINTS, NoEndpointReason.NONE_HEALTHY, NoEndpointReason.BREAKERS_OPEN}
+)
+
+
+def rebuild_hold(
+    ticket: Ticket, reason: NoEndpointReason, *, rebuild_expected: bool, policy: AdmissionPolicy
+) -> Ticket | None:
+    """The ticket held for a rebuild instead, when its model's replicas went out while it waited.
+
+    A request that queued for capacity (or for breakers to cool down) keeps
+    its place, and its deadline moves to the rebuild bound counted from its
+    arrival; None: nothing changes (already held that long, the model has an
+    endpoint that is merely full, or no rebuild is expected).
+    """
+    if ticket.rebuild or ticket.cold_start or not rebuild_expected or not policy.hold_for_rebuild:
+        return None
+    if reason not in _OUT:
+        return None
+    deadline = max(ticket.deadline, ticket.enqueued_at + policy.rebuild_bound_s)
+    return replace(ticket, deadline=deadline, cold_start=True, rebuild=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,10 +202,15 @@ class Ticket:
     enqueued_at: float
     deadline: float
     cold_start: bool
+    # Held for the rebuild of the model's replicas (`rebuild_hold`, or a breaker-open pick).
+    rebuild: bool = False
 
     def timeout_error(self, policy: AdmissionPolicy) -> QueueTimeout:
         """The error for a ticket that expired."""
         retry_after = policy.cold_start_retry_after_s if self.cold_start else policy.retry_after_s
+        if self.rebuild:
+            waited_s = self.deadline - self.enqueued_at
+            return RebuildTimeout(self.model, retry_after, waited_s=waited_s)
         return QueueTimeout(self.model, retry_after, cold_start=self.cold_start)
 
 
@@ -184,12 +252,13 @@ class AdmissionQueues:
         deadline: float,
         cold_start: bool = False,
         retry_after_s: int = 1,
+        rebuild: bool = False,
     ) -> Ticket:
         """Add a waiting request. Raises QueueFull when the model's queue is at its bound."""
         queue = self._queues.setdefault(model, _ModelQueue())
         if len(queue.waiting) >= self._max_per_model:
             raise QueueFull(model, retry_after_s)
-        ticket = Ticket(next(self._seq), model, priority, now, deadline, cold_start)
+        ticket = Ticket(next(self._seq), model, priority, now, deadline, cold_start, rebuild)
         self._push(queue, ticket)
         return ticket
 
@@ -217,6 +286,15 @@ class AdmissionQueues:
         The bound does not apply: the ticket was already counted when it queued.
         """
         self._push(self._queues.setdefault(ticket.model, _ModelQueue()), ticket)
+
+    def update(self, ticket: Ticket) -> bool:
+        """Replace a waiting ticket by a new version of itself (same seq and priority, so the
+        same place); False if it was no longer waiting."""
+        queue = self._queues.get(ticket.model)
+        if queue is None or ticket.seq not in queue.waiting:
+            return False
+        queue.waiting[ticket.seq] = ticket
+        return True
 
     def cancel(self, ticket: Ticket) -> bool:
         """Drop a ticket whose client went away; False if it was no longer waiting."""

@@ -21,7 +21,8 @@
     ├── AdmissionRejected         429/503 with Retry-After                          (retryable)
     │   ├── QueueFull             429  the model's queue is at its bound
     │   └── QueueTimeout          503  queued past its deadline (capacity or cold start)
-    │       └── ReplacementTimeout 503 no replacement of a dead last replica passed in time
+    │       ├── ReplacementTimeout 503 no replacement of a dead last replica passed in time
+    │       └── RebuildTimeout    503  every replica out; none rebuilt within the rebuild bound
     └── UpstreamError             502  the engine failed the request
         ├── UpstreamConnectError  502  no connection, or reset before any response  (retryable)
         ├── UpstreamStatusError   502/503/504 as the engine said (retryable for 5xx gateway codes)
@@ -285,6 +286,24 @@ class ReplacementTimeout(QueueTimeout):
             self,
             f"The last replica of model '{model}' failed and no replacement passed its health "
             "check in time; retry later.",
+            retry_after_s,
+        )
+        self.model = model
+        self.cold_start = True
+
+
+class RebuildTimeout(QueueTimeout):
+    """A request held while every replica of its model was out (breaker open, critical, dead)
+    waited the whole rebuild bound and no replica came back."""
+
+    code = "rebuild_timeout"
+
+    def __init__(self, model: str, retry_after_s: int, *, waited_s: float) -> None:
+        AdmissionRejected.__init__(
+            self,
+            f"Every replica of model '{model}' was out of rotation (dead, failing or critical) "
+            f"and none was rebuilt within {waited_s:.0f} s, the time a rebuild is expected to "
+            "take; retry later.",
             retry_after_s,
         )
         self.model = model

@@ -21,6 +21,18 @@ replacement the scheduler rebuilds (`caravan_llm.router.core.replacement`): whil
 tried endpoint that Consul reports critical or that left the catalog stops
 being excluded, so a replica restarted in place is taken again once it passes.
 
+Held for a rebuild: a declared model (not failed for good) whose every
+replica is out is rebuilt by the scheduler, which takes Nomad's down
+detection (10-30 s with its defaults) plus a reschedule and a model load.
+So a request that finds every replica's breaker open (the replica died
+under earlier requests), a retry whose last replica died (above), and a
+request that queued for capacity and saw every replica go out while it
+waited, are all held up to the rebuild bound (`AdmissionPolicy.rebuild_bound_s`)
+rather than the capacity wait; streams get the keep-alive comments. They
+show in `caravan_router_rebuild_held_requests{model}` while held and in
+`caravan_router_rebuild_holds_total{model,outcome}` when they leave, and one
+that waits the whole bound gets `RebuildTimeout`, which says what it waited for.
+
 Fail fast: when the scheduler has recorded that every replica of a declared
 model failed for good (`ModelFailures`, KV `failed/<name>`), a request that
 finds no routable endpoint is answered at once with `ModelUnavailable` (503,
@@ -49,6 +61,7 @@ from caravan_llm.router.core.admission import (
     Ticket,
     UnknownModel,
     decide_admission,
+    rebuild_hold,
 )
 from caravan_llm.router.core.balancer import (
     BalancerConfig,
@@ -76,7 +89,7 @@ from caravan_llm.router.core.prompt_digests import events_cached
 from caravan_llm.router.core.replacement import still_excluded
 from caravan_llm.router.core.routing_state import KnownModel, RoutingState
 from caravan_llm.router.feeds.model_failures import ModelFailures
-from caravan_llm.router.metrics import OTHER_MODEL, RouterMetrics
+from caravan_llm.router.metrics import OTHER_MODEL, RebuildHoldOutcome, RouterMetrics
 
 # Named as before the router's sub-packages: the logger is a field of every log line.
 log = logging.getLogger("router.admission_gate")
@@ -107,6 +120,10 @@ class _Waiter:
     future: asyncio.Future[Admitted]
     # Held for the replacement of a dead replica (caravan_llm.router.core.replacement).
     replacement: bool = False
+    # Called when a cold-start or rebuild hold begins and at every keep-alive interval.
+    hold: Hold | None = None
+    # Counted in caravan_router_rebuild_held_requests now.
+    rebuild_counted: bool = False
 
 
 class DemandStore(Protocol):
@@ -253,6 +270,8 @@ class AdmissionGate:
             policy=self._admission,
             now=now,
             replacement=replacement,
+            # The scheduler keeps a declared model's replicas up unless they failed for good.
+            rebuild_expected=declared and unavailable is None,
         )
         match decision:
             case Admit(endpoint=endpoint):
@@ -261,15 +280,16 @@ class AdmissionGate:
                 raise ModelNotFound(model)
             case Reject():
                 raise decision.error(model)
-            case Queue(deadline=deadline, cold_start=cold_start):
+            case Queue(deadline=deadline, cold_start=cold_start, rebuild=rebuild):
                 return await self._wait(
                     features,
                     priority=priority,
                     now=now,
                     deadline=deadline,
                     cold_start=cold_start,
-                    hold=hold if cold_start else None,
+                    hold=hold,
                     replacement=replacement,
+                    rebuild=rebuild,
                 )
             case _:
                 assert_never(decision)
@@ -367,6 +387,7 @@ class AdmissionGate:
 
     def tick(self) -> None:
         now = self._clock()
+        self._hold_for_rebuild(now)
         for ticket in self._queues.expire(now):
             waiter = self._waiters.get(ticket.seq)
             if waiter is not None and not waiter.future.done():
@@ -383,6 +404,39 @@ class AdmissionGate:
                 self._demand.note(known, waiting)
 
     # -- internals -----------------------------------------------------------------
+
+    def _hold_for_rebuild(self, now: float) -> None:
+        """Waiters whose model's replicas all went out while they waited: hold them for the
+        rebuild (`caravan_llm.router.core.admission.rebuild_hold`)."""
+        for waiter in self._waiters.values():
+            ticket = waiter.ticket
+            if waiter.future.done() or ticket.cold_start:
+                continue
+            known = self._state.view.profiles.get(ticket.model)
+            if known is None or self._failures.get(known.name) is not None:
+                continue
+            result = self._pick(waiter.features, now)
+            if not isinstance(result, NotPicked):
+                continue
+            held = rebuild_hold(
+                ticket, result.reason, rebuild_expected=True, policy=self._admission
+            )
+            if held is not None and self._queues.update(held):
+                waiter.ticket = held
+                self._count_rebuild_hold(waiter)
+                log.info("rebuild_hold", extra={"model": ticket.model})
+
+    def _count_rebuild_hold(self, waiter: _Waiter) -> None:
+        if not waiter.rebuild_counted:
+            waiter.rebuild_counted = True
+            self._metrics.rebuild_held.labels(waiter.ticket.model).inc()
+
+    def _uncount_rebuild_hold(self, waiter: _Waiter, outcome: RebuildHoldOutcome) -> None:
+        if waiter.rebuild_counted:
+            waiter.rebuild_counted = False
+            model = waiter.ticket.model
+            self._metrics.rebuild_held.labels(model).dec()
+            self._metrics.rebuild_holds.labels(model, outcome.value).inc()
 
     def _pick(self, features: RequestFeatures, now: float) -> PickResult:
         state = self._state
@@ -425,6 +479,7 @@ class AdmissionGate:
         cold_start: bool,
         hold: Hold | None,
         replacement: bool = False,
+        rebuild: bool = False,
     ) -> Admitted:
         model = features.model
         retry_after = (
@@ -439,43 +494,65 @@ class AdmissionGate:
             deadline=deadline,
             cold_start=cold_start,
             retry_after_s=retry_after,
+            rebuild=rebuild,
         )
         future: asyncio.Future[Admitted] = asyncio.get_running_loop().create_future()
-        self._waiters[ticket.seq] = _Waiter(ticket, features, future, replacement)
+        waiter = _Waiter(ticket, features, future, replacement, hold)
+        self._waiters[ticket.seq] = waiter
+        if rebuild or (replacement and cold_start):
+            self._count_rebuild_hold(waiter)
         if cold_start:
             known = self._state.view.profiles.get(model)
             if known is not None:
                 self._demand.note(known, self._queues.depth(model))
-            log.info(
-                "replacement_hold" if replacement else "cold_start_hold", extra={"model": model}
-            )
+            event = "cold_start_hold"
+            if replacement or rebuild:
+                event = "replacement_hold" if replacement else "rebuild_hold"
+            log.info(event, extra={"model": model})
+        outcome = RebuildHoldOutcome.REFUSED
         try:
-            admitted = await self._await_turn(ticket, future, hold, replacement=replacement)
+            admitted = await self._await_turn(waiter, replacement=replacement)
+            outcome = RebuildHoldOutcome.ADMITTED
+        except QueueTimeout:
+            outcome = RebuildHoldOutcome.TIMED_OUT
+            self._abandon(waiter.ticket, future)
+            raise
+        except asyncio.CancelledError:
+            outcome = RebuildHoldOutcome.ABANDONED
+            self._abandon(waiter.ticket, future)
+            raise
         except BaseException:
-            self._abandon(ticket, future)
+            self._abandon(waiter.ticket, future)
             raise
         finally:
             self._waiters.pop(ticket.seq, None)
+            self._uncount_rebuild_hold(waiter, outcome)
         self._metrics.for_model(model).wait.observe(self._clock() - now)
         return admitted
 
-    async def _await_turn(
-        self,
-        ticket: Ticket,
-        future: asyncio.Future[Admitted],
-        hold: Hold | None,
-        *,
-        replacement: bool = False,
-    ) -> Admitted:
-        if hold is not None:
-            await hold()
+    async def _await_turn(self, waiter: _Waiter, *, replacement: bool = False) -> Admitted:
+        """Wait for the waiter's future, up to its ticket's deadline.
+
+        The ticket may be replaced while it waits (held for a rebuild: a later
+        deadline, and a cold-start hold from then on), so it is read afresh on
+        every step; the `hold` callback runs when a hold begins and at every
+        keep-alive interval.
+        """
+        future = waiter.future
+        hold_began = False
         while True:
+            ticket = waiter.ticket
+            hold = waiter.hold if ticket.cold_start else None
+            if hold is not None and not hold_began:
+                hold_began = True
+                await hold()
             if future.done():
                 return future.result()
             remaining = ticket.deadline - self._clock()
             if remaining <= 0:
                 raise self._timeout_error(ticket, replacement)
-            step = remaining if hold is None else min(remaining, self._keepalive_s)
+            # Wakes at least every keep-alive interval, to see a replaced ticket.
+            step = min(remaining, self._keepalive_s)
             try:
                 async with asyncio.timeout(step):
                     # Shielded: a timeout must not cancel a future the drain may

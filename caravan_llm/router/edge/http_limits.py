@@ -28,7 +28,12 @@ implements), overriding only the asyncio protocol callbacks and
    keep-alive client has been idle for less time than they have waited. A
    connection inside a request (until its response is written) is never
    evicted; only when every connection is inside one is the newcomer refused
-   with an immediate 503 (OpenAI JSON, `Connection: close`). The cap sits below the
+   with an immediate 503 (OpenAI JSON, `Retry-After`, `Connection: close`).
+   The refusal closes cleanly: the router ends its side (FIN), discards what
+   the client sends, and closes once the client has closed its own side or
+   `_REFUSED_LINGER_S` has passed (a lingering close, as nginx does), so the
+   client reads the 503 rather than a reset caused by its own unread request;
+   beyond `_MAX_LINGERING` refusals at once they close at once. The cap sits below the
    process's descriptor limit, so `accept` never fails with EMFILE, which
    would stall every client. Engagement is logged at most every 10 s.
 4. Malformed HTTP (aiohttp's parser errors) gets OpenAI JSON: 431 for a line
@@ -36,7 +41,12 @@ implements), overriding only the asyncio protocol callbacks and
    debug without a traceback (it is the client's error, and the raw line
    may hold a key).
 
-`decide_connection` is the pure rule of 3; the rest is I/O.
+5. At start the process raises its soft RLIMIT_NOFILE to its hard limit
+   (`raise_descriptor_limit`, called by the wiring before the default cap is
+   read): many systems start processes at a soft 1024 while allowing far
+   more, and each client connection being proxied holds two descriptors.
+
+`decide_connection` and `nofile_soft_target` are the pure rules; the rest is I/O.
 """
 
 from __future__ import annotations
@@ -77,7 +87,13 @@ SERVER_HEADER = "caravan"
 # Consul, logs, and the engine connections that mirror client ones.
 _RESERVED_FDS = 64
 _MAX_AUTO_CONNECTIONS = 65536
+# Linux's default ceiling of one process's descriptors (fs.nr_open), the target
+# when the hard limit is unlimited.
+_NOFILE_CEILING = 1_048_576
 _LOG_EVERY_S = 10.0
+# A refused connection stays open this long at most, for its client to read the 503.
+_REFUSED_LINGER_S = 1.0
+_MAX_LINGERING = 256
 
 
 class Phase(StrEnum):
@@ -134,6 +150,32 @@ def connection_limit_for(descriptor_limit: int) -> int:
     return max(16, min(_MAX_AUTO_CONNECTIONS, (descriptor_limit - _RESERVED_FDS) // 2))
 
 
+def nofile_soft_target(soft: int, hard: int, *, unlimited: int) -> int | None:
+    """The soft RLIMIT_NOFILE to raise to: the hard limit (the ceiling when that is
+    `unlimited`); None when the soft limit is already there or above."""
+    if soft == unlimited:
+        return None
+    target = _NOFILE_CEILING if hard == unlimited else hard
+    return target if target > soft else None
+
+
+def raise_descriptor_limit() -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit; (before, after).
+
+    Children (the workers of `--workers N`) inherit it. A system that refuses
+    (a hard limit above what the kernel allows one process) leaves it as it was.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = nofile_soft_target(soft, hard, unlimited=resource.RLIM_INFINITY)
+    if target is None:
+        return soft, soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        return soft, soft
+    return soft, target
+
+
 def default_connection_limit() -> int:
     """`connection_limit_for` this process's soft RLIMIT_NOFILE."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -181,6 +223,8 @@ class ConnectionGuard:
         self._last_logged: float | None = None
         self._evicted_since_log = 0
         self._refused_since_log = 0
+        # Refused connections still open for their clients to read the 503.
+        self.lingering = 0
 
     def now(self) -> float:
         return self._clock()
@@ -245,21 +289,43 @@ class GuardedRequestHandler(RequestHandler):
         self.phase_since = guard.now()
         self._deadline: asyncio.TimerHandle | None = None
         self._refused = False
+        self._lingering: asyncio.Transport | None = None
 
     # -- asyncio protocol callbacks ------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if not self.guard.admit(self):
             self._refused = True
-            # A stream transport (uvloop's are not asyncio.Transport subclasses).
-            stream = cast("asyncio.Transport", transport)
-            stream.write(raw_error_response(TooManyConnections(self.guard.limit)))
-            stream.close()
+            self._refuse(cast("asyncio.Transport", transport))
             return
         super().connection_made(transport)
         self._arm()
 
+    def _refuse(self, stream: asyncio.Transport) -> None:
+        """The 503 over the cap, then a lingering close (module docstring, rule 3)."""
+        # A stream transport (uvloop's are not asyncio.Transport subclasses).
+        stream.write(raw_error_response(TooManyConnections(self.guard.limit)))
+        if self.guard.lingering >= _MAX_LINGERING or not stream.can_write_eof():
+            stream.close()
+            return
+        stream.write_eof()
+        self.guard.lingering += 1
+        self._lingering = stream
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.call_later(_REFUSED_LINGER_S, stream.close)
+
+    def eof_received(self) -> None:
+        if self._refused:
+            # The client closed its side after reading the 503: close now.
+            if self._lingering is not None:
+                self._lingering.close()
+            return
+        super().eof_received()
+
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            # The refused client's request: read and dropped, so that closing sends no reset.
+            return
         if self.phase is Phase.IDLE and data:
             # The first byte of the next request starts its header deadline.
             self._enter(Phase.AWAITING_HEADERS)
@@ -269,6 +335,9 @@ class GuardedRequestHandler(RequestHandler):
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
         if self._refused:
+            if self._lingering is not None:
+                self._lingering = None
+                self.guard.lingering -= 1
             return
         self.guard.forget(self)
         super().connection_lost(exc)

@@ -31,6 +31,7 @@ from caravan_llm.common.errors import HashiError
 from caravan_llm.common.log_format import BufferedLineHandler, configure_logging
 from caravan_llm.common.nomad_api import NomadClient, NomadSettings
 from caravan_llm.router.edge.api_keys import ApiKeyError
+from caravan_llm.router.edge.http_limits import raise_descriptor_limit
 from caravan_llm.router.edge.proxy import RequestLog, log_request
 from caravan_llm.router.settings import RouterSettings
 from caravan_llm.router.tokens.registry import Tokenizers
@@ -273,6 +274,10 @@ def start_up(settings: RouterSettings, environ: Mapping[str, str]) -> Startup | 
     except ModuleNotFoundError:
         print("error: event_loop is uvloop but uvloop is not installed", file=sys.stderr)  # noqa: T201
         return 2
+    # Before anything reads it (the default connection cap): soft up to hard.
+    before, after = raise_descriptor_limit()
+    if after != before:
+        log.info("descriptor_limit_raised", extra={"soft_before": before, "soft": after})
     return Startup(consul_settings, nomad_settings, handler, loop_factory)
 
 
