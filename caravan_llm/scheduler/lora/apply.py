@@ -361,6 +361,8 @@ class LoraApplier:
             ),
             unplaced=placement.unplaced,
             request_model=facts.request_model,
+            load_path=facts.api.load_path,
+            unload_path=facts.api.unload_path,
         )
 
     async def _read_held(
