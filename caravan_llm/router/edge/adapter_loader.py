@@ -117,6 +117,8 @@ class AdapterLoader:
         self.demand = DemandWindow(window_s=demand_window_s)
         # Endpoint id -> adapter -> when this router loaded it there.
         self._overlay: dict[str, dict[str, float]] = {}
+        # Endpoint id -> adapters this router unloaded there (the document may still list them).
+        self._evicted: dict[str, set[str]] = {}
         self._documents: Mapping[str, ModelAdapters] = state.view.adapters.documents
         self._inflight: dict[tuple[str, str], asyncio.Task[float]] = {}
         self._refusals: dict[tuple[str, str | None], _Refusal] = {}
@@ -136,7 +138,7 @@ class AdapterLoader:
     def want(self, route: AdapterRoute, now: float) -> AdapterWant:
         """The balancer's view of a request for the adapter; counts the request as demand."""
         self.demand.note(route.model, route.name, now)
-        holders = set(self._state.view.adapters.holders(route))
+        holders = set(self._doc_holders(route))
         for endpoint_id, loaded in self._overlay.items():
             at = loaded.get(route.name)
             if at is not None and now - at < self._confirm_after_s:
@@ -161,6 +163,17 @@ class AdapterLoader:
             return self._error(route, "the profile names no source for it", retryable=False)
         return None
 
+    def figures(self, model: str, seen: Mapping[str, float]) -> dict[str, float]:
+        """The rates to report for a model: every adapter it declares, 0 for those not asked.
+
+        A zero is a figure (this router saw none), unlike an absent adapter,
+        which the plan weighs as the mean of the others.
+        """
+        if not seen:
+            return {}
+        declared = {route.name: 0.0 for route in self._state.view.adapters.adapters_of(model)}
+        return {**declared, **{name: round(rate, 6) for name, rate in seen.items()}}
+
     def refusal_of(self, want: AdapterWant, now: float) -> AdapterUnavailable | None:
         """`refusal` for the adapter a request's features name."""
         route = self._state.view.adapters.route(want.name)
@@ -168,7 +181,7 @@ class AdapterLoader:
 
     def want_holders(self, route: AdapterRoute) -> bool:
         """Whether any replica holds the adapter (the document's or this router's loads)."""
-        if self._state.view.adapters.holders(route):
+        if self._doc_holders(route):
             return True
         return any(route.name in loaded for loaded in self._overlay.values())
 
@@ -191,7 +204,7 @@ class AdapterLoader:
         """
         now = self._clock()
         loaded_at = self._overlay.get(endpoint.id, {}).get(route.name)
-        if endpoint.id in self._state.view.adapters.holders(route):
+        if endpoint.id in self._doc_holders(route):
             return None
         if loaded_at is not None and now - loaded_at < self._confirm_after_s:
             return None
@@ -221,12 +234,17 @@ class AdapterLoader:
                 retryable=True,
             )
         started = self._clock()
+        victim: str | None = None
         try:
             async with asyncio.timeout(self._timeout_s):
-                await self._make_room(endpoint, route, document)
-                await self._post(
-                    endpoint, load_path, {"lora_name": route.name, "lora_path": route.source}
-                )
+                victim = await self._make_room(endpoint, route, document)
+                try:
+                    await self._post(
+                        endpoint, load_path, {"lora_name": route.name, "lora_path": route.source}
+                    )
+                except _LoadFailed:
+                    await self._restore(endpoint, victim, load_path)
+                    raise
         except TimeoutError:
             raise self._remember(
                 route,
@@ -235,7 +253,7 @@ class AdapterLoader:
         except _LoadFailed as exc:
             raise self._remember(route, exc) from None
         took = self._clock() - started
-        self._overlay.setdefault(endpoint.id, {})[route.name] = self._clock()
+        self._loaded_here(endpoint.id, route.name)
         self._refusals.pop((route.name, route.source), None)
         self._load_s[route.model] = learned_load_s(self._load_s.get(route.model), took)
         log.info(
@@ -249,16 +267,35 @@ class AdapterLoader:
         )
         return took
 
+    async def _restore(self, endpoint: Endpoint, victim: str | None, load_path: str) -> None:
+        """Load back the adapter unloaded for a load that failed (best effort)."""
+        route = None if victim is None else self._state.view.adapters.route(victim)
+        if route is None or route.source is None:
+            return
+        try:
+            await self._post(
+                endpoint, load_path, {"lora_name": route.name, "lora_path": route.source}
+            )
+            self._loaded_here(endpoint.id, route.name)
+        except _LoadFailed as exc:
+            log.warning(
+                "adapter_restore_failed",
+                extra={"adapter": route.name, "endpoint": endpoint.id, "error": exc.reason},
+            )
+
     async def _make_room(
         self, endpoint: Endpoint, route: AdapterRoute, document: ModelAdapters | None
-    ) -> None:
-        """Unload one adapter from a replica that holds `max_loras` already."""
+    ) -> str | None:
+        """Unload one adapter from a replica that holds `max_loras` already; its name."""
         table = self._state.view.adapters
-        held = set(table.held_on(route.model, endpoint.id)) | set(
-            self._overlay.get(endpoint.id, {})
-        )
+        held = (
+            set(table.held_on(route.model, endpoint.id)) - self._evicted.get(endpoint.id, set())
+        ) | set(self._overlay.get(endpoint.id, {}))
         held.discard(route.name)
         copies = table.copies(route.model)
+        for gone in self._evicted.values():
+            for name in gone:
+                copies[name] = copies.get(name, 1) - 1
         for loaded in self._overlay.values():
             for name in loaded:
                 copies[name] = copies.get(name, 0) + 1
@@ -270,7 +307,7 @@ class AdapterLoader:
         )
         unload_path = None if document is None else document.unload_path
         if victim is None or unload_path is None:
-            return
+            return None
         try:
             await self._post(endpoint, unload_path, {"lora_name": victim})
         except _LoadFailed as exc:
@@ -278,6 +315,7 @@ class AdapterLoader:
             if "404" not in exc.reason:
                 raise
         self._overlay.get(endpoint.id, {}).pop(victim, None)
+        self._evicted.setdefault(endpoint.id, set()).add(victim)
         log.info(
             "adapter_evicted",
             extra={
@@ -287,6 +325,7 @@ class AdapterLoader:
                 "endpoint": endpoint.id,
             },
         )
+        return victim
 
     async def _post(self, endpoint: Endpoint, path: str, body: dict[str, str]) -> None:
         key = None if self._engine_keys is None else self._engine_keys.key_for(endpoint.service)
@@ -336,6 +375,15 @@ class AdapterLoader:
             retry_after_s=self._retry_after_s,
         )
 
+    def _doc_holders(self, route: AdapterRoute) -> frozenset[str]:
+        """The document's holders, less the endpoints this router unloaded it from since."""
+        holders = self._state.view.adapters.holders(route)
+        return frozenset(e for e in holders if route.name not in self._evicted.get(e, ()))
+
+    def _loaded_here(self, endpoint_id: str, adapter: str) -> None:
+        self._overlay.setdefault(endpoint_id, {})[adapter] = self._clock()
+        self._evicted.get(endpoint_id, set()).discard(adapter)
+
     # -- the scheduler's documents -----------------------------------------------------------
 
     def _view_changed(self) -> None:
@@ -359,6 +407,10 @@ class AdapterLoader:
                 del loaded[name]
             if not loaded:
                 del self._overlay[endpoint_id]
+        for endpoint_id in list(self._evicted):
+            self._evicted[endpoint_id] -= names
+            if not self._evicted[endpoint_id]:
+                del self._evicted[endpoint_id]
 
 
 def _message(data: bytes) -> str:
@@ -405,7 +457,7 @@ class AdapterDemandWriter:
         a model whose adapters were asked for no more is written once with none."""
         rates = self._loader.demand.rates(self._clock())
         for model in sorted(set(rates) | set(self._last)):
-            current = {name: round(rate, 6) for name, rate in rates.get(model, {}).items()}
+            current = self._loader.figures(model, rates.get(model, {}))
             record = AdapterDemandRecord(
                 at=round(self._wall_clock(), 3), router=self.router_id, requests_per_s=current
             )
