@@ -109,7 +109,7 @@ async def test_an_adapter_held_nowhere_is_loaded_on_demand_and_kept_by_the_plan(
                 return cards if profile.served_name in cards else None
 
             cards = await polling.eventually(routable, 30, "the router to list the model")
-            assert {n: profile.served_name for n in (*GOOD, "broken")} == {
+            assert dict.fromkeys((*GOOD, "broken"), profile.served_name) == {
                 n: cards[n]["parent"] for n in (*GOOD, "broken")
             }
             assert str(tmp_path / "loras" / "a-one") == cards["a-one"]["root"]

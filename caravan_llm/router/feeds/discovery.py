@@ -176,14 +176,19 @@ def declared_from_kv(
     owners = declared_name_owners(declared)
     models: dict[str, KnownModel] = {}
     for name, view in sorted(views.items()):
-        taken = next((n for n in view.declared_names if owners.get(n) != name), None)
-        if taken is not None:
-            what = "served_model_name" if taken == view.served_name else "adapter name"
-            problems.append(
-                f"{keys[name]}: {what} {taken!r} is already declared by profile {owners[taken]!r}"
-            )
+        if all(owners.get(n) == name for n in view.declared_names):
+            models[view.served_name] = KnownModel(name=name, served_model_name=view.served_name)
             continue
-        models[view.served_name] = KnownModel(name=name, served_model_name=view.served_name)
+        # Another profile keeps one of its names (a name declared twice by this one
+        # keeps none: the scheduler refuses that profile too).
+        taken = next((n for n in view.declared_names if owners.get(n, name) != name), None)
+        if taken is None:
+            problems.append(f"{keys[name]}: declares one model name twice")
+            continue
+        what = "served_model_name" if taken == view.served_name else "adapter name"
+        problems.append(
+            f"{keys[name]}: {what} {taken!r} is already declared by profile {owners[taken]!r}"
+        )
     return models, adapter_routes(views, owners), problems
 
 
