@@ -24,6 +24,7 @@ clock of its own:
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -183,27 +184,33 @@ def learned_load_s(previous: float | None, observed_s: float) -> float:
 class DemandWindow:
     """Requests for each adapter over the last `window_s` seconds; `rates` per second.
 
-    Bounded: one timestamp per request within the window, per adapter; adapters
-    with none left are forgotten.
+    Bounded: counts are kept per whole second, at most `window_s` of them per
+    adapter; adapters with none left in the window are forgotten.
     """
 
     window_s: float = 60.0
-    _seen: dict[tuple[str, str], deque[float]] = field(default_factory=dict)
+    # (model, adapter) -> [second, requests in it], oldest first.
+    _seen: dict[tuple[str, str], deque[list[int]]] = field(default_factory=dict)
 
     def note(self, model: str, adapter: str, now: float) -> None:
-        self._seen.setdefault((model, adapter), deque()).append(now)
+        second = math.floor(now)
+        buckets = self._seen.setdefault((model, adapter), deque())
+        if buckets and buckets[-1][0] == second:
+            buckets[-1][1] += 1
+        else:
+            buckets.append([second, 1])
 
     def rates(self, now: float) -> dict[str, dict[str, float]]:
         """Model -> adapter -> requests per second in the window (only adapters seen)."""
         horizon = now - self.window_s
         out: dict[str, dict[str, float]] = {}
         for key in list(self._seen):
-            times = self._seen[key]
-            while times and times[0] < horizon:
-                times.popleft()
-            if not times:
+            buckets = self._seen[key]
+            while buckets and buckets[0][0] < horizon:
+                buckets.popleft()
+            if not buckets:
                 del self._seen[key]
                 continue
             model, adapter = key
-            out.setdefault(model, {})[adapter] = len(times) / self.window_s
+            out.setdefault(model, {})[adapter] = sum(c for _, c in buckets) / self.window_s
         return out
