@@ -238,6 +238,18 @@ class KVLayout:
         return f"{self.adapters}{name}"
 
     @property
+    def adapter_demand(self) -> str:
+        return f"{self.prefix}adapter-demand/"
+
+    def adapter_demand_key(self, name: str, router: str) -> str:
+        """One router's requests per second for each LoRA adapter of a model.
+
+        Written by each router (`AdapterDemandRecord`), one key per router; the
+        scheduler sums the fresh ones into the adapter placement's weights.
+        """
+        return f"{self.adapter_demand}{name}/{router}"
+
+    @property
     def overrides(self) -> str:
         return f"{self.prefix}override/"
 
@@ -406,6 +418,8 @@ def replica_key_path(job_id: str) -> str:
 #   cluster-config       a `JsonCodec` of `caravan_llm.scheduler.cluster_config.ClusterConfig`
 #   placements/<name>    `encode_placements` / `decode_placements` (above)
 #   adapters/<name>      `ModelAdapters`, `encode_model_adapters` / `decode_model_adapters`
+#   adapter-demand/<name>/<router>  `AdapterDemandRecord`, `encode_adapter_demand` /
+#                        `decode_adapter_demand`
 #   models-revision      `encode_models_revision` / `decode_models_revision`
 #
 # and, in each replica's Consul service Meta, its metric names:
@@ -608,6 +622,18 @@ class ModelAdapterView(BaseModel):
 
     # The OpenAI `model` value that selects the adapter.
     name: Annotated[str, StringConstraints(min_length=1)]
+    # Where it is loaded from (a folder on the nodes, or a Hugging Face id): what a
+    # router passes to the engine's load route when it loads it on demand.
+    source: str | None = None
+
+
+class LoraView(BaseModel):
+    """A profile's `lora:` limits, as routers read them."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    # Adapters one replica holds at once: a router loading on demand never asks for more.
+    max_loras: int = Field(default=4, ge=1)
 
 
 class ModelView(BaseModel):
@@ -633,6 +659,8 @@ class ModelView(BaseModel):
     # The profile's LoRA adapters, each served under its own name with this
     # model as its parent (issue 25); where each is loaded is `adapters/<name>`.
     adapters: tuple[ModelAdapterView, ...] = ()
+    # Its LoRA limits (None: the profile has no `lora:` block).
+    lora: LoraView | None = None
 
     @property
     def served_name(self) -> str:
@@ -1144,6 +1172,12 @@ class ModelAdapters(BaseModel):
     # adapter's name (vLLM), `{served}:{adapter}` (SGLang), with `{served}` the
     # model's served name: what a router puts in `model` when it forwards.
     request_model: str = "{adapter}"
+    # The engine's routes that load (`{"lora_name", "lora_path"}`) and unload
+    # (`{"lora_name"}`) an adapter at run time, behind its API key: what a router
+    # calls to load an adapter held nowhere on demand. None: the engine takes its
+    # adapters at start only (routers never load).
+    load_path: str | None = None
+    unload_path: str | None = None
 
     def holders(self, adapter: str) -> tuple[str, ...]:
         """The allocations that hold `adapter` now (their `loaded` names it)."""
@@ -1179,3 +1213,38 @@ def decode_model_adapters(raw: bytes | str, *, key: str, model: str) -> ModelAda
     if document.model != model:
         raise ContractError(f"{key}: model {document.model!r} does not match its key")
     return document
+
+
+# -- adapter-demand/<name>/<router>: how much each adapter is asked for (issue 25) ----------
+#
+# One key per router and model (several routers never overwrite each other),
+# rewritten every few seconds while the router serves the model's adapters. The
+# scheduler sums the records written within its freshness window into the
+# placement's demand (`caravan_llm.scheduler.lora.plan.AdapterDemand`).
+
+
+class AdapterDemandRecord(BaseModel):
+    """One router's requests per second for each adapter of one model."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    # Wall-clock time of the write (Unix seconds).
+    at: float = Field(allow_inf_nan=False)
+    # Which router wrote it.
+    router: str = ""
+    # Adapter name -> requests per second over the router's window (absent: none seen).
+    requests_per_s: dict[str, Annotated[float, Field(ge=0, allow_inf_nan=False)]] = Field(
+        default_factory=dict
+    )
+
+
+_ADAPTER_DEMAND = JsonCodec(AdapterDemandRecord)
+
+
+def encode_adapter_demand(record: AdapterDemandRecord) -> str:
+    return _ADAPTER_DEMAND.encode(record)
+
+
+def decode_adapter_demand(raw: bytes | str, *, key: str) -> AdapterDemandRecord:
+    """Raises ContractError naming the key and the first field in error."""
+    return _ADAPTER_DEMAND.decode(raw, key=key)

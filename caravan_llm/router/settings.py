@@ -100,6 +100,20 @@ class RouterSettings(BaseSettings):
     retry_after_s: int = Field(default=1, ge=1)
     cold_start_retry_after_s: int = Field(default=10, ge=1)
 
+    # -- LoRA adapters (issue 25; router/edge/adapter_loader.py) -----------------------
+    # Longest a request waits for its adapter to be loaded on its replica.
+    adapter_load_timeout_s: float = Field(default=60.0, gt=0)
+    # After an engine refuses an adapter's source, requests for it fail at once this long.
+    adapter_failure_backoff_s: float = Field(default=30.0, ge=0)
+    # An adapter this router loaded counts as held there without the scheduler's
+    # document saying so for this long; after, the next request loads it again
+    # (an "already loaded" answer is a success).
+    adapter_confirm_after_s: float = Field(default=30.0, gt=0)
+    # How often this router writes its adapter demand (`adapter-demand/<model>/<router>`),
+    # and the window its requests per second are counted over.
+    adapter_demand_interval_s: float = Field(default=5.0, gt=0)
+    adapter_demand_window_s: float = Field(default=60.0, gt=0)
+
     # -- discovery and load -----------------------------------------------------
     kv_prefix: str = "caravan/"
     # Longest wait of one Consul blocking query.

@@ -46,6 +46,7 @@ from caravan_llm.scheduler.assess import assess
 from caravan_llm.scheduler.cluster_config import ClusterConfig
 from caravan_llm.scheduler.engine_keys import EngineKeys
 from caravan_llm.scheduler.lora.apply import LoraApplier
+from caravan_llm.scheduler.lora.plan import AdapterDemand, demand_from_records
 from caravan_llm.scheduler.metrics import SchedulerMetrics
 from caravan_llm.scheduler.model_store import DesiredState, ModelStore
 from caravan_llm.scheduler.observe import HealthSource, NomadReads, observe, read_nomad
@@ -269,7 +270,12 @@ class Controller:
         conflicts = outcomes.count(_Outcome.CONFLICT)
         if self.is_leader():
             # The adapters each ready replica holds (scheduler/lora/apply.py).
-            adapters = await self.lora.reconcile(models, observed, assessment)
+            records = desired.adapter_demand
+
+            def demand(model: str) -> AdapterDemand:
+                return demand_from_records(records.get(model, ()), self.clock())
+
+            adapters = await self.lora.reconcile(models, observed, assessment, demand)
             await self.publisher.publish_adapters(adapters)
         await self.publisher.publish_failures(desired, assessment, now)
         self.metrics.reconcile_passes.labels(outcome="ok" if not failed else "error").inc()

@@ -51,6 +51,7 @@ from caravan_llm.common.consul_api import (
     TxnSet,
 )
 from caravan_llm.common.contract import (
+    AdapterDemandRecord,
     ContractDecodeError,
     ContractError,
     DemandRecord,
@@ -60,6 +61,7 @@ from caravan_llm.common.contract import (
     ModelFailure,
     ScaleOverride,
     declared_name_owners,
+    decode_adapter_demand,
     decode_demand,
     decode_desired_count,
     decode_drain,
@@ -325,6 +327,8 @@ class DesiredState:
     cluster_config: ClusterConfig | None = None
     # The LoRA adapters each replica of a model holds, as the leader last published.
     adapters: Mapping[str, ModelAdapters] = field(default_factory=dict)
+    # Each router's requests per second for each adapter of a model (model -> records).
+    adapter_demand: Mapping[str, tuple[AdapterDemandRecord, ...]] = field(default_factory=dict)
 
     def desired_count(self, name: str) -> int:
         """The desired replica count: the stored one clamped to the profile's bounds."""
@@ -372,6 +376,7 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
     overrides: dict[str, ScaleOverride] = {}
     failures: dict[str, ModelFailure] = {}
     adapters: dict[str, ModelAdapters] = {}
+    adapter_demand: dict[str, list[AdapterDemandRecord]] = {}
     cluster_config: ClusterConfig | None = None
     for entry in entries:
         if entry.key == layout.cluster_config:
@@ -419,6 +424,17 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
                 log.warning(
                     "scale_override_unreadable", extra={"key": entry.key, "error": str(exc)}
                 )
+        elif entry.key.startswith(layout.adapter_demand):
+            model, _, router = _suffix(entry, layout.adapter_demand).partition("/")
+            try:
+                figures = decode_adapter_demand(entry.value, key=entry.key)
+            except ContractError as exc:
+                log.warning(
+                    "adapter_demand_unreadable", extra={"key": entry.key, "error": str(exc)}
+                )
+                continue
+            if model and router:
+                adapter_demand.setdefault(model, []).append(figures)
         elif entry.key.startswith(layout.adapters):
             model = _suffix(entry, layout.adapters)
             try:
@@ -468,6 +484,7 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
         failures=failures,
         cluster_config=cluster_config,
         adapters=adapters,
+        adapter_demand={m: tuple(r) for m, r in sorted(adapter_demand.items())},
     )
 
 

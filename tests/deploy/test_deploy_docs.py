@@ -50,14 +50,15 @@ def test_scheduler_consul_policy_covers_the_kv_prefix_and_the_lock():
     assert "write" == labelled_blocks(document, "session_prefix")[""]["policy"]
 
 
-def test_router_consul_policy_may_write_only_the_demand_signal():
-    """The documented router policy reads caravan's KV and writes only the demand prefix."""
+def test_router_consul_policy_may_write_only_the_demand_signals():
+    """The documented router policy reads caravan's KV and writes only the two demand prefixes
+    (cold-start demand, and the LoRA adapters' demand figures)."""
     policy = next(
         text for text in hcl_snippets(DEPLOY_DOC) if "caravan-router.consul-policy" in text
     )
     key_prefixes = labelled_blocks(parse_hcl_text(policy), "key_prefix")
     layout = KVLayout()
-    expected = {layout.prefix: "read", layout.demand: "write"}
+    expected = {layout.prefix: "read", layout.demand: "write", layout.adapter_demand: "write"}
     assert expected == {prefix: rule["policy"] for prefix, rule in key_prefixes.items()}
 
 

@@ -15,6 +15,14 @@ Filters, in order (the first one that leaves nothing gives the reason):
 4. room: in-flight below capacity (an unstated capacity never counts as full);
 5. passing endpoints first; warning ones only when no passing endpoint is left.
 
+A request for a LoRA adapter (`RequestFeatures.adapter`) may go to any replica
+of its base model: `predicted_ttft` adds the adapter's load time to the
+estimate of a replica that does not hold it (the cost model's
+`with_adapter_load`), so a holder wins unless it is that much busier; the
+other policies choose among the holders when a candidate holds it, else
+among all (the router then loads it where the request goes,
+`caravan_llm.router.edge.adapter_loader`).
+
 Scorers (higher is better): in-flight relative to capacity (min-max across the
 candidates, because it is the only signal that moves between scrapes), engine
 queue and KV-cache usage from the last scrape. A scrape older than
@@ -40,7 +48,14 @@ from typing import TYPE_CHECKING, assert_never
 
 from caravan_llm.router.core.affinity import DEFAULT_LOAD_FACTOR, load_bound, within_load_bound
 from caravan_llm.router.core.breaker import BreakerPhase, BreakerPolicy, allows_request
-from caravan_llm.router.core.cost_model import CostConfig, Estimate, estimate, index_fill, peer_rate
+from caravan_llm.router.core.cost_model import (
+    CostConfig,
+    Estimate,
+    estimate,
+    index_fill,
+    peer_rate,
+    with_adapter_load,
+)
 from caravan_llm.router.core.endpoints import CheckStatus, Endpoint
 from caravan_llm.router.core.live_state import EndpointLiveState
 from caravan_llm.router.core.prompt_digests import events_cached
@@ -49,6 +64,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from caravan_llm.common.contract import EngineRoute
+    from caravan_llm.router.core.adapters import AdapterWant
     from caravan_llm.router.core.endpoints import EndpointSnapshot, ModelEndpoints
     from caravan_llm.router.core.live_state import LiveStates
     from caravan_llm.router.core.prefix_index import PromptShape
@@ -120,6 +136,9 @@ class RequestFeatures:
     # core/prompt_digests.py's digests of the prompt's token ids, for the exact index
     # (None: no tokenizer for the model, or no replica of it has a KV stream).
     exact: ExactPrompt | None = None
+    # The LoRA adapter it asks for (`model` is then its base model's served name);
+    # None: the base model itself.
+    adapter: AdapterWant | None = None
 
 
 @dataclass(slots=True)
@@ -171,6 +190,8 @@ def pick(
     candidates = filter_candidates(model_endpoints, live, request, now, config)
     if isinstance(candidates, NoEndpointReason):
         return NotPicked(candidates)
+    if policy is not Policy.PREDICTED_TTFT:
+        candidates = holders_first(candidates, request.adapter)
     if len(candidates) == 1:
         return Picked(candidates[0][0])
     match policy:
@@ -231,6 +252,14 @@ def filter_candidates(
         if _REASON_RANK[stage] > _REASON_RANK[furthest]:
             furthest = stage
     return passing or warning or furthest
+
+
+def holders_first(candidates: list[Candidate], adapter: AdapterWant | None) -> list[Candidate]:
+    """The candidates that hold the request's adapter, when any does; else all of them."""
+    if adapter is None:
+        return candidates
+    holding = [candidate for candidate in candidates if adapter.holds(candidate[0].id)]
+    return holding or candidates
 
 
 # --- scorers: each returns one score in [0, 1] per candidate, higher is better ---
@@ -422,16 +451,20 @@ def ttft_estimates(
     its engine's events; the others from the approximate index (`Estimate.prefix_source`).
     """
     peer = peer_rate(state for _, state in candidates)
+    adapter = request.adapter
     return [
-        estimate(
-            endpoint,
-            state,
-            request.prompt,
-            now,
-            config.cost,
-            max_age_s=config.load_max_age_s,
-            peer=peer,
-            events=None if kv is None else events_cached(kv, endpoint, request.exact, now),
+        with_adapter_load(
+            estimate(
+                endpoint,
+                state,
+                request.prompt,
+                now,
+                config.cost,
+                max_age_s=config.load_max_age_s,
+                peer=peer,
+                events=None if kv is None else events_cached(kv, endpoint, request.exact, now),
+            ),
+            None if adapter is None or adapter.holds(endpoint.id) else adapter.load_s,
         )
         for endpoint, state in candidates
     ]

@@ -37,7 +37,7 @@ index that is trusted as it is.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -389,6 +389,29 @@ def estimate(
         queued_tokens=queued,
         prefix_source="events" if events is not None else "approximate",
     )
+
+
+def with_adapter_load(item: Estimate, load_s: float | None) -> Estimate:
+    """The estimate on a replica that must first load the request's LoRA adapter.
+
+    The load (the engine reads the adapter and adds it, `load_s` as this router
+    last timed it) comes before the prefill: its seconds add to the time to
+    first token. None: the replica holds it, or the request names no adapter.
+    """
+    if load_s is None:
+        return item
+    return replace(item, seconds=item.seconds + load_s)
+
+
+def restart_prefill_clock(prefill: Prefill, now: float) -> None:
+    """The request reaches the engine only now (its adapter was loaded first).
+
+    Its time to first token is measured from here, so the load does not
+    teach the endpoint a slower prefill rate.
+    """
+    shift = max(0.0, now - prefill.sent_at)
+    prefill.sent_at += shift
+    prefill.expected_at += shift
 
 
 def learned_rate(

@@ -18,6 +18,7 @@
     ├── RouteNotServed            404  the model's replicas do not serve this route
     ├── NoHealthyEndpoint         503  endpoints exist, none can take the request   (retryable)
     │   └── ModelUnavailable      503  every replica failed for good (the scheduler's record)
+    ├── AdapterUnavailable        503  a LoRA adapter could not be loaded (bad source, timeout)
     ├── AdmissionRejected         429/503 with Retry-After                          (retryable)
     │   ├── QueueFull             429  the model's queue is at its bound
     │   └── QueueTimeout          503  queued past its deadline (capacity or cold start)
@@ -240,6 +241,31 @@ class ModelUnavailable(NoHealthyEndpoint):
             "or a replica passes; `caravan status` shows the same."
         )
         self.args = (self.message,)
+
+
+class AdapterUnavailable(RouterError):
+    """A request's LoRA adapter is held nowhere and could not be loaded; `reason` says why.
+
+    `retryable` when another try may load it (a timeout, an unreachable engine);
+    not for what the engine refused (a source with no adapter: vLLM's 404),
+    which only a change of the profile fixes. Other models and adapters serve on.
+    """
+
+    status = 503
+    error_type = "unavailable_error"
+    code = "adapter_unavailable"
+    param = "model"
+
+    def __init__(
+        self, adapter: str, model: str, reason: str, *, retryable: bool, retry_after_s: int
+    ) -> None:
+        super().__init__(
+            f"The LoRA adapter '{adapter}' of model '{model}' could not be loaded: {reason}."
+        )
+        self.adapter = adapter
+        self.reason = reason
+        self.retryable = retryable
+        self.retry_after_s = retry_after_s
 
 
 class AdmissionRejected(RouterError):

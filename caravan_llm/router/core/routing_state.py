@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from caravan_llm.common.contract import ModelView
+from caravan_llm.router.core.adapters import AdapterTable
 from caravan_llm.router.core.endpoints import EMPTY_SNAPSHOT, EndpointSnapshot
 from caravan_llm.router.core.kv_index import KvIndex
 from caravan_llm.router.core.live_state import LiveStates
@@ -40,6 +41,8 @@ class RoutingView:
     snapshot: EndpointSnapshot = EMPTY_SNAPSHOT
     # Declared models by served model name.
     profiles: Mapping[str, KnownModel] = field(default_factory=lambda: MappingProxyType({}))
+    # Declared LoRA adapters (each served by its base model's replicas) and where each is held.
+    adapters: AdapterTable = field(default_factory=AdapterTable)
 
     def is_known(self, model: str) -> bool:
         """Whether Consul knows the model at all (served by an endpoint, or declared)."""

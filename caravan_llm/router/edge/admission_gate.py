@@ -33,6 +33,13 @@ show in `caravan_router_rebuild_held_requests{model}` while held and in
 `caravan_router_rebuild_holds_total{model,outcome}` when they leave, and one
 that waits the whole bound gets `RebuildTimeout`, which says what it waited for.
 
+LoRA adapters (issue 25): a request for an adapter is admitted on its base
+model's replicas like any other; once it has its endpoint and lease, the
+gate has the adapter loaded there when that replica does not hold it
+(`AdapterLoads`, `caravan_llm.router.edge.adapter_loader`), holding the
+request meanwhile; the load's seconds are `Admitted.adapter_load_s`, and a
+failed load gives the lease back and raises its `AdapterUnavailable`.
+
 Fail fast: when the scheduler has recorded that every replica of a declared
 model failed for good (`ModelFailures`, KV `failed/<name>`), a request that
 finds no routable endpoint is answered at once with `ModelUnavailable` (503,
@@ -47,11 +54,12 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol, assert_never
 
 from caravan_llm.common.contract import DemandRecord, KVLayout, encode_demand
 from caravan_llm.common.errors import HashiError
+from caravan_llm.router.core.adapters import AdapterWant
 from caravan_llm.router.core.admission import (
     AdmissionPolicy,
     AdmissionQueues,
@@ -74,7 +82,13 @@ from caravan_llm.router.core.balancer import (
     RequestFeatures,
     pick,
 )
-from caravan_llm.router.core.cost_model import Prefill, begin_prefill, end_prefill, peer_rate_of
+from caravan_llm.router.core.cost_model import (
+    Prefill,
+    begin_prefill,
+    end_prefill,
+    peer_rate_of,
+    restart_prefill_clock,
+)
 from caravan_llm.router.core.endpoints import Endpoint
 from caravan_llm.router.core.errors import (
     ModelNotFound,
@@ -111,6 +125,16 @@ class Admitted:
     lease: Lease
     # Its prompt as the cost model counts it there, until its first byte or its end.
     prefill: Prefill | None = None
+    # Seconds spent loading the request's LoRA adapter there first; None: no load.
+    adapter_load_s: float | None = field(default=None, compare=False)
+
+
+class AdapterLoads(Protocol):
+    """Loads a request's LoRA adapter on its endpoint (`caravan_llm.router.edge.adapter_loader`)."""
+
+    async def ensure_want(self, endpoint: Endpoint, want: AdapterWant) -> float | None:
+        """The seconds the load took, None when the endpoint holds it; raises RouterError."""
+        ...
 
 
 @dataclass(slots=True)
@@ -207,7 +231,9 @@ class AdmissionGate:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         failures: ModelFailures | None = None,
+        adapters: AdapterLoads | None = None,
     ) -> None:
+        self._adapters = adapters
         self._state = state
         self._policy = policy
         self._balancer = balancer
@@ -240,7 +266,32 @@ class AdmissionGate:
         `replacement`: the request's replica died in a way that a rebuilt one
         can make good (`caravan_llm.router.core.replacement.waits_for_replacement`); when every
         endpoint was already tried, wait for one up to the cold-start deadline.
+        A request for a LoRA adapter gets it loaded on its endpoint first (module docstring).
         """
+        admitted = await self._admit_endpoint(
+            features, priority=priority, hold=hold, replacement=replacement
+        )
+        if features.adapter is None or self._adapters is None:
+            return admitted
+        try:
+            load_s = await self._adapters.ensure_want(admitted.endpoint, features.adapter)
+        except BaseException:
+            self.finish(admitted, Outcome.NO_VERDICT)
+            raise
+        if load_s is None:
+            return admitted
+        if admitted.prefill is not None:
+            restart_prefill_clock(admitted.prefill, self._clock())
+        return replace(admitted, adapter_load_s=load_s)
+
+    async def _admit_endpoint(
+        self,
+        features: RequestFeatures,
+        *,
+        priority: int,
+        hold: Hold | None,
+        replacement: bool,
+    ) -> Admitted:
         now = self._clock()
         model = features.model
         state = self._state

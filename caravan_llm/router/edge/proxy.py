@@ -40,7 +40,14 @@ its verdict for the endpoint's breaker: success, failure (connect error,
 One canonical log line per request (`request`: model, endpoint, status,
 attempts, failovers, ttfb, duration, and `prefix_source`: whether the cost
 model read the chosen endpoint's cached prefix from its KV events or the
-approximate index), never bodies, headers or keys.
+approximate index, and `adapter_load_s`: the seconds the router spent having
+the request's LoRA adapter loaded on its replica, None when none was loaded),
+never bodies, headers or keys.
+
+A request whose `model` is a LoRA adapter's name is routed to its base
+model's replicas (`caravan_llm.router.edge.adapter_loader`: the holders
+first, the adapter loaded on demand by the admission gate) and sent with
+`model` as the engine names the adapter (`caravan_llm.router.edge.adapter_requests`).
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from caravan_llm.common.contract import OPENAI_STREAM_TRAITS, EngineRoute
+from caravan_llm.router.core.adapters import AdapterRoute, AdapterWant
 from caravan_llm.router.core.affinity import affinity_key
 from caravan_llm.router.core.balancer import Policy, RequestFeatures
 from caravan_llm.router.core.endpoints import CheckStatus, Endpoint
@@ -90,6 +98,8 @@ from caravan_llm.router.core.live_state import Outcome, blame
 from caravan_llm.router.core.prefix_index import prompt_shape
 from caravan_llm.router.core.replacement import replacement_outcome, waits_for_replacement
 from caravan_llm.router.core.routing_state import RoutingState
+from caravan_llm.router.edge.adapter_loader import AdapterLoader
+from caravan_llm.router.edge.adapter_requests import adapter_cards, for_engine
 from caravan_llm.router.edge.admission_gate import (
     CONTINUATION_PRIORITY,
     AdmissionGate,
@@ -213,6 +223,8 @@ class Attempts:
     # Where the cost model read the latest attempt's endpoint's cached prefix from
     # (`events` or `approximate`); None: no prefix was looked up (no prompt, another policy).
     prefix_source: str | None = None
+    # Seconds spent having the request's LoRA adapter loaded on its replica; None: no load.
+    adapter_load_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -299,7 +311,9 @@ class Proxy:
         request_log: RequestLog | None = None,
         engine_keys: EngineKeySource | None = None,
         digester: PromptDigester | None = None,
+        adapters: AdapterLoader | None = None,
     ) -> None:
+        self._adapters = adapters
         self._engine_keys = engine_keys
         self._digester = digester
         self._settings = settings
@@ -360,17 +374,24 @@ class Proxy:
             "owned_by": "caravan",
         }
 
+    def _model_cards(self) -> list[dict[str, Any]]:
+        """The served and declared models, then their LoRA adapters (`parent` the base)."""
+        names = self._model_names()
+        cards = [self._model_card(name) for name in names]
+        created = int(self._wall_clock())
+        return cards + adapter_cards(self._state.view.adapters, names, created)
+
     async def models(self, _request: web.Request) -> web.StreamResponse:
-        """`GET /v1/models`: served models with a routable endpoint, and declared ones."""
-        data = [self._model_card(name) for name in self._model_names()]
-        return web.json_response({"object": "list", "data": data})
+        """`GET /v1/models`: served models with a routable endpoint, declared ones, adapters."""
+        return web.json_response({"object": "list", "data": self._model_cards()})
 
     async def model(self, request: web.Request) -> web.StreamResponse:
         """`GET /v1/models/{model}` (models.retrieve): one model of the list, else 404."""
         name = request.match_info["model"]
-        if name not in self._model_names():
+        card = next((c for c in self._model_cards() if c["id"] == name), None)
+        if card is None:
             return error_response(ModelNotFound(name[:200]))
-        return web.json_response(self._model_card(name))
+        return web.json_response(card)
 
     # -- one request ---------------------------------------------------------------------
 
@@ -407,6 +428,11 @@ class Proxy:
         self, request: web.Request, parsed: ParsedRequest, path: str, spec: RouteSpec
     ) -> Exchange:
         payload = parsed.payload
+        route = None if self._adapters is None else self._adapters.route(parsed.model)
+        model = parsed.model if route is None else route.served
+        adapter = None if route is None else self._adapters_want(route)
+        if route is not None:
+            parsed = for_engine(parsed, route, self._state.view.adapters.request_model(route))
         responses = spec.route is EngineRoute.RESPONSES
         shape = prompt_shape(payload, self._shape, responses=responses) if self._use_cost else None
         return Exchange(
@@ -415,10 +441,11 @@ class Proxy:
             path=path,
             spec=spec,
             started=self._clock(),
-            label=model_label(self._state, parsed.model),
+            label=model_label(self._state, model),
             stream=spec.streams and parsed.stream,
             features=RequestFeatures(
-                model=parsed.model,
+                model=model,
+                adapter=adapter,
                 route=spec.route,
                 affinity_key=(
                     affinity_key(payload, self._settings.affinity_prefix_chars, responses=responses)
@@ -436,7 +463,9 @@ class Proxy:
         Waits at most the digester's budget (`caravan_llm.router.edge.prompt_digests`).
         """
         features = exchange.features
-        if features.prompt is None or self._digester is None:
+        # An adapter's blocks are keyed by the adapter too: its requests keep the
+        # approximate index.
+        if features.prompt is None or features.adapter is not None or self._digester is None:
             return exchange
         exact = await self._digester.exact_prompt(
             exchange.parsed.model, exchange.parsed.payload, route=exchange.spec.route
@@ -444,6 +473,10 @@ class Proxy:
         if exact is None:
             return exchange
         return replace(exchange, features=replace(features, exact=exact))
+
+    def _adapters_want(self, route: AdapterRoute) -> AdapterWant | None:
+        """The balancer's view of a request for the adapter (the loader counts it as demand)."""
+        return None if self._adapters is None else self._adapters.want(route, self._clock())
 
     def _check_request(self, exchange: Exchange) -> None:
         """Refuse a body the route cannot take, or a route no replica serves, before admission."""
@@ -453,7 +486,12 @@ class Proxy:
         wrong = field_problem(exchange.spec.route, exchange.parsed.payload)
         if wrong is not None:
             raise InvalidField(*wrong)
-        model = exchange.parsed.model
+        adapter = exchange.features.adapter
+        if adapter is not None and self._adapters is not None:
+            refused = self._adapters.refusal_of(adapter, self._clock())
+            if refused is not None:
+                raise refused
+        model = exchange.features.model
         endpoints = self._state.view.snapshot.for_model(model)
         route = exchange.spec.route
         if (
@@ -986,6 +1024,10 @@ class Proxy:
         exchange.attempts.current = admitted
         if admitted.prefill is not None:
             exchange.attempts.prefix_source = admitted.prefill.prefix_source
+        if admitted.adapter_load_s is not None:
+            exchange.attempts.adapter_load_s = (
+                exchange.attempts.adapter_load_s or 0.0
+            ) + admitted.adapter_load_s
         return admitted
 
     async def _admit_attempt(
@@ -1152,6 +1194,9 @@ class Proxy:
                 "ttfb_s": None if reply.ttfb_s is None else round(reply.ttfb_s, 6),
                 "duration_s": round(duration, 6),
                 "prefix_source": attempts.prefix_source,
+                "adapter_load_s": None
+                if attempts.adapter_load_s is None
+                else round(attempts.adapter_load_s, 6),
             }
             if parsed.key_name is not None:
                 fields["key"] = parsed.key_name

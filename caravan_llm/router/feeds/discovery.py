@@ -5,6 +5,7 @@
     KV <prefix>models/        declared profiles (models that exist at zero replicas)
     KV <prefix>draining/      replicas the scheduler is draining (no new requests)
     KV <prefix>placements/    the live allocations the scheduler placed, per model
+    KV <prefix>adapters/      the LoRA adapters each replica holds, per model (issue 25)
 
 Watchers only store what they read and signal (`asyncio.Event.set`, which
 coalesces); one rebuild task re-reads everything stored, builds the snapshot
@@ -41,18 +42,21 @@ from caravan_llm.common.contract import (
     SERVICE_TAG,
     ContractError,
     KVLayout,
+    ModelAdapters,
     ModelView,
     Placements,
     PlacementsError,
     ServiceMetaKey,
+    declared_name_owners,
+    decode_model_adapters,
     decode_model_view,
     decode_placements,
     model_service_name,
     nomad_service_id,
     replica_job_id,
-    served_name_owners,
 )
 from caravan_llm.common.watch import BlockingWatch, Fetch
+from caravan_llm.router.core.adapters import AdapterRoute, AdapterTable, adapter_routes
 from caravan_llm.router.core.endpoints import (
     PlacedAddress,
     SkippedEntry,
@@ -140,8 +144,21 @@ def profiles_from_kv(
     The profile name is the key under `<prefix>models/`; the served model name
     is the contract's (`caravan_llm.common.contract.ModelView.served_name`).
     """
-    views: dict[str, tuple[str, int]] = {}
-    decoded: dict[str, ModelView] = {}
+    profiles, _, problems = declared_from_kv(entries, prefix)
+    return profiles, problems
+
+
+def declared_from_kv(
+    entries: Iterable[KVEntry], prefix: str
+) -> tuple[dict[str, KnownModel], dict[str, AdapterRoute], list[str]]:
+    """Declared models by served name, their LoRA adapters by name, and the problems.
+
+    Every `model` value a profile declares (its served name and its adapters'
+    names) is resolved by `declared_name_owners`, as the scheduler does: a
+    profile that declares a name another one declared first is left out whole.
+    """
+    views: dict[str, ModelView] = {}
+    declared: dict[str, tuple[tuple[str, ...], int]] = {}
     keys: dict[str, str] = {}
     problems: list[str] = []
     for entry in sorted(entries, key=lambda item: item.key):
@@ -153,21 +170,45 @@ def profiles_from_kv(
         except ContractError as exc:
             problems.append(str(exc))
             continue
-        views[name] = (view.served_name, entry.create_index)
-        decoded[name] = view
+        views[name] = view
+        declared[name] = (view.declared_names, entry.create_index)
         keys[name] = entry.key
-    owners = served_name_owners(views)
+    owners = declared_name_owners(declared)
     models: dict[str, KnownModel] = {}
-    for name, (served, _) in sorted(views.items()):
-        owner = owners[served]
-        if owner != name:
-            problems.append(
-                f"{keys[name]}: served_model_name {served!r} is already declared by "
-                f"profile {owner!r}"
+    for name, view in sorted(views.items()):
+        if all(owners.get(n) == name for n in view.declared_names):
+            models[view.served_name] = KnownModel(
+                name=name, served_model_name=view.served_name, view=view
             )
             continue
-        models[served] = KnownModel(name=name, served_model_name=served, view=decoded[name])
-    return models, problems
+        # Another profile keeps one of its names (a name declared twice by this one
+        # keeps none: the scheduler refuses that profile too).
+        taken = next((n for n in view.declared_names if owners.get(n, name) != name), None)
+        if taken is None:
+            problems.append(f"{keys[name]}: declares one model name twice")
+            continue
+        what = "served_model_name" if taken == view.served_name else "adapter name"
+        problems.append(
+            f"{keys[name]}: {what} {taken!r} is already declared by profile {owners[taken]!r}"
+        )
+    return models, adapter_routes(views, owners), problems
+
+
+def adapters_from_kv(
+    entries: Iterable[KVEntry], prefix: str
+) -> tuple[dict[str, ModelAdapters], list[str]]:
+    """The adapters document of each model, and one problem line per document left out."""
+    documents: dict[str, ModelAdapters] = {}
+    problems: list[str] = []
+    for entry in sorted(entries, key=lambda item: item.key):
+        name = entry.key[len(prefix) :] if entry.key.startswith(prefix) else ""
+        if not name or "/" in name:
+            continue
+        try:
+            documents[name] = decode_model_adapters(entry.value, key=entry.key, model=name)
+        except ContractError as exc:
+            problems.append(str(exc))
+    return documents, problems
 
 
 def placements_from_kv(
@@ -248,6 +289,9 @@ class Discovery:
         self._health_index: dict[str, int] = {}
         self._health_tasks: dict[str, asyncio.Task[None]] = {}
         self._profiles: dict[str, KnownModel] | None = None
+        self._adapter_routes: dict[str, AdapterRoute] = {}
+        self._adapter_documents: dict[str, ModelAdapters] | None = None
+        self._last_adapter_problems: tuple[str, ...] = ()
         self._draining_jobs: frozenset[str] | None = None
         self._placements: dict[str, Placements] | None = None
         self._last_placement_problems: tuple[str, ...] = ()
@@ -269,6 +313,9 @@ class Discovery:
         self._placements_watch = BlockingWatch(
             f"kv {layout.placements}", self._kv_fetch(layout.placements), **self._w()
         )
+        self._adapters_watch = BlockingWatch(
+            f"kv {layout.adapters}", self._kv_fetch(layout.adapters), **self._w()
+        )
         self._health_watches: dict[str, BlockingWatch[tuple[HealthEntry, ...]]] = {}
         self._task_group: asyncio.TaskGroup | None = None
 
@@ -285,6 +332,9 @@ class Discovery:
             )
             group.create_task(
                 self._placements_watch.run(self._on_placements), name="discovery-placements"
+            )
+            group.create_task(
+                self._adapters_watch.run(self._on_adapters), name="discovery-adapters"
             )
             group.create_task(self._rebuild_loop(), name="discovery-rebuild")
 
@@ -306,6 +356,7 @@ class Discovery:
             self._models_watch,
             self._draining_watch,
             self._placements_watch,
+            self._adapters_watch,
             *self._health_watches.values(),
         ]
 
@@ -359,12 +410,22 @@ class Discovery:
         log.info("model_service_found", extra={"service": name})
 
     async def _on_models(self, entries: tuple[KVEntry, ...]) -> None:
-        profiles, problems = profiles_from_kv(entries, self._layout.models)
+        profiles, routes, problems = declared_from_kv(entries, self._layout.models)
         if tuple(problems) != self._last_problems:
             for problem in problems:
                 log.warning("profile_ignored", extra={"problem": problem})
             self._last_problems = tuple(problems)
         self._profiles = profiles
+        self._adapter_routes = routes
+        self._changed.set()
+
+    async def _on_adapters(self, entries: tuple[KVEntry, ...]) -> None:
+        documents, problems = adapters_from_kv(entries, self._layout.adapters)
+        if tuple(problems) != self._last_adapter_problems:
+            for problem in problems:
+                log.warning("adapters_ignored", extra={"problem": problem})
+            self._last_adapter_problems = tuple(problems)
+        self._adapter_documents = documents
         self._changed.set()
 
     async def _on_draining(self, entries: tuple[KVEntry, ...]) -> None:
@@ -418,7 +479,13 @@ class Discovery:
             self._draining_jobs or frozenset(),
         )
         live = reconcile_live_state(self._state.live, snapshot, draining)
-        view = RoutingView(snapshot=snapshot, profiles=MappingProxyType(dict(profiles)))
+        adapters = AdapterTable(
+            routes=MappingProxyType(dict(self._adapter_routes)),
+            documents=MappingProxyType(dict(self._adapter_documents or {})),
+        )
+        view = RoutingView(
+            snapshot=snapshot, profiles=MappingProxyType(dict(profiles)), adapters=adapters
+        )
         synced = self._state.synced or self._is_synced()
         self._metrics.discovery_rebuilds.inc()
         self._state.swap(view, live, synced=synced)
@@ -429,6 +496,7 @@ class Discovery:
             and self._profiles is not None
             and self._draining_jobs is not None
             and self._placements is not None
+            and self._adapter_documents is not None
             and all(name in self._health for name in self._services)
         )
 

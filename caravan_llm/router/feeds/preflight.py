@@ -8,6 +8,8 @@
   markers. Probe: read a key that does not exist.
 * consul: `key_prefix "<prefix>demand/"` write, for the cold-start demand
   signal. Probe: a check-and-set write that cannot succeed.
+* consul: `key_prefix "<prefix>adapter-demand/"` write, for the LoRA
+  adapters' demand figures (issue 25). Probe: the same impossible write.
 
 A Nomad variables *list* without the grant is not refused but comes back
 empty (Nomad filters it), which is why a router without a Nomad token used
@@ -57,6 +59,13 @@ def router_capabilities(
             "consul",
             f'key_prefix "{layout.demand}" write',
             lambda: consul.kv_put(f"{layout.demand}{PROBE_NAME}", b"", cas=IMPOSSIBLE_CAS_INDEX),
+        ),
+        Capability(
+            "consul",
+            f'key_prefix "{layout.adapter_demand}" write',
+            lambda: consul.kv_put(
+                f"{layout.adapter_demand}{PROBE_NAME}", b"", cas=IMPOSSIBLE_CAS_INDEX
+            ),
         ),
     ]
     return capabilities

@@ -43,6 +43,7 @@ from caravan_llm.router.core.breaker import phase_at
 from caravan_llm.router.core.endpoints import CheckStatus
 from caravan_llm.router.core.kv_index import KvIndex
 from caravan_llm.router.core.routing_state import RoutingState
+from caravan_llm.router.edge.adapter_loader import AdapterDemandWriter, AdapterLoader
 from caravan_llm.router.edge.admission_gate import AdmissionGate, DemandSignal, DemandStore
 from caravan_llm.router.edge.api_keys import KeyRing, build_key_ring, load_key_file
 from caravan_llm.router.edge.http_limits import (
@@ -187,6 +188,28 @@ class RouterRuntime:
             wall_clock=wall_clock,
         )
         self.failures = ModelFailures()
+        self._session: aiohttp.ClientSession | None = None
+        # LoRA adapters: loaded on demand where requests go; their demand reported.
+        self.adapters = AdapterLoader(
+            self.state,
+            session=self.session,
+            engine_keys=self.engine_keys,
+            timeout_s=settings.adapter_load_timeout_s,
+            failure_backoff_s=settings.adapter_failure_backoff_s,
+            confirm_after_s=settings.adapter_confirm_after_s,
+            retry_after_s=settings.retry_after_s,
+            demand_window_s=settings.adapter_demand_window_s,
+            clock=clock,
+        )
+        self.adapter_demand = AdapterDemandWriter(
+            self.adapters,
+            consul,
+            settings.kv_layout,
+            router_id=self.service_id,
+            interval_s=settings.adapter_demand_interval_s,
+            clock=clock,
+            wall_clock=wall_clock,
+        )
         self.gate = AdmissionGate(
             self.state,
             policy=settings.policy,
@@ -197,6 +220,7 @@ class RouterRuntime:
             cold_start_keepalive_s=settings.cold_start_keepalive_s,
             clock=clock,
             failures=self.failures,
+            adapters=self.adapters,
         )
         self.discovery = Discovery(
             consul,
@@ -207,7 +231,6 @@ class RouterRuntime:
             clock=clock,
             allow_unverified=settings.allow_unverified_endpoints,
         )
-        self._session: aiohttp.ClientSession | None = None
         # Each placed replica's KV relay stream into state.kv (the exact prefix index).
         self.kv_feed = (
             KvFeed(
@@ -247,6 +270,7 @@ class RouterRuntime:
             wall_clock=wall_clock,
             request_log=request_log or log_request,
             engine_keys=self.engine_keys,
+            adapters=self.adapters,
             digester=(
                 PromptDigester(
                     prompt_tokens,
@@ -310,6 +334,7 @@ class RouterRuntime:
                     group.create_task(self.kv_feed.run(), name="router-kv-feed")
                 group.create_task(self.gate.run(), name="router-admission-tick")
                 group.create_task(self.demand.run(), name="router-demand-writer")
+                group.create_task(self.adapter_demand.run(), name="router-adapter-demand")
                 group.create_task(
                     watch_failures(
                         self.consul,
@@ -338,6 +363,7 @@ class RouterRuntime:
         registration = router_registration(self.settings, port, self.admin_port)
         service_id = self.service_id = router_service_id(advertise_address(self.settings), port)
         self.demand.router_id = service_id
+        self.adapter_demand.router_id = service_id
         await self.consul.agent_service_register(registration, replace_existing_checks=True)
         self.registered_id = service_id
         log.info("router_registered", extra={"service_id": service_id})

@@ -40,6 +40,7 @@ from caravan_llm.common.contract import (
     router_metrics_base_url,
 )
 from caravan_llm.common.errors import HashiError
+from caravan_llm.scheduler.autoscale.adapters import holders_by_adapter, spread_first
 from caravan_llm.scheduler.autoscale.inflight import InflightView
 from caravan_llm.scheduler.autoscale.memory import (
     Direction,
@@ -62,6 +63,7 @@ from caravan_llm.scheduler.autoscale.signals import (
     RouterQueueReport,
     router_queue,
 )
+from caravan_llm.scheduler.lora.plan import demand_from_records
 from caravan_llm.scheduler.metrics import SchedulerMetrics
 from caravan_llm.scheduler.model_store import DesiredState, ModelStore
 from caravan_llm.scheduler.observe import HealthSource
@@ -229,6 +231,15 @@ class Autoscaler:
         current = state.desired_count(name)
         decided, after = decide(
             signals, current, profile.autoscaling, profile.replicas, memory, now
+        )
+        # A hot LoRA adapter spreads to replicas with room before the model scales out.
+        decided = spread_first(
+            decided,
+            current,
+            inflight={load.replica_id: _inflight(load) for load in signals.replicas},
+            holders=holders_by_adapter(state.adapters.get(name), name),
+            demand=demand_from_records(state.adapter_demand.get(name, ()), now),
+            target_inflight=profile.autoscaling.target_inflight,
         )
         override = override_in_force(state.overrides.get(name), now)
         failure = state.failures.get(name)

@@ -7,8 +7,11 @@ adapters at run time (`AdapterLoading.RUNTIME`, vLLM):
    list, entries with `parent` set), with the model's engine key; a replica
    that does not answer is left out of this pass (unknown, not empty);
 2. `plan_adapters` (pure, scheduler/lora/plan.py) says what each should hold,
-   weighted by the demand the `AdapterDemandSource` gives (none yet: routers
-   will publish it), leaving out adapters whose last load failed recently;
+   weighted by the demand the `AdapterDemandSource` gives (the routers'
+   `adapter-demand/` records, summed), leaving out adapters whose last load
+   failed recently. The plan keeps a copy where it is held now whenever its
+   counts allow, so an adapter a router loaded on demand (and reports demand
+   for) stays where the router put it;
 3. the difference is applied through the engine's API: unloads first (they
    free slots), then loads; an adapter loaded from another source than the
    profile's now is unloaded and loaded again;
@@ -102,7 +105,7 @@ class AdapterApi(Protocol):
 
 
 class AdapterDemandSource(Protocol):
-    """Demand per adapter of a model (routers will publish it; issue 25's routing)."""
+    """Demand per adapter of a model (the routers' `adapter-demand/` records)."""
 
     def __call__(self, model: str) -> AdapterDemand: ...
 
@@ -254,8 +257,12 @@ class LoraApplier:
         models: Mapping[str, DesiredModel],
         observed: Observation,
         assessment: Assessment,
+        demand: AdapterDemandSource | None = None,
     ) -> dict[str, ModelAdapters]:
-        """Apply the plan of every model with LoRA on; one document per such model."""
+        """Apply the plan of every model with LoRA on; one document per such model.
+
+        `demand`: this pass's figures (the controller's, from KV); None: `self.demand`.
+        """
         lora_models = {
             name: desired
             for name, desired in sorted(models.items())
@@ -269,7 +276,9 @@ class LoraApplier:
         async with aiohttp.ClientSession() as session:
             api = self.api_factory(session)
             for name, desired in lora_models.items():
-                documents[name] = await self._model(name, desired, observed, assessment, api)
+                documents[name] = await self._model(
+                    name, desired, observed, assessment, api, demand=demand or self.demand
+                )
         self._last = dict(documents)
         return documents
 
@@ -291,6 +300,8 @@ class LoraApplier:
         observed: Observation,
         assessment: Assessment,
         api: AdapterApi,
+        *,
+        demand: AdapterDemandSource,
     ) -> ModelAdapters:
         profile = desired.profile
         facts = adapter_for(profile.engine).facts.adapters
@@ -325,7 +336,7 @@ class LoraApplier:
             alloc_id: frozenset(n for n, root in held[alloc_id].items() if sources.get(n) == root)
             for alloc_id in by_id
         }
-        placement = plan_adapters(current, placeable, self.demand(name), limits.max_loras)
+        placement = plan_adapters(current, placeable, demand(name), limits.max_loras)
         loaded = {alloc_id: set(held[alloc_id]) for alloc_id in by_id}
         semaphore = asyncio.Semaphore(APPLY_CONCURRENCY)
 
@@ -361,6 +372,8 @@ class LoraApplier:
             ),
             unplaced=placement.unplaced,
             request_model=facts.request_model,
+            load_path=facts.api.load_path,
+            unload_path=facts.api.unload_path,
         )
 
     async def _read_held(

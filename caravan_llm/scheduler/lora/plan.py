@@ -22,7 +22,8 @@ The rules, in order:
    free slots (then the lowest id). Planning again on the plan's own output
    changes nothing.
 
-Demand is requests per second per adapter, as routers will measure it (the
+Demand is requests per second per adapter, as routers measure it and write
+it to `adapter-demand/<model>/<router>` (summed by `demand_from_records`: the
 input of this plan, `AdapterDemand`); an adapter with no figure counts as the
 mean of the known ones (1.0 when none is known), so with no demand at all
 every adapter weighs the same.
@@ -30,9 +31,13 @@ every adapter weighs the same.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from caravan_llm.common.contract import AdapterDemandRecord
 
 # The weight of an adapter when no adapter has a demand figure.
 UNKNOWN_DEMAND = 1.0
@@ -45,8 +50,8 @@ class AdapterDemand:
     """How much each adapter of a model is asked for: requests per second, by adapter name.
 
     An adapter absent from `requests_per_s` has no figure (unknown, not zero).
-    The router will publish these figures (issue 25, routing); until then the
-    scheduler passes `NO_DEMAND`.
+    Routers publish these figures (`adapter-demand/<model>/<router>`); the
+    scheduler sums the fresh ones (`demand_from_records`).
     """
 
     requests_per_s: Mapping[str, float] = field(default_factory=dict)
@@ -68,6 +73,28 @@ class AdapterDemand:
 
 
 NO_DEMAND = AdapterDemand()
+
+# A router's demand record older than this is not counted (a router that stopped
+# writing: gone, or no longer asked for the model's adapters).
+DEMAND_MAX_AGE_S = 60.0
+
+
+def demand_from_records(
+    records: Iterable[AdapterDemandRecord], now: float, max_age_s: float = DEMAND_MAX_AGE_S
+) -> AdapterDemand:
+    """The routers' figures summed, adapter by adapter, over the records still fresh.
+
+    Each router counts the requests it received, so the sum is the fleet's.
+    An adapter no fresh record names has no figure (unknown, not zero). With
+    no fresh record at all: `NO_DEMAND`.
+    """
+    total: dict[str, float] = {}
+    for record in records:
+        if now - record.at > max_age_s:
+            continue
+        for adapter, rate in record.requests_per_s.items():
+            total[adapter] = total.get(adapter, 0.0) + rate
+    return AdapterDemand(MappingProxyType(total)) if total else NO_DEMAND
 
 
 @dataclass(frozen=True, slots=True)

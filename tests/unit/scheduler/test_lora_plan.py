@@ -5,10 +5,12 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from caravan_llm.common.contract import AdapterDemandRecord
 from caravan_llm.scheduler.lora.plan import (
     NO_DEMAND,
     AdapterDemand,
     AdapterPlacement,
+    demand_from_records,
     plan_adapters,
 )
 
@@ -129,3 +131,25 @@ def test_unknown_demand_counts_as_the_mean_of_the_known():
     """An adapter without a figure weighs the mean of those with one."""
     weights = AdapterDemand({"a": 2.0, "b": 4.0}).weights(["a", "b", "c"])
     assert {"a": 2.0, "b": 4.0, "c": 3.0} == weights
+
+
+def test_the_routers_figures_are_summed_and_stale_ones_left_out() -> None:
+    """Two fresh routers' rates add up; a record older than the window is not counted."""
+    records = [
+        AdapterDemandRecord(at=100.0, router="r1", requests_per_s={"sql": 1.0, "chat": 0.0}),
+        AdapterDemandRecord(at=95.0, router="r2", requests_per_s={"sql": 0.5}),
+        AdapterDemandRecord(at=10.0, router="r3", requests_per_s={"chat": 9.0}),
+    ]
+    assert {"sql": 1.5, "chat": 0.0} == dict(
+        demand_from_records(records, now=100.0, max_age_s=60.0).requests_per_s
+    )
+    assert NO_DEMAND == demand_from_records(records[2:], now=100.0, max_age_s=60.0)
+
+
+def test_a_copy_a_router_loaded_on_demand_stays_where_it_is_once_its_demand_is_reported() -> None:
+    """A router evicted `b` for `c` on r1: with c's demand reported, the plan keeps c on r1."""
+    current = {"r1": frozenset({"c"}), "r2": frozenset({"a"})}
+    demand = AdapterDemand({"a": 0.0, "b": 0.0, "c": 0.5})
+    placement = plan_adapters(current, ["a", "b", "c"], demand, max_loras=1)
+    assert {"r1": frozenset({"c"}), "r2": frozenset({"a"})} == dict(placement.holds)
+    assert ("b",) == placement.unplaced
