@@ -1,0 +1,863 @@
+"""Precise prefix routing (issue 24) against the approximate index, an oracle and the baselines.
+
+    .venv/bin/python bench/prefix_routing.py --quick        # short cells, one repetition
+    .venv/bin/python bench/prefix_routing.py --reps 2 --out prefix.json   # the recorded run
+
+Extends `bench/routing_quality.py` (its traces, load generator, fleet and
+summaries) with the KV-event path. A fleet of simulated vLLM engines (one
+process) publishes KV events on ipc:// sockets; a relays process runs one
+KV relay (`caravan_llm.kvrelay`) per engine on loopback; the engines are
+registered in devcluster's Consul as Nomad would, and placed (profile and
+`placements/<model>` with each relay's `kv_port`) as the scheduler would,
+so routers verify them and read their digest streams with the engine key
+(from a stand-in Nomad Variables reader).
+
+Targets, every one on the same trace, interleaved and rotated per repetition:
+
+- `rr`: client round robin straight to the engines;
+- `vllm-router-cache_aware`, `vllm-router-power_of_two`: vllm-router 0.1.17;
+- `approx`: caravan's router (default policy, `predicted_ttft`) with the
+  exact index off (`KV_EVENTS=false`): the approximate index only;
+- `precise`: the same router reading every replica's relay stream, with
+  the requests' token ids from a tokenizer that mirrors the simulated
+  engine's (its ChatML rendering, tokens and ids: what the router's
+  tokenizers give for a real model);
+- `oracle`: the same router, run inside the engines' process, whose exact
+  index is replaced by each engine's actual cache at decision time
+  (`BlockPool.cached_prefix` over the engine's own block hashes): what
+  precise routing would do with no event lag and no stale state;
+- `approx-x3`, `precise-x3`: three routers of that kind, the client
+  spreading requests round robin over them (each sees a third of the
+  traffic; the exact index's routers all read every relay).
+
+Reported per cell: routing_quality's TTFT percentiles, fleet prefix-cache
+hit rate (the engines' `vllm:prefix_cache_hits/queries`), prefix missed,
+history cached; and for caravan's routers the requests whose prefix came
+from events, the KV events the routers applied, and the CPU seconds each
+process (engines, relays, routers) used.
+
+The fleet: 8 engines of routing_quality's kind; each engine's KV cache is a
+quarter of the trace's working set (the peak, over the trace, of the
+distinct full blocks of the prompts of conversations under way, their
+system prompts included), so that no engine can hold everything and
+placement decides what stays cached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench import routing_quality as rq  # noqa: E402 - needs the repository on sys.path
+from bench.processes import started  # noqa: E402
+
+MODEL = rq.MODEL
+SERVICE = rq.SERVICE
+KEY = "bench-engine-key-of-the-prefix-routing-fleet"
+TOPIC = "kv-events"
+ENGINES = 8
+TARGETS = (
+    "rr",
+    "vllm-router-cache_aware",
+    "vllm-router-power_of_two",
+    "approx",
+    "precise",
+    "oracle",
+    "approx-x3",
+    "precise-x3",
+)
+
+
+# -- the fleet and its working set ----------------------------------------------------------
+
+
+def working_set_blocks(trace: Sequence[rq.TraceRequest], block: int) -> int:
+    """Peak distinct full blocks held by conversations under way (their system prompts once)."""
+    last_turn_at: dict[int, float] = {}
+    for request in trace:
+        if request.conversation is not None:
+            last_turn_at[request.conversation] = request.at
+    system_blocks: dict[int, int] = {}
+    history_blocks: dict[int, int] = {}
+    started_at: dict[int, float] = {}
+    peak = 0
+    for request in sorted(trace, key=lambda r: r.at):
+        tokens = len(rq._prompt_tokens(request))  # noqa: SLF001 - the bench's own helper
+        if request.conversation is None or request.system is None:
+            continue
+        system = rq._tokens(  # noqa: SLF001
+            f"<|im_start|>system\n{request.messages[0][1]}<|im_end|>\n"
+        )
+        system_blocks[request.system] = system // block
+        history_blocks[request.conversation] = tokens // block - system // block
+        started_at.setdefault(request.conversation, request.at)
+        live = [c for c, end in last_turn_at.items() if c in started_at and end >= request.at]
+        used_systems = set(system_blocks)
+        held = sum(history_blocks[c] for c in live) + sum(system_blocks[s] for s in used_systems)
+        peak = max(peak, held)
+    return peak
+
+
+def fleet_for(trace: Sequence[rq.TraceRequest], cache_share: float) -> rq.Fleet:
+    base = rq.Fleet(engines=ENGINES)
+    blocks = working_set_blocks(trace, base.block_size)
+    return dataclasses.replace(base, kv_blocks=max(256, round(blocks * cache_share)))
+
+
+# -- the engine's tokens, as a router's PromptTokens ----------------------------------------
+
+
+class EngineTokens:
+    """The simulated vLLM's tokens for a chat request: ChatML, its tokenizer, its vocabulary ids.
+
+    What the router's tokenizers give for a real model (its tokenizer and
+    chat template); here the simulated engine's own, so the digests match
+    the relay's. Token ids are memoised per token text.
+    """
+
+    def __init__(self) -> None:
+        from caravan_llm.devcluster.engine.text import Vocabulary  # noqa: PLC0415
+
+        self._vocabulary = Vocabulary()
+        self._ids: dict[str, int] = {}
+
+    def tokens(self, payload: Mapping[str, Any]) -> list[str] | None:
+        from caravan_llm.devcluster.engine.text import (  # noqa: PLC0415
+            ChatMessage,
+            render_chatml,
+            tokenize,
+        )
+
+        messages = payload.get("messages")
+        if not isinstance(messages, list):
+            return None
+        chat = [ChatMessage(str(m.get("role")), str(m.get("content"))) for m in messages]
+        return tokenize(render_chatml(chat, add_generation_prompt=True))
+
+    def ids(self, tokens: Sequence[str]) -> list[int]:
+        known = self._ids
+        out = []
+        for token in tokens:
+            token_id = known.get(token)
+            if token_id is None:
+                token_id = known[token] = self._vocabulary.id_of(token)
+            out.append(token_id)
+        return out
+
+    def prompt_token_ids(
+        self, model: str, payload: Mapping[str, Any], *, route: Any
+    ) -> Sequence[int] | None:
+        del model, route
+        tokens = self.tokens(payload)
+        return None if tokens is None else self.ids(tokens)
+
+
+# -- the engines (and the oracle's router, beside them) --------------------------------------
+
+
+def engine_argv(fleet: rq.Fleet, port: int, seed: int, ipc: Path, replica: int) -> list[str]:
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"ipc://{ipc}/e{replica}.ipc",
+        "replay_endpoint": f"ipc://{ipc}/r{replica}.ipc",
+        "topic": TOPIC,
+    }
+    return [
+        "--flavor",
+        "vllm",
+        *fleet.engine_args(port, seed),
+        "--kv-events-config",
+        json.dumps(config),
+    ]
+
+
+def run_engines(args: argparse.Namespace) -> None:
+    from caravan_llm.devcluster.engine.flags import parse_engine_args  # noqa: PLC0415
+    from caravan_llm.devcluster.engine.server import run_engine  # noqa: PLC0415
+
+    fleet = rq.Fleet(engines=ENGINES, kv_blocks=args.kv_blocks)
+    ports = [int(p) for p in args.ports.split(",")]
+    ids = args.ids.split(",")
+    ipc = Path(args.ipc)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        async with contextlib.AsyncExitStack() as stack:
+            running = [
+                await stack.enter_async_context(
+                    run_engine(
+                        parse_engine_args(engine_argv(fleet, port, args.seed + i, ipc, i), {})
+                    )
+                )
+                for i, port in enumerate(ports)
+            ]
+            for item in running:
+                await item.engine.ready.wait()
+            print("engines ready", flush=True)
+            if args.oracle:
+                cores = {
+                    endpoint: item.engine.core for endpoint, item in zip(ids, running, strict=True)
+                }
+                port = await stack.enter_async_context(
+                    oracle_router(args.consul, cores, fleet.block_size)
+                )
+                print(f"oracle router on http://127.0.0.1:{port}", flush=True)
+            await stop.wait()
+
+    asyncio.run(main())
+
+
+class OracleTokens(EngineTokens):
+    """EngineTokens that also remember which engine block hash each block digest names."""
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__()
+        from caravan_llm.common.block_digest import DigestKey  # noqa: PLC0415
+
+        self.block_size = block_size
+        self.key = DigestKey.from_secret(KEY)
+        self.engine_hash: dict[int, int] = {}
+
+    def prompt_token_ids(
+        self, model: str, payload: Mapping[str, Any], *, route: Any
+    ) -> Sequence[int] | None:
+        from caravan_llm.common.block_digest import block_digests  # noqa: PLC0415
+        from caravan_llm.devcluster.engine.batch import prompt_block_hashes  # noqa: PLC0415
+
+        del model, route
+        tokens = self.tokens(payload)
+        if tokens is None:
+            return None
+        ids = self.ids(tokens)
+        digests = block_digests(ids, block_size=self.block_size, key=self.key)
+        hashes = prompt_block_hashes(tokens, self.block_size)
+        self.engine_hash.update(zip(digests, hashes, strict=True))
+        return ids
+
+
+def oracle_index(cores: Mapping[str, Any], tokens: OracleTokens) -> Any:
+    """A KvIndex whose answers are the engines' actual caches, read when the router asks."""
+    from caravan_llm.router.core.kv_index import KvIndex  # noqa: PLC0415
+
+    class OracleIndex(KvIndex):
+        __slots__ = ()
+
+        def state(self, replica: str, now: float) -> Any:
+            del now
+            return "live" if replica in cores else "absent"
+
+        def block_size(self, replica: str) -> int | None:
+            return tokens.block_size if replica in cores else None
+
+        def cached_blocks(
+            self, replica: str, digests: Sequence[Any], *, block_size: int, now: float
+        ) -> int | None:
+            del now
+            core = cores.get(replica)
+            if core is None or block_size != tokens.block_size:
+                return None
+            hashes = []
+            for digest in digests:
+                engine_hash = tokens.engine_hash.get(digest)
+                if engine_hash is None:
+                    break
+                hashes.append(engine_hash)
+            # The engine's own cache, now (the oracle reads what a router cannot).
+            return int(core._pool.cached_prefix(hashes))  # noqa: SLF001
+
+        # The relays' streams are not followed: the engines' caches are read directly.
+        def apply_snapshot(self, replica: str, snapshot: Any, now: float) -> Any:
+            del replica, snapshot, now
+            return "ignored"
+
+        def apply_delta(self, replica: str, delta: Any, now: float) -> Any:
+            del replica, delta, now
+            return "ignored"
+
+        def heartbeat(self, replica: str, position: Any, now: float) -> Any:
+            del replica, position, now
+            return "ignored"
+
+        def forget(self, replica: str) -> None:
+            del replica
+
+        def retain(self, replicas: Any) -> None:
+            del replicas
+
+    return OracleIndex()
+
+
+# -- routers --------------------------------------------------------------------------------
+
+
+class KeyVariables:
+    """Nomad Variables holding the model's engine key (the router's reads only)."""
+
+    def __init__(self) -> None:
+        from caravan_llm.common.contract import engine_key_path  # noqa: PLC0415
+        from caravan_llm.common.nomad_api import Variable, VariableMetadata  # noqa: PLC0415
+
+        path = engine_key_path(MODEL)
+        self.variable = Variable(VariableMetadata("default", path, 5, 5), {"api_key": KEY})
+
+    async def list_variables(
+        self, prefix: str = "", *, index: int | None = None, wait_s: float | None = None
+    ) -> Any:
+        from caravan_llm.common.nomad_api import QueryResult  # noqa: PLC0415
+
+        del wait_s
+        if index is not None:
+            await asyncio.Event().wait()  # a blocking query: the key never changes here
+        meta = self.variable.meta
+        return QueryResult(5, [meta] if meta.path.startswith(prefix) else [])
+
+    async def get_variable(self, path: str) -> Any:
+        return self.variable if path == self.variable.meta.path else None
+
+
+@contextlib.asynccontextmanager
+async def serving_router(
+    consul_addr: str, *, precise: bool, tokens: EngineTokens | None, kv: Any = None
+) -> Any:
+    """A caravan router on this loop (port yielded), with `/bench/stats` for the orchestrator."""
+    from aiohttp import web  # noqa: PLC0415
+    from prometheus_client import CollectorRegistry  # noqa: PLC0415
+
+    from caravan_llm.common.consul_api import ConsulClient, ConsulSettings  # noqa: PLC0415
+    from caravan_llm.router.settings import RouterSettings  # noqa: PLC0415
+    from caravan_llm.router.wiring.app import RUNTIME, app_runner, create_app  # noqa: PLC0415
+
+    settings = RouterSettings(
+        port=0,
+        register_service=False,
+        kv_events=precise,
+        log_level="warning",
+    )
+    sources: dict[str, int] = {}
+    # The canonical request line is built only when its logger is at info.
+    logging.getLogger("router.proxy").setLevel(logging.INFO)
+
+    def request_log(fields: dict[str, Any]) -> None:
+        source = str(fields.get("prefix_source"))
+        sources[source] = sources.get(source, 0) + 1
+
+    host, _, port = consul_addr.rpartition(":")
+    async with ConsulClient(ConsulSettings(host=host, port=int(port))) as consul:
+        app = create_app(
+            settings,
+            consul=consul,
+            registry=CollectorRegistry(),
+            request_log=request_log,
+            nomad=KeyVariables(),
+            prompt_tokens=tokens if precise else None,
+        )
+        runtime = app[RUNTIME]
+        if kv is not None:
+            runtime.state.kv = kv
+
+        async def stats(_request: web.Request) -> web.Response:
+            now = time.monotonic()
+            states: dict[str, int] = {}
+            for endpoint in runtime.state.view.snapshot.by_id:
+                state = runtime.state.kv.state(endpoint, now)
+                states[state] = states.get(state, 0) + 1
+            return web.json_response(
+                {"prefix_source": sources, "kv_states": states, "cpu_s": time.process_time()}
+            )
+
+        app.router.add_get("/bench/stats", stats)
+        runner = app_runner(app, settings)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            yield int(runner.addresses[0][1])
+        finally:
+            await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def oracle_router(consul_addr: str, cores: Mapping[str, Any], block_size: int) -> Any:
+    tokens = OracleTokens(block_size)
+    async with serving_router(
+        consul_addr, precise=True, tokens=tokens, kv=oracle_index(cores, tokens)
+    ) as port:
+        yield port
+
+
+def run_router(args: argparse.Namespace) -> None:
+    from caravan_llm.router.wiring.server import event_loop_factory  # noqa: PLC0415
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        async with serving_router(args.consul, precise=args.precise, tokens=EngineTokens()) as port:
+            print(f"router on http://127.0.0.1:{port}", flush=True)
+            await stop.wait()
+
+    with asyncio.Runner(loop_factory=event_loop_factory("auto")) as runner:
+        runner.run(main())
+
+
+def run_relays(args: argparse.Namespace) -> None:
+    from caravan_llm.kvrelay.relay import running_relay  # noqa: PLC0415
+    from caravan_llm.kvrelay.settings import RelaySettings  # noqa: PLC0415
+
+    ports = [int(p) for p in args.ports.split(",")]
+    ipc = Path(args.ipc)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        async with contextlib.AsyncExitStack() as stack:
+            for replica, port in enumerate(ports):
+                settings = RelaySettings(
+                    events_endpoint=f"ipc://{ipc}/e{replica}.ipc",
+                    replay_endpoint=f"ipc://{ipc}/r{replica}.ipc",
+                    topic=TOPIC,
+                    block_size=rq.Fleet().block_size,
+                    engine_api_key=KEY,
+                    host="127.0.0.1",
+                    port=port,
+                    log_level="warning",
+                )
+                await stack.enter_async_context(running_relay(settings))
+            print("relays ready", flush=True)
+            await stop.wait()
+
+    asyncio.run(main())
+
+
+# -- registration ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Placed:
+    ids: list[str]
+    engine_ports: list[int]
+    relay_ports: list[int]
+
+
+async def place_fleet(consul_addr: str, fleet: rq.Fleet) -> Placed:
+    """Register the engines as Nomad would and place them (with their relays) as the scheduler."""
+    from caravan_llm.common.consul_api import (  # noqa: PLC0415
+        ConsulClient,
+        ConsulSettings,
+        HttpCheck,
+        ServiceRegistration,
+    )
+    from caravan_llm.common.contract import (  # noqa: PLC0415
+        KVLayout,
+        PlacedAllocation,
+        Placements,
+        encode_placements,
+        encode_prefill_rate,
+        nomad_service_id,
+        replica_job_id,
+    )
+
+    ports = rq.free_ports(2 * fleet.engines)
+    engine_ports, relay_ports = ports[: fleet.engines], ports[fleet.engines :]
+    rng = random.Random(7)
+    allocs = [str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in engine_ports]
+    ids = [nomad_service_id(alloc, MODEL) for alloc in allocs]
+    layout = KVLayout()
+    host, _, consul_port = consul_addr.rpartition(":")
+    async with ConsulClient(ConsulSettings(host=host, port=int(consul_port))) as consul:
+        profile = {"name": MODEL, "engine": "vllm", "replicas": {"min": 0, "max": fleet.engines}}
+        await consul.kv_put(layout.model_key(MODEL), json.dumps(profile))
+        placements = Placements(
+            model=MODEL,
+            allocations=tuple(
+                PlacedAllocation(
+                    alloc_id=alloc,
+                    job_id=replica_job_id(MODEL, replica),
+                    address="127.0.0.1",
+                    port=port,
+                    kv_port=relay,
+                )
+                for replica, (alloc, port, relay) in enumerate(
+                    zip(allocs, engine_ports, relay_ports, strict=True)
+                )
+            ),
+        )
+        await consul.kv_put(layout.placements_key(MODEL), encode_placements(placements))
+        for replica, (service_id, port) in enumerate(zip(ids, engine_ports, strict=True)):
+            await consul.agent_service_register(
+                ServiceRegistration(
+                    name=SERVICE,
+                    service_id=service_id,
+                    address="127.0.0.1",
+                    port=port,
+                    tags=("caravan",),
+                    meta={
+                        "caravan_model": MODEL,
+                        "served_models": MODEL,
+                        "engine": "vllm",
+                        "replica": str(replica),
+                        "capacity": str(fleet.max_num_seqs),
+                        "metrics_path": "/metrics",
+                        **encode_prefill_rate(fleet.declared_prefill_tokens_per_s),
+                    },
+                    checks=(HttpCheck(url=f"http://127.0.0.1:{port}/health", interval_s=0.5),),
+                )
+            )
+    return Placed(ids, engine_ports, relay_ports)
+
+
+# -- one cell -------------------------------------------------------------------------------
+
+
+@dataclass
+class PrefixCell(rq.Cell):
+    events_share: float | None = None  # of the routers' requests, prefix from events
+    kv_events: float | None = None  # deltas the routers applied
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    kv_blocks: int = 0
+    routers: int = 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process and its reaped children, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return sum(int(fields[i]) for i in (11, 12)) / ticks
+
+
+async def get_json(url: str) -> Any:
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        return await response.json()
+
+
+async def kv_states_live(bases: list[str], count: int) -> None:
+    async def check(session: aiohttp.ClientSession) -> bool:
+        for base in bases:
+            async with session.get(base + "/bench/stats") as response:
+                stats = await response.json()
+            if stats["kv_states"].get("live", 0) != count:
+                return False
+        return True
+
+    await rq.wait_until(check, "every router's KV streams live")
+
+
+async def router_events(bases: list[str]) -> float:
+    total = 0.0
+    async with aiohttp.ClientSession() as session:
+        for base in bases:
+            async with session.get(base + "/metrics") as response:
+                text = await response.text()
+            total += rq._scalar_metrics(text).get("caravan_router_kv_events_total", 0.0)  # noqa: SLF001
+    return total
+
+
+async def run_cell(
+    cell: PrefixCell,
+    trace: list[rq.TraceRequest],
+    *,
+    consul_addr: str,
+    placed: Placed,
+    fleet: rq.Fleet,
+    vllm_router: str | None,
+    system_tokens: list[int],
+    seed: int,
+) -> None:
+    python = sys.executable
+    bases = [f"http://127.0.0.1:{port}" for port in placed.engine_ports]
+    rq.ENGINE_BASES[:] = bases
+    target = cell.target
+    kind = target.removesuffix("-x3")
+    routers = 3 if target.endswith("-x3") else 1
+    with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory(prefix="kvb") as ipc:
+        command = [
+            python, __file__, "engines",
+            "--ports", ",".join(map(str, placed.engine_ports)),
+            "--ids", ",".join(placed.ids),
+            "--ipc", ipc, "--seed", str(seed), "--kv-blocks", str(fleet.kv_blocks),
+            "--consul", consul_addr,
+        ]  # fmt: skip
+        if kind == "oracle":
+            command.append("--oracle")
+        engines, match = stack.enter_context(
+            started(command, r"oracle router on (\S+)" if kind == "oracle" else "engines ready")
+        )
+        processes = {"engines": engines.process.pid}
+        relays = None
+        if kind == "precise":
+            relays, _ = stack.enter_context(
+                started(
+                    [
+                        python, __file__, "relays",
+                        "--ports", ",".join(map(str, placed.relay_ports)), "--ipc", ipc,
+                    ],
+                    "relays ready",
+                )
+            )  # fmt: skip
+            processes["relays"] = relays.process.pid
+        await rq.engines_passing(consul_addr, len(bases))
+        router_bases: list[str] = []
+        if kind == "rr":
+            urls = [base + "/v1/chat/completions" for base in bases]
+        elif kind == "oracle":
+            router_bases = [match.group(1)]
+        elif kind in ("approx", "precise"):
+            for n in range(routers):
+                argv = [python, __file__, "router", "--consul", consul_addr]
+                if kind == "precise":
+                    argv.append("--precise")
+                proc, found = stack.enter_context(started(argv, r"router on (\S+)"))
+                processes[f"router{n}"] = proc.process.pid
+                router_bases.append(found.group(1))
+        else:
+            assert vllm_router is not None
+            port = rq.free_ports(1)[0]
+            argv = [
+                vllm_router, "--host", "127.0.0.1", "--port", str(port),
+                "--worker-urls", *bases,
+                "--policy", kind.removeprefix("vllm-router-"), "--log-level", "warning",
+            ]  # fmt: skip
+            proc, _ = stack.enter_context(started(argv, r""))
+            processes["vllm-router"] = proc.process.pid
+            await rq.http_ok(f"http://127.0.0.1:{port}/health")
+            urls = [f"http://127.0.0.1:{port}/v1/chat/completions"]
+        if router_bases:
+            for base in router_bases:
+                await rq.http_ok(base + "/health")
+            if kind == "precise":
+                await kv_states_live(router_bases, len(bases))
+            await asyncio.sleep(1.2)  # one engine scrape, for the cost model
+            urls = [base + "/v1/chat/completions" for base in router_bases]
+        cpu_before = {name: cpu_seconds(pid) for name, pid in processes.items()}
+        outcomes, _, peak = await rq.play(trace, "rr", urls, fleet)
+        hits, queries = await rq.fleet_cache(bases)
+        cell.cpu_s = {
+            name: round(cpu_seconds(pid) - cpu_before[name], 2) for name, pid in processes.items()
+        }
+        if router_bases:
+            sources: dict[str, int] = {}
+            for base in router_bases:
+                stats = await get_json(base + "/bench/stats")
+                for source, count in stats["prefix_source"].items():
+                    sources[source] = sources.get(source, 0) + count
+            total = sum(sources.values())
+            cell.events_share = sources.get("events", 0) / total if total else None
+            cell.kv_events = await router_events(router_bases) if kind == "precise" else None
+    cell.peak_engine_busy = peak
+    cell.hit_rate = hits / queries if queries else math.nan
+    cell.kv_blocks = fleet.kv_blocks
+    cell.routers = routers if router_bases else 0
+    rq.summarise(cell, trace, outcomes, system_tokens, fleet.block_size)
+
+
+# -- tables ---------------------------------------------------------------------------------
+
+
+def print_cells(cells: list[PrefixCell], fleet: rq.Fleet, working_set: int) -> None:
+    print(
+        f"\n{fleet.caption()}; {fleet.engines} engines, KV {fleet.kv_blocks} blocks "
+        f"({fleet.kv_blocks * fleet.block_size} tokens) each = "
+        f"{fleet.kv_blocks / working_set:.2f} of the working set ({working_set} blocks); "
+        f"cores: {os.cpu_count()}\n"
+    )
+    header = (
+        "| target | rep | requests | errors | TTFT p50 ms | p90 | p99 | fleet hit rate "
+        "| prefix missed | history cached | prefix from events | KV deltas applied "
+        "| CPU s (process: s) |"
+    )
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for c in cells:
+        cpu = ", ".join(f"{k} {v:.1f}" for k, v in c.cpu_s.items())
+        print(
+            f"| {c.target} | {c.rep} | {c.requests} | {c.errors} | "
+            f"{rq._fmt(c.ttft_ms.get('p50'))} | {rq._fmt(c.ttft_ms.get('p90'))} | "  # noqa: SLF001
+            f"{rq._fmt(c.ttft_ms.get('p99'))} | {rq._fmt(c.hit_rate, 3)} | "  # noqa: SLF001
+            f"{rq._fmt(c.prefix_missed, 3)} | {rq._fmt(c.history_cached, 3)} | "  # noqa: SLF001
+            f"{rq._fmt(c.events_share, 3)} | {rq._fmt(c.kv_events)} | {cpu} |"  # noqa: SLF001
+        )
+
+
+def print_acceptance(cells: list[PrefixCell]) -> None:
+    by_rep: dict[int, dict[str, PrefixCell]] = {}
+    for c in cells:
+        by_rep.setdefault(c.rep, {})[c.target] = c
+    print("\nAcceptance (issue 24), per repetition:\n")
+    print(
+        "| rep | hit rate precise / approx | precise / oracle | precise / best vllm-router "
+        "| precise / rr | x3: p50 precise / approx | x3: p99 precise / approx "
+        "| history cached (precise) | p50 precise / rr |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for rep, group in sorted(by_rep.items()):
+
+        def hit(target: str, group: dict[str, PrefixCell] = group) -> float | None:
+            cell = group.get(target)
+            return None if cell is None else cell.hit_rate
+
+        def ttft(target: str, q: str, group: dict[str, PrefixCell] = group) -> float | None:
+            cell = group.get(target)
+            return None if cell is None else cell.ttft_ms.get(q)
+
+        peers = [h for h in (hit("vllm-router-cache_aware"), hit("vllm-router-power_of_two")) if h]
+        precise = group.get("precise")
+        row = [
+            str(rep),
+            rq._ratio(hit("precise"), hit("approx")),  # noqa: SLF001
+            rq._ratio(hit("precise"), hit("oracle")),  # noqa: SLF001
+            rq._ratio(hit("precise"), max(peers) if peers else None),  # noqa: SLF001
+            rq._ratio(hit("precise"), hit("rr")),  # noqa: SLF001
+            rq._ratio(ttft("precise-x3", "p50"), ttft("approx-x3", "p50")),  # noqa: SLF001
+            rq._ratio(ttft("precise-x3", "p99"), ttft("approx-x3", "p99")),  # noqa: SLF001
+            rq._fmt(None if precise is None else precise.history_cached, 3),  # noqa: SLF001
+            rq._ratio(ttft("precise", "p50"), ttft("rr", "p50")),  # noqa: SLF001
+        ]
+        print("| " + " | ".join(row) + " |")
+
+
+# -- orchestration --------------------------------------------------------------------------
+
+
+def orchestrate(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    targets = args.targets.split(",")
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        print(f"unknown targets: {unknown} (known: {', '.join(TARGETS)})", file=sys.stderr)
+        return 2
+    vllm_router = os.environ.get("CARAVAN_BENCH_VLLM_ROUTER") or shutil.which(
+        "vllm-router", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"
+    )
+    if vllm_router is None:
+        skipped = [t for t in targets if t.startswith("vllm-router-")]
+        if skipped:
+            print(f"vllm-router not installed: {skipped} skipped")
+        targets = [t for t in targets if not t.startswith("vllm-router-")]
+    probe = rq.Fleet(engines=ENGINES)
+    trace, duration = rq.cell_trace(
+        args.workload, args.load, args.seed, args.duration, min_requests=0, fleet=probe
+    )
+    working_set = working_set_blocks(trace, probe.block_size)
+    fleet = fleet_for(trace, args.cache_share)
+    print(
+        f"{args.workload}/{args.load}: {len(trace)} requests over {duration:.0f} s; working set "
+        f"{working_set} blocks; KV per engine {fleet.kv_blocks} blocks; "
+        f"{args.reps} repetition(s) of {len(targets)} targets",
+        flush=True,
+    )
+    system_tokens = [
+        rq._tokens(f"<|im_start|>system\n{text}<|im_end|>\n")  # noqa: SLF001
+        for text in rq._system_prompts(16, 1100)  # noqa: SLF001
+    ]
+    cells: list[PrefixCell] = []
+    began = time.monotonic()
+    with started(
+        [sys.executable, "-m", "caravan_llm.devcluster", "--consul-port", "0", "--dns-port", "0"],
+        r"CONSUL_HTTP_ADDR=([\d.:]+)",
+    ) as (_, consul):
+        consul_addr = consul.group(1)
+        placed = asyncio.run(place_fleet(consul_addr, fleet))
+        for rep in range(args.reps):
+            order = targets[rep % len(targets) :] + targets[: rep % len(targets)]
+            for target in order:
+                cell = PrefixCell(args.workload, args.load, target, rep, duration_s=duration)
+                cell_began = time.monotonic()
+                asyncio.run(
+                    run_cell(
+                        cell, trace, consul_addr=consul_addr, placed=placed, fleet=fleet,
+                        vllm_router=vllm_router, system_tokens=system_tokens, seed=args.seed,
+                    )
+                )  # fmt: skip
+                cell.wall_s = time.monotonic() - cell_began
+                cells.append(cell)
+                print(
+                    f"  {target} rep {rep}: TTFT p50 {cell.ttft_ms['p50']:.0f} ms, "
+                    f"p99 {cell.ttft_ms['p99']:.0f} ms, hit rate {cell.hit_rate:.3f}, "
+                    f"history {rq._fmt(cell.history_cached, 3)}, "  # noqa: SLF001
+                    f"events {rq._fmt(cell.events_share, 2)}, errors {cell.errors} "  # noqa: SLF001
+                    f"({cell.wall_s:.0f} s)",
+                    flush=True,
+                )
+                if args.out:
+                    Path(args.out).write_text(json.dumps([asdict(c) for c in cells], indent=1))
+    print_cells(cells, fleet, working_set)
+    print_acceptance(cells)
+    print(f"\ntotal wall time: {(time.monotonic() - began) / 60:.1f} min")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command")
+    engines = sub.add_parser("engines", help="(internal) the simulated engines")
+    engines.add_argument("--ports", required=True)
+    engines.add_argument("--ids", required=True)
+    engines.add_argument("--ipc", required=True)
+    engines.add_argument("--seed", type=int, default=0)
+    engines.add_argument("--kv-blocks", type=int, required=True)
+    engines.add_argument("--consul", required=True)
+    engines.add_argument("--oracle", action="store_true")
+    relays = sub.add_parser("relays", help="(internal) one KV relay per engine")
+    relays.add_argument("--ports", required=True)
+    relays.add_argument("--ipc", required=True)
+    router = sub.add_parser("router", help="(internal) a caravan router")
+    router.add_argument("--consul", required=True)
+    router.add_argument("--precise", action="store_true")
+    parser.add_argument("--targets", default=",".join(TARGETS))
+    parser.add_argument("--workload", default="shared", choices=rq.WORKLOADS)
+    parser.add_argument("--load", default="near", choices=tuple(rq.LOADS))
+    parser.add_argument("--duration", type=float, default=12.0, help="seconds of arrivals")
+    parser.add_argument(
+        "--cache-share", type=float, default=0.25, help="each engine's KV / the working set"
+    )
+    parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", default="", help="write every cell as JSON here (as it goes)")
+    parser.add_argument("--quick", action="store_true", help="6 s of arrivals")
+    args = parser.parse_args()
+    if args.command == "engines":
+        run_engines(args)
+        return 0
+    if args.command == "relays":
+        run_relays(args)
+        return 0
+    if args.command == "router":
+        run_router(args)
+        return 0
+    if args.quick:
+        args.duration = 6.0
+    return orchestrate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
