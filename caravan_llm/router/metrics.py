@@ -330,6 +330,16 @@ class RouterMetrics:
             ["reason"],
             registry=registry,
         )
+        self.exact_prompts = Counter(
+            "caravan_router_exact_prompts_total",
+            "Requests the exact prefix index was asked about, by how their prompt's digests "
+            "came: exact (in time), over_budget (not within the tokenizing budget: routed on "
+            "the approximate index while the tokenizing finished in the background), busy "
+            "(the model's tokenizer queue full: not tokenized), not_exact (no tokenizer for "
+            "the model, or a body the router does not tokenize the engine's way).",
+            ["outcome"],
+            registry=registry,
+        )
         self._children: dict[str, _ModelChildren] = {}
 
     def for_model(self, model: str) -> _ModelChildren:

@@ -177,6 +177,11 @@ class RouterSettings(BaseSettings):
     # Reconnect delays of a failed stream: from min, doubling up to max (with jitter).
     kv_events_backoff_min_s: float = Field(default=0.5, gt=0)
     kv_events_backoff_max_s: float = Field(default=10.0, gt=0)
+    # How long a request waits for its prompt's token ids (for the exact index)
+    # before it is routed on the approximate index; the tokenizing goes on in the
+    # background and warms the model's segment cache for the next turn. 0: never
+    # wait (every request is routed approximately and only warms the cache).
+    exact_prefix_budget_ms: float = Field(default=1.5, ge=0)
 
     @field_validator("api_keys", mode="before")
     @classmethod

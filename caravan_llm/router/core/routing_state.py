@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from caravan_llm.common.contract import ModelView
 from caravan_llm.router.core.endpoints import EMPTY_SNAPSHOT, EndpointSnapshot
 from caravan_llm.router.core.kv_index import KvIndex
 from caravan_llm.router.core.live_state import LiveStates
@@ -27,6 +28,9 @@ class KnownModel:
 
     name: str  # the profile name: its KV key and its demand key
     served_model_name: str  # the OpenAI `model` value clients send
+    # The profile as routers read it (where its tokenizer is: `ModelView.tokenizer`,
+    # `ModelView.model`); None where the model was not read from a profile.
+    view: ModelView | None = None
 
 
 @dataclass(frozen=True, slots=True)

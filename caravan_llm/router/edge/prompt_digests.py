@@ -7,59 +7,82 @@ token ids the engine will compute (the model's tokenizer and chat template),
 chained in the replica's block size and keyed with the model's engine key.
 
 The token ids come from a `PromptTokens` (declared here, by its consumer):
-the router's tokenizers, loaded once per model. Without one, or for a model
-it has no tokenizer for, every replica uses the approximate index.
+the router's tokenizers (`caravan_llm.router.tokens.registry.Tokenizers`),
+one per model, loaded once from the profile as discovery read it
+(`KnownModel.view`) and run on the model's worker thread. Without one, or
+for a model it has no tokenizer for, every replica uses the approximate index.
 
 `PromptDigester.exact_prompt` does the work once per request: it asks for
 the token ids only when some replica of the model has a KV stream, and
 computes the digests once per (model service, block size) among those
 replicas (`core/prompt_digests.py`), never per replica. The digest key is
 derived from the engine key once per model and kept while the key is the same.
+
+**The latency it adds is bounded.** A request waits for its token ids at
+most `budget_s` (the router's `exact_prefix_budget_ms`). A prompt whose
+pieces the model's segment cache holds (a shared system prompt, a
+conversation's earlier turns) comes back well within it; a cold one (a
+new 8k-token document: ~20 ms) does not, and the request is routed on the
+approximate index (`prefix_source: approximate`) while the tokenizing goes
+on in the background, so the segment cache holds the pieces for the
+conversation's next turn. At most `max_pending` prompts of one model are
+being tokenized at once; a request beyond that is not tokenized at all (its
+model's worker thread is behind: waiting would only add latency). Each
+request is counted by outcome in `caravan_router_exact_prompts_total`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from caravan_llm.common.block_digest import DigestKey
 from caravan_llm.router.core.prompt_digests import DigestKind, ExactPrompt, exact_prompt
 
 if TYPE_CHECKING:
-    from caravan_llm.common.contract import EngineRoute
+    from caravan_llm.common.contract import EngineRoute, ModelView
     from caravan_llm.router.core.routing_state import RoutingState
     from caravan_llm.router.feeds.engine_keys import EngineKeySource
+    from caravan_llm.router.metrics import RouterMetrics
 
 # Named like the edge's other loggers: the logger is a field of every log line.
 log = logging.getLogger("router.prompt_digests")
+
+# Prompts of one model being tokenized at once (the model's worker thread works
+# through them one by one): past this, requests are not tokenized (`busy`).
+MAX_PENDING = 8
+
+Outcome = Literal["exact", "over_budget", "busy", "not_exact"]
 
 
 class PromptTokens(Protocol):
     """The token ids a model's engine computes for a request's prompt.
 
-    Implemented by the router's tokenizers (the model's tokenizer and chat
-    template, loaded once per model from its profile's weights or declared
-    tokenizer).
+    Implemented by the router's tokenizers
+    (`caravan_llm.router.tokens.registry.Tokenizers`: the model's tokenizer
+    and chat template, loaded once per model from its profile's weights or
+    declared tokenizer, and run on the model's worker thread).
     """
 
-    def prompt_token_ids(
-        self, model: str, payload: Mapping[str, Any], *, route: EngineRoute
+    async def prompt_token_ids(
+        self, view: ModelView, route: EngineRoute, payload: Mapping[str, Any]
     ) -> Sequence[int] | None:
         """The prompt's token ids exactly as the engine will compute them, or None.
 
-        `model` is the request's `model` (the served name; the routing view's
-        `profiles` maps it to its profile); `payload` the parsed JSON body;
-        `route` which OpenAI route it came on (chat: `messages` through the
-        chat template, with the request's `add_generation_prompt`,
-        `continue_final_message`, `chat_template_kwargs`, tools... as the
-        engine applies them; completions: `prompt`, a string or token ids;
-        responses and Anthropic messages as the engine renders them).
+        `view` is the request's model as its profile declares it (where its
+        tokenizer is); `route` which OpenAI route the request came on (chat:
+        `messages` through the chat template, with the request's
+        `add_generation_prompt`, `continue_final_message`,
+        `chat_template_kwargs`, tools... as the engine applies them;
+        completions: `prompt`, a string or token ids; responses and Anthropic
+        messages as the engine renders them); `payload` the parsed JSON body.
 
         None when there is no tokenizer for the model, or the request has no
         prompt it can tokenize the engine's way: the router then uses the
-        approximate index for it. Never raises for a client's input; it runs
-        on the router's event loop, so it must be fast (a few ms at 8k tokens).
+        approximate index for it. Never raises for a client's input, and
+        never blocks the event loop (the work runs off it).
         """
         ...
 
@@ -72,18 +95,73 @@ class PromptDigester:
         tokens: PromptTokens,
         state: RoutingState,
         engine_keys: EngineKeySource | None,
+        *,
+        budget_s: float,
+        metrics: RouterMetrics | None = None,
+        max_pending: int = MAX_PENDING,
     ) -> None:
         self._tokens = tokens
         self._state = state
         self._engine_keys = engine_keys
+        self._budget_s = budget_s
+        self._metrics = metrics
+        self._max_pending = max_pending
         # Service name -> (the engine key it was derived from, the digest key).
         self._digest_keys: dict[str, tuple[str, DigestKey]] = {}
         self._invalid_logged: set[str] = set()
+        # Per model, its prompts being tokenized (some past their request's budget).
+        self._pending: dict[str, set[asyncio.Task[Sequence[int] | None]]] = {}
 
-    def exact_prompt(
+    async def exact_prompt(
         self, model: str, payload: Mapping[str, Any], *, route: EngineRoute
     ) -> ExactPrompt | None:
-        """The prompt's digests per (service, block size); None when no replica can use them."""
+        """The prompt's digests per (service, block size); None when no replica can use them.
+
+        Waits at most the budget for the token ids (module docstring).
+        """
+        known = self._state.view.profiles.get(model)
+        if known is None or known.view is None:
+            return None  # an adapter or an undeclared model: its blocks are not the base's
+        plan = self._plan(model)
+        if plan is None:
+            return None
+        kinds, keys = plan
+        pending = self._pending.setdefault(model, set())
+        if len(pending) >= self._max_pending:
+            self._count("busy")
+            return None
+        task = asyncio.ensure_future(self._tokens.prompt_token_ids(known.view, route, payload))
+        pending.add(task)
+        task.add_done_callback(lambda done: self._finished(model, done))
+        if self._budget_s <= 0:
+            self._count("over_budget")
+            return None
+        done, _ = await asyncio.wait((task,), timeout=self._budget_s)
+        if not done:
+            self._count("over_budget")
+            return None
+        token_ids = _result(task, log_failure=False)  # `_finished` logged a failure
+        if token_ids is None:
+            self._count("not_exact")
+            return None
+        try:
+            prompt = exact_prompt(token_ids, keys=keys, kinds=kinds)
+        except ValueError:
+            # A tokenizer that hands out ids outside [0, 2**32): its bug, not the client's.
+            if model not in self._invalid_logged:
+                self._invalid_logged.add(model)
+                log.warning("prompt_token_ids_invalid", extra={"model": model})
+            self._count("not_exact")
+            return None
+        self._count("exact")
+        return prompt
+
+    def pending(self, model: str) -> int:
+        """The model's prompts being tokenized now."""
+        return len(self._pending.get(model, ()))
+
+    def _plan(self, model: str) -> tuple[set[DigestKind], dict[str, DigestKey]] | None:
+        """The (service, block size) kinds with a stream, and their services' keys; None: none."""
         if self._engine_keys is None:
             return None
         endpoints = self._state.view.snapshot.for_model(model)
@@ -104,17 +182,19 @@ class PromptDigester:
                 keys[service] = key
         if not keys:
             return None
-        token_ids = self._tokens.prompt_token_ids(model, payload, route=route)
-        if token_ids is None:
-            return None
-        try:
-            return exact_prompt(token_ids, keys=keys, kinds=kinds)
-        except ValueError:
-            # A tokenizer that hands out ids outside [0, 2**32): its bug, not the client's.
-            if model not in self._invalid_logged:
-                self._invalid_logged.add(model)
-                log.warning("prompt_token_ids_invalid", extra={"model": model})
-            return None
+        return kinds, keys
+
+    def _finished(self, model: str, task: asyncio.Task[Sequence[int] | None]) -> None:
+        pending = self._pending.get(model)
+        if pending is not None:
+            pending.discard(task)
+            if not pending:
+                del self._pending[model]
+        _result(task, log_failure=True)
+
+    def _count(self, outcome: Outcome) -> None:
+        if self._metrics is not None:
+            self._metrics.exact_prompts.labels(outcome=outcome).inc()
 
     def _digest_key(self, service: str) -> DigestKey | None:
         secret = None if self._engine_keys is None else self._engine_keys.key_for(service)
@@ -126,3 +206,16 @@ class PromptDigester:
         key = DigestKey.from_secret(secret)
         self._digest_keys[service] = (secret, key)
         return key
+
+
+def _result(task: asyncio.Task[Sequence[int] | None], *, log_failure: bool) -> Sequence[int] | None:
+    """The token ids of a finished tokenizing; None when it was cancelled or failed."""
+    if task.cancelled():
+        return None
+    error = task.exception()
+    if error is not None and log_failure:
+        # The tokenizer's bug or its shutdown, never the client's: the type only, no prompt.
+        log.warning("prompt_tokens_failed", extra={"error": type(error).__name__})
+    if error is not None:
+        return None
+    return task.result()

@@ -383,6 +383,7 @@ class Proxy:
         reply = exchange.reply
         try:
             self._check_request(exchange)
+            exchange = await self._with_exact_prompt(exchange)
             response = await self._serve(exchange)
         except RouterError as exc:
             response = await self._answer_error(exchange, exc)
@@ -408,11 +409,6 @@ class Proxy:
         payload = parsed.payload
         responses = spec.route is EngineRoute.RESPONSES
         shape = prompt_shape(payload, self._shape, responses=responses) if self._use_cost else None
-        exact = (
-            self._digester.exact_prompt(parsed.model, payload, route=spec.route)
-            if shape is not None and self._digester is not None
-            else None
-        )
         return Exchange(
             request=request,
             parsed=parsed,
@@ -430,10 +426,24 @@ class Proxy:
                     else None
                 ),
                 prompt=shape,
-                exact=exact,
             ),
             headers=self._upstream_headers(request, parsed.request_id),
         )
+
+    async def _with_exact_prompt(self, exchange: Exchange) -> Exchange:
+        """The exchange with its prompt's block digests for the exact index, when there are any.
+
+        Waits at most the digester's budget (`caravan_llm.router.edge.prompt_digests`).
+        """
+        features = exchange.features
+        if features.prompt is None or self._digester is None:
+            return exchange
+        exact = await self._digester.exact_prompt(
+            exchange.parsed.model, exchange.parsed.payload, route=exchange.spec.route
+        )
+        if exact is None:
+            return exchange
+        return replace(exchange, features=replace(features, exact=exact))
 
     def _check_request(self, exchange: Exchange) -> None:
         """Refuse a body the route cannot take, or a route no replica serves, before admission."""

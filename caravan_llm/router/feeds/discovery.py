@@ -41,6 +41,7 @@ from caravan_llm.common.contract import (
     SERVICE_TAG,
     ContractError,
     KVLayout,
+    ModelView,
     Placements,
     PlacementsError,
     ServiceMetaKey,
@@ -140,6 +141,7 @@ def profiles_from_kv(
     is the contract's (`caravan_llm.common.contract.ModelView.served_name`).
     """
     views: dict[str, tuple[str, int]] = {}
+    decoded: dict[str, ModelView] = {}
     keys: dict[str, str] = {}
     problems: list[str] = []
     for entry in sorted(entries, key=lambda item: item.key):
@@ -147,11 +149,12 @@ def profiles_from_kv(
         if not name or "/" in name:
             continue
         try:
-            served = decode_model_view(entry.value, key=entry.key, model=name).served_name
+            view = decode_model_view(entry.value, key=entry.key, model=name)
         except ContractError as exc:
             problems.append(str(exc))
             continue
-        views[name] = (served, entry.create_index)
+        views[name] = (view.served_name, entry.create_index)
+        decoded[name] = view
         keys[name] = entry.key
     owners = served_name_owners(views)
     models: dict[str, KnownModel] = {}
@@ -163,7 +166,7 @@ def profiles_from_kv(
                 f"profile {owner!r}"
             )
             continue
-        models[served] = KnownModel(name=name, served_model_name=served)
+        models[served] = KnownModel(name=name, served_model_name=served, view=decoded[name])
     return models, problems
 
 

@@ -248,7 +248,13 @@ class RouterRuntime:
             request_log=request_log or log_request,
             engine_keys=self.engine_keys,
             digester=(
-                PromptDigester(prompt_tokens, self.state, self.engine_keys)
+                PromptDigester(
+                    prompt_tokens,
+                    self.state,
+                    self.engine_keys,
+                    budget_s=settings.exact_prefix_budget_ms / 1000,
+                    metrics=self.metrics,
+                )
                 if prompt_tokens is not None and self.kv_feed is not None
                 else None
             ),
@@ -455,8 +461,9 @@ def create_app(
     where the engines' API keys are read from when `engine_api_keys` is on;
     without it no key is sent upstream (and no KV relay stream can be read).
     `prompt_tokens` gives requests' token ids for the exact prefix index
-    (`caravan_llm.router.edge.prompt_digests`); without it every replica uses
-    the approximate index.
+    (`caravan_llm.router.edge.prompt_digests`; the router process passes its
+    `caravan_llm.router.tokens.registry.Tokenizers` and closes them after the
+    app); without it every replica uses the approximate index.
     """
     runtime = RouterRuntime(
         settings,

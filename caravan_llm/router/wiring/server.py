@@ -5,7 +5,8 @@ Shutdown order on SIGTERM/SIGINT (style.md rule 20, "drain before closing"):
 1. deregister from Consul, so clients and load balancers stop choosing us;
 2. stop accepting connections (`runner.cleanup()` closes the listener);
 3. let in-flight requests and streams finish, for up to `shutdown_timeout_s`;
-4. stop the background tasks and close the client pool.
+4. stop the background tasks and close the client pool;
+5. stop the tokenizers' worker threads (work still queued is dropped).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from caravan_llm.common.nomad_api import NomadClient, NomadSettings
 from caravan_llm.router.edge.api_keys import ApiKeyError
 from caravan_llm.router.edge.proxy import RequestLog, log_request
 from caravan_llm.router.settings import RouterSettings
+from caravan_llm.router.tokens.registry import Tokenizers
 from caravan_llm.router.wiring.app import (
     RUNTIME,
     RouterRuntime,
@@ -137,12 +139,17 @@ async def _serve(
             if nomad_settings is not None
             else None
         )
+        # Each model's tokenizer, for the exact prefix index; its threads stop last.
+        tokenizers = Tokenizers() if settings.kv_events else None
+        if tokenizers is not None:
+            stack.callback(tokenizers.close)
         app = create_app(
             settings,
             consul=consul,
             registry=CollectorRegistry(),
             request_log=_fast_request_log(log_handler, worker),
             nomad=nomad,
+            prompt_tokens=tokenizers,
         )
         runtime = app[RUNTIME]
         if worker is not None:

@@ -41,7 +41,7 @@ from router_cluster import (
 
 from caravan_llm.common.block_digest import BlockDigest, DigestKey, block_digests
 from caravan_llm.common.consul_api import ConsulClient
-from caravan_llm.common.contract import EngineRoute
+from caravan_llm.common.contract import EngineRoute, ModelView
 from caravan_llm.devcluster.engine.text import ChatMessage, Vocabulary, render_chatml, tokenize
 
 MODEL = "tiny"
@@ -61,10 +61,14 @@ class SimulatedEngineTokens:
     def __init__(self) -> None:
         self._vocabulary = Vocabulary()
 
-    def prompt_token_ids(
-        self, model: str, payload: Mapping[str, Any], *, route: EngineRoute
+    async def prompt_token_ids(
+        self, view: ModelView, route: EngineRoute, payload: Mapping[str, Any]
     ) -> Sequence[int] | None:
-        del model
+        del view
+        return self.ids(route, payload)
+
+    def ids(self, route: EngineRoute, payload: Mapping[str, Any]) -> Sequence[int] | None:
+        """The ids, computed on the caller's thread."""
         messages = payload.get("messages")
         if route is not EngineRoute.CHAT_COMPLETIONS or not isinstance(messages, list):
             return None
@@ -75,9 +79,7 @@ class SimulatedEngineTokens:
 
 def digests_of(user: str) -> tuple[BlockDigest, ...]:
     """The prompt's block digests as the relay names the engine's blocks."""
-    ids = SimulatedEngineTokens().prompt_token_ids(
-        MODEL, chat(user), route=EngineRoute.CHAT_COMPLETIONS
-    )
+    ids = SimulatedEngineTokens().ids(EngineRoute.CHAT_COMPLETIONS, chat(user))
     assert ids is not None
     return block_digests(ids, block_size=BLOCK, key=DigestKey.from_secret(KEY))
 

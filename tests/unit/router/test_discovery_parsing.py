@@ -8,6 +8,7 @@ from types import MappingProxyType
 from router_builders import service_meta
 
 from caravan_llm.common.consul_api import HealthCheck, HealthEntry, KVEntry
+from caravan_llm.common.contract import ModelView
 from caravan_llm.router.core.endpoints import CheckStatus, snapshot_from_health
 from caravan_llm.router.core.routing_state import KnownModel
 from caravan_llm.router.feeds.discovery import (
@@ -105,8 +106,12 @@ def test_profiles_map_served_names_to_profile_names() -> None:
     profiles, problems = profiles_from_kv(entries, "caravan/models/")
 
     assert {
-        "Qwen/Qwen2.5-7B": KnownModel("qwen", "Qwen/Qwen2.5-7B"),
-        "tiny": KnownModel("tiny", "tiny"),
+        "Qwen/Qwen2.5-7B": KnownModel(
+            "qwen",
+            "Qwen/Qwen2.5-7B",
+            ModelView(name="qwen", served_model_name="Qwen/Qwen2.5-7B"),
+        ),
+        "tiny": KnownModel("tiny", "tiny", ModelView(name="tiny")),
     } == profiles
     assert 2 == len(problems)
     assert problems[0].startswith("caravan/models/broken: not JSON")

@@ -1,38 +1,56 @@
-"""The prompt digester: token ids asked for only when a replica can use them, digests once."""
+"""The prompt digester: token ids asked for only when a replica can use them, digests once,
+waited for no longer than the budget."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
+from polling import eventually
+from prometheus_client import CollectorRegistry
 from router_builders import MODEL, SERVICE, endpoint_entry, live_for, snapshot_of
 
 from caravan_llm.common.block_digest import DigestKey, block_digests
-from caravan_llm.common.contract import EngineRoute
+from caravan_llm.common.contract import EngineRoute, ModelView
 from caravan_llm.common.kv_stream import KvSnapshot
 from caravan_llm.router.core.endpoints import EndpointSnapshot
 from caravan_llm.router.core.kv_index import KvIndex
-from caravan_llm.router.core.routing_state import RoutingState, RoutingView
+from caravan_llm.router.core.routing_state import KnownModel, RoutingState, RoutingView
 from caravan_llm.router.edge.prompt_digests import PromptDigester
+from caravan_llm.router.metrics import RouterMetrics
 
 KEY = "sk-engine-key"
 TOKENS = tuple(range(100, 164))
 PAYLOAD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+CHAT = EngineRoute.CHAT_COMPLETIONS
+VIEW = ModelView(name="qwen2-5-7b", served_model_name=MODEL, tokenizer="/models/qwen/tokenizer")
+# Long enough that a loaded test machine never misses it when the tokens are ready at once.
+BUDGET_S = 5.0
 
 
 class Tokens:
-    """A PromptTokens that counts its calls."""
+    """A PromptTokens that counts its calls and answers when `release` is set."""
 
-    def __init__(self, ids: Sequence[int] | None = TOKENS) -> None:
+    def __init__(self, ids: Sequence[int] | None = TOKENS, *, held: bool = False) -> None:
         self.ids = ids
         self.calls = 0
+        self.views: list[ModelView] = []
+        self.release = asyncio.Event()
+        if not held:
+            self.release.set()
+        self.finished = 0
 
-    def prompt_token_ids(
-        self, model: str, payload: Mapping[str, Any], *, route: EngineRoute
+    async def prompt_token_ids(
+        self, view: ModelView, route: EngineRoute, payload: Mapping[str, Any]
     ) -> Sequence[int] | None:
-        del model, payload, route
+        del route, payload
         self.calls += 1
+        self.views.append(view)
+        await self.release.wait()
+        self.finished += 1
         return self.ids
 
 
@@ -41,9 +59,13 @@ class Keys:
         return KEY if service == SERVICE else None
 
 
-def state_with(snapshot: EndpointSnapshot, block_sizes: Mapping[str, int]) -> RoutingState:
+def state_with(
+    snapshot: EndpointSnapshot, block_sizes: Mapping[str, int], view: ModelView | None = VIEW
+) -> RoutingState:
     state = RoutingState(KvIndex())
-    state.swap(RoutingView(snapshot=snapshot), live_for(snapshot), synced=True)
+    profiles = {MODEL: KnownModel(name="qwen2-5-7b", served_model_name=MODEL, view=view)}
+    routing = RoutingView(snapshot=snapshot, profiles=MappingProxyType(profiles))
+    state.swap(routing, live_for(snapshot), synced=True)
     for replica, size in block_sizes.items():
         state.kv.apply_snapshot(
             replica, KvSnapshot(epoch=1, seq=0, block_size=size, digests=frozenset()), 0.0
@@ -61,13 +83,23 @@ def relayed(*ids: str) -> EndpointSnapshot:
     return dataclasses.replace(snapshot, by_id=by_id, models=models)
 
 
-def test_digests_are_computed_once_per_block_size_among_the_streams() -> None:
-    """Three replicas in two block sizes: two digest chains, one tokenizer call."""
+def outcomes(metrics: RouterMetrics) -> dict[str, float]:
+    counted: dict[str, float] = {}
+    for family in metrics.registry.collect():
+        if family.name == "caravan_router_exact_prompts":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    counted[sample.labels["outcome"]] = sample.value
+    return counted
+
+
+async def test_digests_are_computed_once_per_block_size_among_the_streams() -> None:
+    """Three replicas in two block sizes: two digest chains, one tokenizer call with the view."""
     state = state_with(relayed("e0", "e1", "e2"), {"e0": 16, "e1": 16, "e2": 32})
     tokens = Tokens()
-    digester = PromptDigester(tokens, state, Keys())
+    digester = PromptDigester(tokens, state, Keys(), budget_s=BUDGET_S)
 
-    prompt = digester.exact_prompt(MODEL, PAYLOAD, route=EngineRoute.CHAT_COMPLETIONS)
+    prompt = await digester.exact_prompt(MODEL, PAYLOAD, route=CHAT)
 
     key = DigestKey.from_secret(KEY)
     assert prompt is not None
@@ -75,21 +107,103 @@ def test_digests_are_computed_once_per_block_size_among_the_streams() -> None:
         (SERVICE, 16): block_digests(TOKENS, block_size=16, key=key),
         (SERVICE, 32): block_digests(TOKENS, block_size=32, key=key),
     } == dict(prompt.digests)
-    assert 1 == tokens.calls
+    assert [VIEW] == tokens.views
 
 
-def test_no_stream_no_key_or_no_tokenizer_means_no_exact_prompt() -> None:
+async def test_no_stream_no_key_no_profile_or_no_tokenizer_means_no_exact_prompt() -> None:
     """The tokenizer is not even asked when no replica has a stream; None stays None."""
     without_streams = Tokens()
-    no_stream = PromptDigester(without_streams, state_with(relayed("e0"), {}), Keys())
-    no_keys = PromptDigester(Tokens(), state_with(relayed("e0"), {"e0": 16}), None)
-    no_tokenizer = PromptDigester(Tokens(None), state_with(relayed("e0"), {"e0": 16}), Keys())
-    bad_ids = PromptDigester(Tokens([2**40] * 16), state_with(relayed("e0"), {"e0": 16}), Keys())
+    without_profile = Tokens()
+    no_stream = PromptDigester(
+        without_streams, state_with(relayed("e0"), {}), Keys(), budget_s=BUDGET_S
+    )
+    no_keys = PromptDigester(
+        Tokens(), state_with(relayed("e0"), {"e0": 16}), None, budget_s=BUDGET_S
+    )
+    no_profile = PromptDigester(
+        without_profile, state_with(relayed("e0"), {"e0": 16}, None), Keys(), budget_s=BUDGET_S
+    )
+    no_tokenizer = PromptDigester(
+        Tokens(None), state_with(relayed("e0"), {"e0": 16}), Keys(), budget_s=BUDGET_S
+    )
+    bad_ids = PromptDigester(
+        Tokens([2**40] * 16), state_with(relayed("e0"), {"e0": 16}), Keys(), budget_s=BUDGET_S
+    )
 
     answers = [
-        digester.exact_prompt(MODEL, PAYLOAD, route=EngineRoute.CHAT_COMPLETIONS)
-        for digester in (no_stream, no_keys, no_tokenizer, bad_ids)
+        await digester.exact_prompt(MODEL, PAYLOAD, route=CHAT)
+        for digester in (no_stream, no_keys, no_profile, no_tokenizer, bad_ids)
     ]
 
-    assert [None, None, None, None] == answers
-    assert 0 == without_streams.calls
+    assert [None, None, None, None, None] == answers
+    assert (0, 0) == (without_streams.calls, without_profile.calls)
+
+
+async def test_a_prompt_past_the_budget_routes_approximately_and_finishes_in_the_background() -> (
+    None
+):
+    """Over budget: None at once, the tokenizing not cancelled; it ends and frees its place."""
+    metrics = RouterMetrics(CollectorRegistry())
+    tokens = Tokens(held=True)
+    digester = PromptDigester(
+        tokens, state_with(relayed("e0"), {"e0": 16}), Keys(), budget_s=0.01, metrics=metrics
+    )
+
+    prompt = await digester.exact_prompt(MODEL, PAYLOAD, route=CHAT)
+    pending_after_budget = digester.pending(MODEL)
+    tokens.release.set()
+    await eventually(
+        lambda: digester.pending(MODEL) == 0, 5.0, "the background tokenizing done", interval_s=0.01
+    )
+    released = await digester.exact_prompt(MODEL, PAYLOAD, route=CHAT)
+
+    assert prompt is None
+    assert 1 == pending_after_budget
+    assert 0 == digester.pending(MODEL)
+    assert 2 == tokens.finished
+    assert released is not None
+    assert {"over_budget": 1.0, "exact": 1.0} == outcomes(metrics)
+
+
+async def test_a_model_with_its_queue_full_is_not_tokenized_at_all() -> None:
+    """Past max_pending prompts in flight, a request is not handed to the tokenizer (busy)."""
+    metrics = RouterMetrics(CollectorRegistry())
+    tokens = Tokens(held=True)
+    digester = PromptDigester(
+        tokens,
+        state_with(relayed("e0"), {"e0": 16}),
+        Keys(),
+        budget_s=0.0,
+        metrics=metrics,
+        max_pending=2,
+    )
+
+    answers = [await digester.exact_prompt(MODEL, PAYLOAD, route=CHAT) for _ in range(3)]
+    await asyncio.sleep(0)
+    calls = tokens.calls
+    tokens.release.set()
+    await eventually(
+        lambda: digester.pending(MODEL) == 0, 5.0, "the background tokenizing done", interval_s=0.01
+    )
+
+    assert [None, None, None] == answers
+    assert 2 == calls
+    assert {"over_budget": 2.0, "busy": 1.0} == outcomes(metrics)
+
+
+async def test_a_failing_tokenizer_costs_the_request_its_exact_prompt_only() -> None:
+    """A tokenizer that raises (its bug, or its shutdown) gives None, not an error."""
+
+    class Broken:
+        async def prompt_token_ids(
+            self, view: ModelView, route: EngineRoute, payload: Mapping[str, Any]
+        ) -> Sequence[int] | None:
+            del view, route, payload
+            raise RuntimeError("cannot schedule new futures after shutdown")
+
+    digester = PromptDigester(
+        Broken(), state_with(relayed("e0"), {"e0": 16}), Keys(), budget_s=BUDGET_S
+    )
+
+    assert await digester.exact_prompt(MODEL, PAYLOAD, route=CHAT) is None
+    assert 0 == digester.pending(MODEL)
