@@ -54,6 +54,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -85,9 +86,11 @@ TARGETS = (
     "vllm-router-power_of_two",
     "approx",
     "precise",
+    "precise-wait",
     "oracle",
     "approx-x3",
     "precise-x3",
+    "precise-wait-x3",
 )
 
 
@@ -127,58 +130,86 @@ def fleet_for(trace: Sequence[rq.TraceRequest], cache_share: float) -> rq.Fleet:
     return dataclasses.replace(base, kv_blocks=max(256, round(blocks * cache_share)))
 
 
-# -- the engine's tokens, as a router's PromptTokens ----------------------------------------
+# -- the engine's tokens ----------------------------------------------------------------------
 
 
 class EngineTokens:
-    """The simulated vLLM's tokens for a chat request: ChatML, its tokenizer, its vocabulary ids.
+    """The simulated vLLM's prompt tokens for a chat request, as the engine computes them.
 
-    What the router's tokenizers give for a real model (its tokenizer and
-    chat template); here the simulated engine's own, so the digests match
-    the relay's. Token ids are memoised per token text.
+    With a tokenizer directory (`--tokenizer`, the tiny models' HF tokenizer)
+    the engine's own `HfTokenizer` (chat template, then `tokenizers`); without
+    one the simulator's regex tokenizer and vocabulary ids. As a router's
+    `PromptTokens` (for the `sim` launcher and the oracle) it answers at once,
+    on the loop. `engine_tokens` are what the engine hashes its blocks from
+    (token texts for the regex tokenizer: Python's str hash is per process,
+    so only an oracle in the engines' process can use them).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tokenizer_dir: str | None) -> None:
+        from caravan_llm.devcluster.engine.hf_tokenizer import HfTokenizer  # noqa: PLC0415
         from caravan_llm.devcluster.engine.text import Vocabulary  # noqa: PLC0415
 
+        self._hf = (
+            None if tokenizer_dir is None else HfTokenizer.from_directory(Path(tokenizer_dir))
+        )
+        if tokenizer_dir is not None and self._hf is None:
+            raise RuntimeError(f"no tokenizer.json in {tokenizer_dir}")
         self._vocabulary = Vocabulary()
         self._ids: dict[str, int] = {}
 
-    def tokens(self, payload: Mapping[str, Any]) -> list[str] | None:
+    def engine_tokens(self, messages: Sequence[tuple[str, str]]) -> list[str] | list[int]:
         from caravan_llm.devcluster.engine.text import (  # noqa: PLC0415
             ChatMessage,
             render_chatml,
             tokenize,
         )
 
-        messages = payload.get("messages")
-        if not isinstance(messages, list):
-            return None
-        chat = [ChatMessage(str(m.get("role")), str(m.get("content"))) for m in messages]
+        chat = [ChatMessage(role, content) for role, content in messages]
+        if self._hf is not None:
+            rendered = self._hf.render_chat(chat, add_generation_prompt=True)
+            return self._hf.encode(rendered, add_special_tokens=False)
         return tokenize(render_chatml(chat, add_generation_prompt=True))
 
-    def ids(self, tokens: Sequence[str]) -> list[int]:
+    def count(self, text: str) -> int:
+        from caravan_llm.devcluster.engine.text import count_tokens  # noqa: PLC0415
+
+        if self._hf is not None:
+            return len(self._hf.encode(text, add_special_tokens=False))
+        return count_tokens(text)
+
+    def ids(self, tokens: Sequence[str] | Sequence[int]) -> list[int]:
+        if self._hf is not None:
+            return [int(t) for t in tokens]
         known = self._ids
         out = []
         for token in tokens:
-            token_id = known.get(token)
+            token_id = known.get(str(token))
             if token_id is None:
-                token_id = known[token] = self._vocabulary.id_of(token)
+                token_id = known[str(token)] = self._vocabulary.id_of(str(token))
             out.append(token_id)
         return out
 
-    def prompt_token_ids(
-        self, model: str, payload: Mapping[str, Any], *, route: Any
+    @staticmethod
+    def messages(payload: Mapping[str, Any]) -> list[tuple[str, str]] | None:
+        messages = payload.get("messages")
+        if not isinstance(messages, list):
+            return None
+        return [(str(m.get("role")), str(m.get("content"))) for m in messages]
+
+    async def prompt_token_ids(
+        self, view: Any, route: Any, payload: Mapping[str, Any]
     ) -> Sequence[int] | None:
-        del model, route
-        tokens = self.tokens(payload)
-        return None if tokens is None else self.ids(tokens)
+        del view, route
+        messages = self.messages(payload)
+        return None if messages is None else self.ids(self.engine_tokens(messages))
 
 
 # -- the engines (and the oracle's router, beside them) --------------------------------------
 
 
-def engine_argv(fleet: rq.Fleet, port: int, seed: int, ipc: Path, replica: int) -> list[str]:
+def engine_argv(
+    fleet: rq.Fleet, port: int, seed: int, ipc: Path, replica: int, *, tokenizer_dir: str | None
+) -> list[str]:
     config = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
@@ -186,10 +217,12 @@ def engine_argv(fleet: rq.Fleet, port: int, seed: int, ipc: Path, replica: int) 
         "replay_endpoint": f"ipc://{ipc}/r{replica}.ipc",
         "topic": TOPIC,
     }
+    tokenizer = ["--tokenizer", tokenizer_dir] if tokenizer_dir else []
     return [
         "--flavor",
         "vllm",
         *fleet.engine_args(port, seed),
+        *tokenizer,
         "--kv-events-config",
         json.dumps(config),
     ]
@@ -213,84 +246,140 @@ def run_engines(args: argparse.Namespace) -> None:
             running = [
                 await stack.enter_async_context(
                     run_engine(
-                        parse_engine_args(engine_argv(fleet, port, args.seed + i, ipc, i), {})
+                        parse_engine_args(
+                            engine_argv(
+                                fleet, port, args.seed + i, ipc, i, tokenizer_dir=args.tokenizer
+                            ),
+                            {},
+                        )
                     )
                 )
                 for i, port in enumerate(ports)
             ]
             for item in running:
                 await item.engine.ready.wait()
-            print("engines ready", flush=True)
-            if args.oracle:
+            if args.oracle_port:
                 cores = {
                     endpoint: item.engine.core for endpoint, item in zip(ids, running, strict=True)
                 }
-                port = await stack.enter_async_context(
-                    oracle_router(args.consul, cores, fleet.block_size)
-                )
-                print(f"oracle router on http://127.0.0.1:{port}", flush=True)
+                await stack.enter_async_context(oracle_service(args.oracle_port, cores))
+            print("engines ready", flush=True)
             await stop.wait()
 
     asyncio.run(main())
 
 
-class OracleTokens(EngineTokens):
-    """EngineTokens that also remember which engine block hash each block digest names."""
+def engine_holds(core: Any, hashes: Sequence[int]) -> int:
+    """Leading blocks of `hashes` the engine holds now: cached, or of a sequence it has taken.
 
-    def __init__(self, block_size: int) -> None:
-        super().__init__()
+    The engine's own state, which no router can see: its prefix cache, and
+    the prompts of the sequences running or waiting there (computed or being
+    computed, and kept while they run).
+    """
+    held = int(core._pool.cached_prefix(hashes))  # noqa: SLF001 - the oracle reads the engine
+    for seq in (*core._running, *core._waiting):  # noqa: SLF001
+        common = 0
+        for mine, theirs in zip(seq.spec.block_hashes, hashes, strict=False):
+            if mine != theirs:
+                break
+            common += 1
+        held = max(held, common)
+    return held
+
+
+@contextlib.asynccontextmanager
+async def oracle_service(port: int, cores: Mapping[str, Any]) -> Any:
+    """`POST /oracle/cached` {"hashes": [...]}: how many leading blocks each engine holds, now."""
+    from aiohttp import web  # noqa: PLC0415
+
+    async def cached(request: web.Request) -> web.Response:
+        hashes = (await request.json())["hashes"]
+        counts = {e: engine_holds(core, hashes) for e, core in cores.items()}
+        return web.json_response({"counts": counts})
+
+    app = web.Application()
+    app.router.add_post("/oracle/cached", cached)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        yield
+    finally:
+        await runner.cleanup()
+
+
+class OracleTokens(EngineTokens):
+    """EngineTokens that ask the engines, per prompt, how much of it each one holds right now.
+
+    The engines hash their blocks over the token ids (with a model tokenizer:
+    the same in every process), so the oracle names the prompt's blocks as
+    each engine does and reads each engine's cache (`oracle_service`) just
+    before the router picks; `OracleIndex` answers from that reading.
+    """
+
+    def __init__(self, tokenizer_dir: str, block_size: int, oracle_url: str) -> None:
+        super().__init__(tokenizer_dir)
         from caravan_llm.common.block_digest import DigestKey  # noqa: PLC0415
 
         self.block_size = block_size
         self.key = DigestKey.from_secret(KEY)
-        self.engine_hash: dict[int, int] = {}
+        self.url = oracle_url + "/oracle/cached"
+        self.counts: dict[int, dict[str, int]] = {}
+        self.session: aiohttp.ClientSession | None = None
 
-    def prompt_token_ids(
-        self, model: str, payload: Mapping[str, Any], *, route: Any
-    ) -> Sequence[int] | None:
+    def _names(self, messages: list[tuple[str, str]]) -> tuple[list[int], Any, Any]:
         from caravan_llm.common.block_digest import block_digests  # noqa: PLC0415
         from caravan_llm.devcluster.engine.batch import prompt_block_hashes  # noqa: PLC0415
 
-        del model, route
-        tokens = self.tokens(payload)
-        if tokens is None:
-            return None
-        ids = self.ids(tokens)
+        ids = self.ids(self.engine_tokens(messages))
         digests = block_digests(ids, block_size=self.block_size, key=self.key)
-        hashes = prompt_block_hashes(tokens, self.block_size)
-        self.engine_hash.update(zip(digests, hashes, strict=True))
+        return ids, digests, prompt_block_hashes(ids, self.block_size)
+
+    async def prompt_token_ids(
+        self, view: Any, route: Any, payload: Mapping[str, Any]
+    ) -> Sequence[int] | None:
+        del view, route
+        messages = self.messages(payload)
+        if messages is None:
+            return None
+        # Off the loop, as the router's own tokenizers work.
+        ids, digests, hashes = await asyncio.to_thread(self._names, messages)
+        if digests:
+            if self.session is None:
+                self.session = aiohttp.ClientSession()
+            async with self.session.post(self.url, json={"hashes": list(hashes)}) as response:
+                counts = (await response.json())["counts"]
+            if len(self.counts) > 4096:
+                self.counts.clear()
+            self.counts[digests[-1]] = counts
         return ids
 
 
-def oracle_index(cores: Mapping[str, Any], tokens: OracleTokens) -> Any:
-    """A KvIndex whose answers are the engines' actual caches, read when the router asks."""
+def oracle_index(tokens: OracleTokens) -> Any:
+    """A KvIndex whose answers are the engines' caches as read for this very prompt."""
     from caravan_llm.router.core.kv_index import KvIndex  # noqa: PLC0415
 
     class OracleIndex(KvIndex):
         __slots__ = ()
 
         def state(self, replica: str, now: float) -> Any:
-            del now
-            return "live" if replica in cores else "absent"
+            del replica, now
+            return "live"
 
         def block_size(self, replica: str) -> int | None:
-            return tokens.block_size if replica in cores else None
+            del replica
+            return tokens.block_size
 
         def cached_blocks(
             self, replica: str, digests: Sequence[Any], *, block_size: int, now: float
         ) -> int | None:
             del now
-            core = cores.get(replica)
-            if core is None or block_size != tokens.block_size:
+            if block_size != tokens.block_size:
                 return None
-            hashes = []
-            for digest in digests:
-                engine_hash = tokens.engine_hash.get(digest)
-                if engine_hash is None:
-                    break
-                hashes.append(engine_hash)
-            # The engine's own cache, now (the oracle reads what a router cannot).
-            return int(core._pool.cached_prefix(hashes))  # noqa: SLF001
+            if not digests:
+                return 0
+            counts = tokens.counts.get(digests[-1])
+            return None if counts is None else counts.get(replica)
 
         # The relays' streams are not followed: the engines' caches are read directly.
         def apply_snapshot(self, replica: str, snapshot: Any, now: float) -> Any:
@@ -344,7 +433,12 @@ class KeyVariables:
 
 @contextlib.asynccontextmanager
 async def serving_router(
-    consul_addr: str, *, precise: bool, tokens: EngineTokens | None, kv: Any = None
+    consul_addr: str,
+    *,
+    precise: bool,
+    tokens: EngineTokens | None,
+    kv: Any = None,
+    budget_ms: float = 1.5,
 ) -> Any:
     """A caravan router on this loop (port yielded), with `/bench/stats` for the orchestrator."""
     from aiohttp import web  # noqa: PLC0415
@@ -359,6 +453,7 @@ async def serving_router(
         register_service=False,
         kv_events=precise,
         log_level="warning",
+        exact_prefix_budget_ms=budget_ms,
     )
     sources: dict[str, int] = {}
     # The canonical request line is built only when its logger is at info.
@@ -403,15 +498,6 @@ async def serving_router(
             await runner.cleanup()
 
 
-@contextlib.asynccontextmanager
-async def oracle_router(consul_addr: str, cores: Mapping[str, Any], block_size: int) -> Any:
-    tokens = OracleTokens(block_size)
-    async with serving_router(
-        consul_addr, precise=True, tokens=tokens, kv=oracle_index(cores, tokens)
-    ) as port:
-        yield port
-
-
 def run_router(args: argparse.Namespace) -> None:
     from caravan_llm.router.wiring.server import event_loop_factory  # noqa: PLC0415
 
@@ -420,7 +506,21 @@ def run_router(args: argparse.Namespace) -> None:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
-        async with serving_router(args.consul, precise=args.precise, tokens=EngineTokens()) as port:
+        if args.oracle:
+            tokens: EngineTokens = OracleTokens(args.tokenizer, rq.Fleet().block_size, args.oracle)
+            # Every request waits for its reading: the oracle is never routed on a guess.
+            serving = serving_router(
+                args.consul,
+                precise=True,
+                tokens=tokens,
+                kv=oracle_index(tokens),  # type: ignore[arg-type]
+                budget_ms=10_000.0,
+            )
+        else:
+            serving = serving_router(
+                args.consul, precise=args.precise, tokens=EngineTokens(args.tokenizer)
+            )
+        async with serving as port:
             print(f"router on http://127.0.0.1:{port}", flush=True)
             await stop.wait()
 
@@ -469,7 +569,9 @@ class Placed:
     relay_ports: list[int]
 
 
-async def place_fleet(consul_addr: str, fleet: rq.Fleet) -> Placed:
+async def place_fleet(
+    consul_addr: str, nomad_addr: str, fleet: rq.Fleet, tokenizer_dir: str | None
+) -> Placed:
     """Register the engines as Nomad would and place them (with their relays) as the scheduler."""
     from caravan_llm.common.consul_api import (  # noqa: PLC0415
         ConsulClient,
@@ -483,6 +585,7 @@ async def place_fleet(consul_addr: str, fleet: rq.Fleet) -> Placed:
         Placements,
         encode_placements,
         encode_prefill_rate,
+        engine_key_path,
         nomad_service_id,
         replica_job_id,
     )
@@ -495,7 +598,14 @@ async def place_fleet(consul_addr: str, fleet: rq.Fleet) -> Placed:
     layout = KVLayout()
     host, _, consul_port = consul_addr.rpartition(":")
     async with ConsulClient(ConsulSettings(host=host, port=int(consul_port))) as consul:
-        profile = {"name": MODEL, "engine": "vllm", "replicas": {"min": 0, "max": fleet.engines}}
+        profile: dict[str, Any] = {
+            "name": MODEL,
+            "engine": "vllm",
+            "replicas": {"min": 0, "max": fleet.engines},
+        }
+        if tokenizer_dir:
+            # Where routers find the model's tokenizer (the engines load the same files).
+            profile["tokenizer"] = tokenizer_dir
         await consul.kv_put(layout.model_key(MODEL), json.dumps(profile))
         placements = Placements(
             model=MODEL,
@@ -533,6 +643,11 @@ async def place_fleet(consul_addr: str, fleet: rq.Fleet) -> Placed:
                     checks=(HttpCheck(url=f"http://127.0.0.1:{port}/health", interval_s=0.5),),
                 )
             )
+    # The engine key where routers read it (the scheduler's Nomad Variable).
+    async with aiohttp.ClientSession() as session:
+        url = f"{nomad_addr}/v1/var/{engine_key_path(MODEL)}"
+        async with session.put(url, json={"Items": {"api_key": KEY}}) as response:
+            response.raise_for_status()
     return Placed(ids, engine_ports, relay_ports)
 
 
@@ -546,6 +661,8 @@ class PrefixCell(rq.Cell):
     cpu_s: dict[str, float] = field(default_factory=dict)
     kv_blocks: int = 0
     routers: int = 0
+    # The routers' caravan_router_exact_prompts_total by outcome.
+    exact_prompts: dict[str, float] = field(default_factory=dict)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -560,26 +677,47 @@ async def get_json(url: str) -> Any:
         return await response.json()
 
 
-async def kv_states_live(bases: list[str], count: int) -> None:
-    async def check(session: aiohttp.ClientSession) -> bool:
+async def router_figures(bases: list[str]) -> dict[str, float]:
+    """The routers' metrics, each summed over their samples and over the routers."""
+    totals: dict[str, float] = {}
+    async with aiohttp.ClientSession() as session:
         for base in bases:
-            async with session.get(base + "/bench/stats") as response:
-                stats = await response.json()
-            if stats["kv_states"].get("live", 0) != count:
+            async with session.get(base + "/metrics") as response:
+                text = await response.text()
+            for line in text.splitlines():
+                if line.startswith("caravan_router_kv_streams{") and 'state="live"' in line:
+                    name = "kv_streams_live"
+                elif line.startswith("caravan_router_exact_prompts_total{"):
+                    name = "exact_prompts_" + line.split('outcome="', 1)[1].split('"', 1)[0]
+                elif line.startswith("caravan_router_kv_events_total"):
+                    name = "kv_events"
+                else:
+                    continue
+                totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+async def kv_streams_live(bases: list[str], count: int) -> None:
+    """Until every router follows every replica's stream (live)."""
+
+    async def check(_session: aiohttp.ClientSession) -> bool:
+        for base in bases:
+            if (await router_figures([base])).get("kv_streams_live", 0) != count:
                 return False
         return True
 
     await rq.wait_until(check, "every router's KV streams live")
 
 
-async def router_events(bases: list[str]) -> float:
-    total = 0.0
-    async with aiohttp.ClientSession() as session:
-        for base in bases:
-            async with session.get(base + "/metrics") as response:
-                text = await response.text()
-            total += rq._scalar_metrics(text).get("caravan_router_kv_events_total", 0.0)  # noqa: SLF001
-    return total
+PREFIX_SOURCE = re.compile(r'"prefix_source": ?"(\w+)"')
+
+
+def prefix_sources(log: Path) -> dict[str, int]:
+    """A router process's `prefix_source` counts, from its request lines (log level info)."""
+    counts: dict[str, int] = {}
+    for match in PREFIX_SOURCE.finditer(log.read_text(errors="replace")):
+        counts[match.group(1)] = counts.get(match.group(1), 0) + 1
+    return counts
 
 
 async def run_cell(
@@ -587,11 +725,13 @@ async def run_cell(
     trace: list[rq.TraceRequest],
     *,
     consul_addr: str,
+    nomad_addr: str,
     placed: Placed,
     fleet: rq.Fleet,
     vllm_router: str | None,
     system_tokens: list[int],
     seed: int,
+    tokenizer_dir: str | None,
 ) -> None:
     python = sys.executable
     bases = [f"http://127.0.0.1:{port}" for port in placed.engine_ports]
@@ -607,14 +747,15 @@ async def run_cell(
             "--ipc", ipc, "--seed", str(seed), "--kv-blocks", str(fleet.kv_blocks),
             "--consul", consul_addr,
         ]  # fmt: skip
+        if tokenizer_dir:
+            command += ["--tokenizer", tokenizer_dir]
+        oracle_port = rq.free_ports(1)[0]
         if kind == "oracle":
-            command.append("--oracle")
-        engines, match = stack.enter_context(
-            started(command, r"oracle router on (\S+)" if kind == "oracle" else "engines ready")
-        )
+            command += ["--oracle-port", str(oracle_port)]
+        engines, _ = stack.enter_context(started(command, "engines ready"))
         processes = {"engines": engines.process.pid}
         relays = None
-        if kind == "precise":
+        if kind.startswith("precise"):
             relays, _ = stack.enter_context(
                 started(
                     [
@@ -627,18 +768,46 @@ async def run_cell(
             processes["relays"] = relays.process.pid
         await rq.engines_passing(consul_addr, len(bases))
         router_bases: list[str] = []
+        router_logs: list[Path] = []
         if kind == "rr":
             urls = [base + "/v1/chat/completions" for base in bases]
         elif kind == "oracle":
-            router_bases = [match.group(1)]
-        elif kind in ("approx", "precise"):
+            assert tokenizer_dir is not None
+            argv = [python, __file__, "router", "--consul", consul_addr]
+            argv += ["--tokenizer", tokenizer_dir, "--oracle", f"http://127.0.0.1:{oracle_port}"]
+            proc, found = stack.enter_context(started(argv, r"router on (\S+)"))
+            processes["router0"] = proc.process.pid
+            router_bases = [found.group(1)]
+        elif kind in ("approx", "precise", "precise-wait"):
             for n in range(routers):
-                argv = [python, __file__, "router", "--consul", consul_addr]
-                if kind == "precise":
-                    argv.append("--precise")
-                proc, found = stack.enter_context(started(argv, r"router on (\S+)"))
+                if tokenizer_dir:
+                    # The router process as deployed: its own tokenizers, from the profile.
+                    argv = [python, "-m", "caravan_llm.router"]
+                    pattern = r"listening on (http://[\d.]+:\d+)"
+                else:
+                    argv = [python, __file__, "router", "--consul", consul_addr]
+                    argv += ["--precise"] if kind.startswith("precise") else []
+                    pattern = r"router on (\S+)"
+                env = {
+                    **os.environ,
+                    "PYTHONPATH": str(REPO),
+                    "CONSUL_HTTP_ADDR": consul_addr,
+                    "NOMAD_ADDR": nomad_addr,
+                    "CARAVAN_ROUTER_PORT": "0",
+                    "CARAVAN_ROUTER_REGISTER_SERVICE": "false",
+                    "CARAVAN_ROUTER_KV_EVENTS": "true" if kind.startswith("precise") else "false",
+                    # precise-wait: long enough for every prompt's tokens on this machine.
+                    "CARAVAN_ROUTER_EXACT_PREFIX_BUDGET_MS": "50"
+                    if kind == "precise-wait"
+                    else "1.5",
+                    # Info: the request lines, whose prefix_source is counted.
+                    "CARAVAN_ROUTER_LOG_LEVEL": "info",
+                }
+                proc, found = stack.enter_context(started(argv, pattern, env=env))
                 processes[f"router{n}"] = proc.process.pid
                 router_bases.append(found.group(1))
+                if tokenizer_dir:
+                    router_logs.append(proc.log)
         else:
             assert vllm_router is not None
             port = rq.free_ports(1)[0]
@@ -654,8 +823,8 @@ async def run_cell(
         if router_bases:
             for base in router_bases:
                 await rq.http_ok(base + "/health")
-            if kind == "precise":
-                await kv_states_live(router_bases, len(bases))
+            if kind.startswith("precise"):
+                await kv_streams_live(router_bases, len(bases))
             await asyncio.sleep(1.2)  # one engine scrape, for the cost model
             urls = [base + "/v1/chat/completions" for base in router_bases]
         cpu_before = {name: cpu_seconds(pid) for name, pid in processes.items()}
@@ -666,13 +835,23 @@ async def run_cell(
         }
         if router_bases:
             sources: dict[str, int] = {}
-            for base in router_bases:
-                stats = await get_json(base + "/bench/stats")
-                for source, count in stats["prefix_source"].items():
+            counted = (
+                [prefix_sources(log) for log in router_logs]
+                if router_logs
+                else [(await get_json(b + "/bench/stats"))["prefix_source"] for b in router_bases]
+            )
+            for counts in counted:
+                for source, count in counts.items():
                     sources[source] = sources.get(source, 0) + count
             total = sum(sources.values())
             cell.events_share = sources.get("events", 0) / total if total else None
-            cell.kv_events = await router_events(router_bases) if kind == "precise" else None
+            figures = await router_figures(router_bases)
+            cell.kv_events = figures.get("kv_events") if kind.startswith("precise") else None
+            cell.exact_prompts = {
+                k.removeprefix("exact_prompts_"): v
+                for k, v in figures.items()
+                if k.startswith("exact_prompts_")
+            }
     cell.peak_engine_busy = peak
     cell.hit_rate = hits / queries if queries else math.nan
     cell.kv_blocks = fleet.kv_blocks
@@ -692,19 +871,20 @@ def print_cells(cells: list[PrefixCell], fleet: rq.Fleet, working_set: int) -> N
     )
     header = (
         "| target | rep | requests | errors | TTFT p50 ms | p90 | p99 | fleet hit rate "
-        "| prefix missed | history cached | prefix from events | KV deltas applied "
-        "| CPU s (process: s) |"
+        "| prefix missed | history cached | prefix from events | exact prompts "
+        "| KV deltas applied | CPU s |"
     )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for c in cells:
         cpu = ", ".join(f"{k} {v:.1f}" for k, v in c.cpu_s.items())
+        exact = ", ".join(f"{k} {v:.0f}" for k, v in sorted(c.exact_prompts.items()) if v) or "-"
         print(
             f"| {c.target} | {c.rep} | {c.requests} | {c.errors} | "
             f"{rq._fmt(c.ttft_ms.get('p50'))} | {rq._fmt(c.ttft_ms.get('p90'))} | "  # noqa: SLF001
             f"{rq._fmt(c.ttft_ms.get('p99'))} | {rq._fmt(c.hit_rate, 3)} | "  # noqa: SLF001
             f"{rq._fmt(c.prefix_missed, 3)} | {rq._fmt(c.history_cached, 3)} | "  # noqa: SLF001
-            f"{rq._fmt(c.events_share, 3)} | {rq._fmt(c.kv_events)} | {cpu} |"  # noqa: SLF001
+            f"{rq._fmt(c.events_share, 3)} | {exact} | {rq._fmt(c.kv_events)} | {cpu} |"  # noqa: SLF001
         )
 
 
@@ -712,13 +892,12 @@ def print_acceptance(cells: list[PrefixCell]) -> None:
     by_rep: dict[int, dict[str, PrefixCell]] = {}
     for c in cells:
         by_rep.setdefault(c.rep, {})[c.target] = c
-    print("\nAcceptance (issue 24), per repetition:\n")
+    print("\nAcceptance (issue 24), per repetition and precise variant:\n")
     print(
-        "| rep | hit rate precise / approx | precise / oracle | precise / best vllm-router "
-        "| precise / rr | x3: p50 precise / approx | x3: p99 precise / approx "
-        "| history cached (precise) | p50 precise / rr |"
+        "| rep | precise | hit rate / approx | / oracle | / best vllm-router | / rr "
+        "| x3: TTFT p50 / approx-x3 | x3: p99 / approx-x3 | history cached | TTFT p50 / rr |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for rep, group in sorted(by_rep.items()):
 
         def hit(target: str, group: dict[str, PrefixCell] = group) -> float | None:
@@ -730,19 +909,23 @@ def print_acceptance(cells: list[PrefixCell]) -> None:
             return None if cell is None else cell.ttft_ms.get(q)
 
         peers = [h for h in (hit("vllm-router-cache_aware"), hit("vllm-router-power_of_two")) if h]
-        precise = group.get("precise")
-        row = [
-            str(rep),
-            rq._ratio(hit("precise"), hit("approx")),  # noqa: SLF001
-            rq._ratio(hit("precise"), hit("oracle")),  # noqa: SLF001
-            rq._ratio(hit("precise"), max(peers) if peers else None),  # noqa: SLF001
-            rq._ratio(hit("precise"), hit("rr")),  # noqa: SLF001
-            rq._ratio(ttft("precise-x3", "p50"), ttft("approx-x3", "p50")),  # noqa: SLF001
-            rq._ratio(ttft("precise-x3", "p99"), ttft("approx-x3", "p99")),  # noqa: SLF001
-            rq._fmt(None if precise is None else precise.history_cached, 3),  # noqa: SLF001
-            rq._ratio(ttft("precise", "p50"), ttft("rr", "p50")),  # noqa: SLF001
-        ]
-        print("| " + " | ".join(row) + " |")
+        for variant in ("precise", "precise-wait"):
+            mine = group.get(variant)
+            if mine is None and group.get(variant + "-x3") is None:
+                continue
+            row = [
+                str(rep),
+                variant,
+                rq._ratio(hit(variant), hit("approx")),  # noqa: SLF001
+                rq._ratio(hit(variant), hit("oracle")),  # noqa: SLF001
+                rq._ratio(hit(variant), max(peers) if peers else None),  # noqa: SLF001
+                rq._ratio(hit(variant), hit("rr")),  # noqa: SLF001
+                rq._ratio(ttft(variant + "-x3", "p50"), ttft("approx-x3", "p50")),  # noqa: SLF001
+                rq._ratio(ttft(variant + "-x3", "p99"), ttft("approx-x3", "p99")),  # noqa: SLF001
+                rq._fmt(None if mine is None else mine.history_cached, 3),  # noqa: SLF001
+                rq._ratio(ttft(variant, "p50"), ttft("rr", "p50")),  # noqa: SLF001
+            ]
+            print("| " + " | ".join(row) + " |")
 
 
 # -- orchestration --------------------------------------------------------------------------
@@ -763,6 +946,22 @@ def orchestrate(args: argparse.Namespace) -> int:
         if skipped:
             print(f"vllm-router not installed: {skipped} skipped")
         targets = [t for t in targets if not t.startswith("vllm-router-")]
+    if args.tokenizer == "sim" and "oracle" in targets:
+        # The engines hash the regex tokenizer's token texts: per process, unknowable outside.
+        print("the oracle needs --tokenizer tiny: skipped")
+        targets = [t for t in targets if t != "oracle"]
+    tokenizer_dir: str | None = None
+    scratch = tempfile.TemporaryDirectory(prefix="kvb-tok")
+    if args.tokenizer == "tiny":
+        from caravan_llm.devcluster.tiny_tokenizer import write_tokenizer  # noqa: PLC0415
+
+        write_tokenizer(Path(scratch.name))
+        tokenizer_dir = scratch.name
+    # The trace's token counts (load calibration, working set, history cached) in the
+    # engines' tokens: routing_quality's helpers read these two module functions.
+    tokens = EngineTokens(tokenizer_dir)
+    rq._tokens = tokens.count  # noqa: SLF001
+    rq._prompt_tokens = lambda r: tokens.engine_tokens(r.messages)  # noqa: SLF001
     probe = rq.Fleet(engines=ENGINES)
     trace, duration = rq.cell_trace(
         args.workload, args.load, args.seed, args.duration, min_requests=0, fleet=probe
@@ -772,7 +971,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     print(
         f"{args.workload}/{args.load}: {len(trace)} requests over {duration:.0f} s; working set "
         f"{working_set} blocks; KV per engine {fleet.kv_blocks} blocks; "
-        f"{args.reps} repetition(s) of {len(targets)} targets",
+        f"{args.reps} repetition(s) of {len(targets)} targets; tokenizer {args.tokenizer}",
         flush=True,
     )
     system_tokens = [
@@ -781,12 +980,27 @@ def orchestrate(args: argparse.Namespace) -> int:
     ]
     cells: list[PrefixCell] = []
     began = time.monotonic()
-    with started(
-        [sys.executable, "-m", "caravan_llm.devcluster", "--consul-port", "0", "--dns-port", "0"],
-        r"CONSUL_HTTP_ADDR=([\d.:]+)",
-    ) as (_, consul):
-        consul_addr = consul.group(1)
-        placed = asyncio.run(place_fleet(consul_addr, fleet))
+    with (
+        started(
+            [
+                sys.executable,
+                "-m",
+                "caravan_llm.devcluster",
+                "--consul-port",
+                "0",
+                "--dns-port",
+                "0",
+                "--nomad-port",
+                "0",
+                "--nodes",
+                "0",
+            ],
+            r"CONSUL_HTTP_ADDR=([\d.:]+)[\s\S]*?NOMAD_ADDR=(\S+)",
+        ) as (_, found),
+        scratch,
+    ):
+        consul_addr, nomad_addr = found.group(1), found.group(2)
+        placed = asyncio.run(place_fleet(consul_addr, nomad_addr, fleet, tokenizer_dir))
         for rep in range(args.reps):
             order = targets[rep % len(targets) :] + targets[: rep % len(targets)]
             for target in order:
@@ -794,8 +1008,9 @@ def orchestrate(args: argparse.Namespace) -> int:
                 cell_began = time.monotonic()
                 asyncio.run(
                     run_cell(
-                        cell, trace, consul_addr=consul_addr, placed=placed, fleet=fleet,
-                        vllm_router=vllm_router, system_tokens=system_tokens, seed=args.seed,
+                        cell, trace, consul_addr=consul_addr, nomad_addr=nomad_addr,
+                        placed=placed, fleet=fleet, vllm_router=vllm_router,
+                        system_tokens=system_tokens, seed=args.seed, tokenizer_dir=tokenizer_dir,
                     )
                 )  # fmt: skip
                 cell.wall_s = time.monotonic() - cell_began
@@ -826,19 +1041,30 @@ def main() -> int:
     engines.add_argument("--seed", type=int, default=0)
     engines.add_argument("--kv-blocks", type=int, required=True)
     engines.add_argument("--consul", required=True)
-    engines.add_argument("--oracle", action="store_true")
+    engines.add_argument("--oracle-port", type=int, default=0)
+    engines.add_argument("--tokenizer", default=None)
     relays = sub.add_parser("relays", help="(internal) one KV relay per engine")
     relays.add_argument("--ports", required=True)
     relays.add_argument("--ipc", required=True)
     router = sub.add_parser("router", help="(internal) a caravan router")
     router.add_argument("--consul", required=True)
     router.add_argument("--precise", action="store_true")
+    router.add_argument("--tokenizer", default=None)
+    router.add_argument("--oracle", default="", help="the engines' oracle service URL")
     parser.add_argument("--targets", default=",".join(TARGETS))
     parser.add_argument("--workload", default="shared", choices=rq.WORKLOADS)
     parser.add_argument("--load", default="near", choices=tuple(rq.LOADS))
     parser.add_argument("--duration", type=float, default=12.0, help="seconds of arrivals")
     parser.add_argument(
         "--cache-share", type=float, default=0.25, help="each engine's KV / the working set"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default="tiny",
+        choices=("tiny", "sim"),
+        help="tiny: the engines and the router processes use the tiny models' HF tokenizer "
+        "(the router as deployed); sim: the simulator's regex tokenizer, routers launched "
+        "here with a mirror of it (no tokenizing budget)",
     )
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1)
