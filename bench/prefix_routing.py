@@ -91,7 +91,11 @@ TARGETS = (
     "approx-x3",
     "precise-x3",
     "precise-wait-x3",
+    # Offline only: precise routing without the in-flight blocks (events alone).
+    "precise-events-only",
+    "precise-events-only-x3",
 )
+OFFLINE_ONLY = ("precise-events-only", "precise-events-only-x3")
 
 
 # -- the fleet and its working set ----------------------------------------------------------
@@ -859,6 +863,337 @@ async def run_cell(
     rq.summarise(cell, trace, outcomes, system_tokens, fleet.block_size)
 
 
+# -- offline: the same comparison on a virtual clock ----------------------------------------
+
+
+def offline_cell(
+    cell: PrefixCell,
+    trace: list[rq.TraceRequest],
+    fleet: rq.Fleet,
+    system_tokens: list[int],
+    *,
+    lag_s: float,
+    tokens_of: EngineTokens,
+) -> None:
+    """Replay the trace on a virtual clock: the engines' batch core and relays, the routers' core.
+
+    As `routing_quality --offline` (exact, the same on every machine; no wire,
+    no admission queue, no tokenizing time), with the KV-event path: each
+    engine step's cache events go through the relay's own state
+    (`RelayState`: digests from the events' token ids) and reach every
+    router's `KvIndex` `lag_s` later; a router holds its requests' blocks in
+    flight (`hold`/`release`) as the admission gate does. `oracle` reads
+    each engine's cache and queues directly at decision time. `-x3` targets
+    run three routers, each with its own live state, picker memory, exact
+    index and scrape, the requests dealt to them in turn.
+    """
+    import heapq  # noqa: PLC0415
+
+    from caravan_llm.common.block_digest import DigestKey  # noqa: PLC0415
+    from caravan_llm.common.consul_api import HealthEntry  # noqa: PLC0415
+    from caravan_llm.common.contract import encode_prefill_rate  # noqa: PLC0415
+    from caravan_llm.common.engine_metrics import EngineLoad  # noqa: PLC0415
+    from caravan_llm.devcluster.engine.batch import (  # noqa: PLC0415
+        BatchCore,
+        BlockEvicted,
+        BlocksStored,
+        PerfModel,
+        SequenceSpec,
+        prompt_block_hashes,
+    )
+    from caravan_llm.kvrelay.state import (  # noqa: PLC0415
+        ClearedAll,
+        RelayState,
+        RemovedBlocks,
+        StoredBlocks,
+    )
+    from caravan_llm.router.core.balancer import (  # noqa: PLC0415
+        BalancerConfig,
+        Picked,
+        PickerMemory,
+        Policy,
+        RequestFeatures,
+        pick,
+    )
+    from caravan_llm.router.core.breaker import BreakerPolicy  # noqa: PLC0415
+    from caravan_llm.router.core.cost_model import (  # noqa: PLC0415
+        CacheFigures,
+        begin_prefill,
+        end_prefill,
+        peer_rate_of,
+        record_cache_figures,
+    )
+    from caravan_llm.router.core.endpoints import snapshot_from_health  # noqa: PLC0415
+    from caravan_llm.router.core.kv_index import KvIndex  # noqa: PLC0415
+    from caravan_llm.router.core.live_state import Outcome as RouterOutcome  # noqa: PLC0415
+    from caravan_llm.router.core.live_state import (  # noqa: PLC0415
+        finish_request,
+        own_counts,
+        reconcile_live_state,
+        record_load,
+        start_request,
+    )
+    from caravan_llm.router.core.prefix_index import prompt_shape  # noqa: PLC0415
+    from caravan_llm.router.core.prompt_digests import (  # noqa: PLC0415
+        endpoint_digests,
+        events_cached,
+        exact_prompt,
+    )
+
+    kind = cell.target.removesuffix("-x3")
+    routers = 3 if cell.target.endswith("-x3") else 1
+    block = fleet.block_size
+    perf = PerfModel(
+        max_num_seqs=fleet.max_num_seqs,
+        kv_cache_tokens=fleet.kv_blocks * block,
+        block_size=block,
+        max_batched_tokens=fleet.chunk_tokens,
+        step_seconds=fleet.step_s,
+        decode_seconds_per_seq=fleet.decode_s_per_seq,
+        prefill_seconds_per_token=fleet.prefill_s_per_token,
+    )
+    cores = [BatchCore(perf, record_cache_events=True) for _ in range(fleet.engines)]
+    key = DigestKey.from_secret(KEY)
+    relays = [RelayState(epoch=i + 1, block_size=block, key=key) for i in range(fleet.engines)]
+    relay_seq = [0] * fleet.engines
+    ids = [f"{SERVICE}-{replica}" for replica in range(fleet.engines)]
+    entries = [
+        HealthEntry.from_api({
+            "Node": {"Node": "bench", "Address": "127.0.0.1"},
+            "Service": {
+                "ID": service_id, "Service": SERVICE, "Tags": ["caravan"],
+                "Address": "127.0.0.1", "Port": 20000 + replica,
+                "Meta": {
+                    "caravan_model": MODEL, "served_models": MODEL, "engine": "vllm",
+                    "replica": str(replica), "capacity": str(fleet.max_num_seqs),
+                    "metrics_path": "/metrics",
+                    **encode_prefill_rate(fleet.declared_prefill_tokens_per_s),
+                },
+            },
+            "Checks": [],
+        })
+        for replica, service_id in enumerate(ids)
+    ]  # fmt: skip
+    snapshot, _ = snapshot_from_health({SERVICE: entries}, 1)
+    by_id = {e: dataclasses.replace(x, kv_port=30000) for e, x in snapshot.by_id.items()}
+    models = {
+        name: dataclasses.replace(m, endpoints=tuple(by_id[e.id] for e in m.endpoints))
+        for name, m in snapshot.models.items()
+    }
+    snapshot = dataclasses.replace(snapshot, by_id=by_id, models=models)
+    config = BalancerConfig()
+    breaker = BreakerPolicy()
+    policy = Policy.PREDICTED_TTFT
+    engine_hash: dict[int, int] = {}
+
+    class Oracle:
+        """The engines' own state at decision time (what no router can see)."""
+
+        def block_size(self, replica: str) -> int | None:
+            del replica
+            return block
+
+        def cached_blocks(
+            self, replica: str, digests: Sequence[Any], *, block_size: int, now: float
+        ) -> int | None:
+            del block_size, now
+            hashes = []
+            for digest in digests:
+                if digest not in engine_hash:
+                    break
+                hashes.append(engine_hash[digest])
+            return engine_holds(cores[ids.index(replica)], hashes)
+
+    @dataclass
+    class Router:
+        live: Any
+        memory: Any
+        kv: Any
+
+    fleet_routers = []
+    for n in range(routers):
+        kv = KvIndex(stale_after_s=1e9)
+        for i, replica in enumerate(ids):
+            kv.apply_snapshot(replica, relays[i].snapshot(), 0.0)
+        fleet_routers.append(
+            Router(reconcile_live_state({}, snapshot), PickerMemory(rng=random.Random(n)), kv)
+        )
+
+    events: list[tuple[float, int, str, Any]] = []
+    sequence = 0
+
+    def push(at: float, what: str, data: Any) -> None:
+        nonlocal sequence
+        sequence += 1
+        heapq.heappush(events, (at, sequence, what, data))
+
+    for number, request in enumerate(trace):
+        push(request.at, "arrive", number)
+    for n in range(routers):
+        push(n / routers, "scrape", n)
+    push(0.0, "sample", None)
+    plans: list[Any] = [None] * fleet.engines
+    outcomes = [rq.Outcome(ok=False) for _ in trace]
+    started_at = [0.0] * len(trace)
+    owners: dict[str, tuple[int, int, Any, Any, Router | None, tuple[Any, ...]]] = {}
+    cursor = 0
+    peak = 0
+    exact_used = 0
+    routed = 0
+
+    def step(engine: int, now: float) -> None:
+        if plans[engine] is None:
+            plans[engine] = cores[engine].schedule(now)
+            if plans[engine] is not None:
+                push(now + plans[engine].duration, "step", engine)
+
+    def relay_step(engine: int, cache_events: Sequence[Any], now: float) -> None:
+        mapped: list[Any] = []
+        for event in cache_events:
+            if isinstance(event, BlocksStored):
+                mapped.append(
+                    StoredBlocks(
+                        event.block_hashes, event.parent_block_hash, event.token_ids, block
+                    )
+                )
+            elif isinstance(event, BlockEvicted):
+                mapped.append(RemovedBlocks((event.block_hash,)))
+            else:
+                mapped.append(ClearedAll())
+        applied = relays[engine].apply(relay_seq[engine], mapped)
+        relay_seq[engine] += 1
+        if applied.delta is not None:
+            push(now + lag_s, "delta", (engine, applied.delta))
+
+    while events:
+        now, _, what, data = heapq.heappop(events)
+        if what == "arrive":
+            request = trace[data]
+            tokens = rq._prompt_tokens(request)  # noqa: SLF001
+            token_ids = tokens_of.ids(tokens)
+            prefill = None
+            lease = None
+            router: Router | None = None
+            held: tuple[Any, ...] = ()
+            if kind == "rr":
+                engine = cursor % fleet.engines
+                cursor += 1
+            else:
+                router = fleet_routers[cursor % routers]
+                cursor += 1
+                messages = [{"role": role, "content": text} for role, text in request.messages]
+                shape = prompt_shape({"messages": messages}, config.cost.shape)
+                exact = None
+                view: Any = None
+                if kind != "approx":
+                    exact = exact_prompt(token_ids, keys={SERVICE: key}, kinds=[(SERVICE, block)])
+                    view = router.kv if kind.startswith("precise") else Oracle()
+                    if kind == "oracle":
+                        engine_hash.update(
+                            zip(
+                                exact.digests[SERVICE, block],
+                                prompt_block_hashes(tokens, block),
+                                strict=False,
+                            )
+                        )
+                features = RequestFeatures(model=MODEL, prompt=shape, exact=exact)
+                result = pick(
+                    snapshot, router.live, features, policy, now,
+                    config=config, memory=router.memory, kv=view,
+                )  # fmt: skip
+                if isinstance(result, Picked):
+                    endpoint = result.endpoint
+                else:  # every engine full: the real router would queue it
+                    busy = [c.stats().running + c.stats().waiting for c in cores]
+                    endpoint = snapshot.by_id[ids[busy.index(min(busy))]]
+                engine = ids.index(endpoint.id)
+                lease = start_request(router.live, endpoint.id, breaker, now)
+                events_now = None if view is None else events_cached(view, endpoint, exact, now)
+                routed += 1
+                exact_used += events_now is not None
+                if shape is not None:
+                    prefill = begin_prefill(
+                        router.live, endpoint, shape, now, config.cost,
+                        max_age_s=config.load_max_age_s,
+                        peer=peer_rate_of(snapshot, router.live, MODEL), events=events_now,
+                    )  # fmt: skip
+                if kind in ("precise", "precise-wait"):
+                    held = endpoint_digests(router.kv, endpoint, exact)
+                    router.kv.hold(endpoint.id, held)
+            started_at[data] = now
+            request_id = str(data)
+            owners[request_id] = (data, engine, prefill, lease, router, held)
+            cores[engine].submit(
+                SequenceSpec(
+                    request_id=request_id,
+                    prompt_len=len(tokens),
+                    block_hashes=prompt_block_hashes(tokens, block),
+                    output_len=fleet.output_tokens,
+                    prompt_token_ids=tuple(token_ids),
+                ),
+                now,
+            )
+            step(engine, now)
+        elif what == "step":
+            plan = plans[data]
+            plans[data] = None
+            done = cores[data].complete(plan, now)
+            if done.cache_events:
+                relay_step(data, done.cache_events, now)
+            for first in done.first_tokens:
+                number, _, prefill, _, router, _ = owners[first.request_id]
+                outcomes[number].ttft_s = now - started_at[number]
+                outcomes[number].prompt_tokens = first.prompt_len
+                outcomes[number].cached_tokens = first.cached_tokens
+                if prefill is not None and router is not None:
+                    end_prefill(router.live, prefill, now, config.cost, first_token=True)
+            for finished in done.finished:
+                number, engine, _, lease, router, held = owners.pop(finished.request_id)
+                outcomes[number].ok = True
+                outcomes[number].e2e_s = now - started_at[number]
+                outcomes[number].done_at = now
+                if router is not None and lease is not None:
+                    finish_request(router.live, lease, RouterOutcome.SUCCESS, breaker, now)
+                    if held:
+                        router.kv.release(ids[engine], held)
+            step(data, now)
+        elif what == "delta":
+            engine, delta = data
+            for router in fleet_routers:
+                router.kv.apply_delta(ids[engine], delta, now)
+        elif what == "scrape":
+            router = fleet_routers[data]
+            for engine, core in enumerate(cores):
+                stats = core.stats()
+                load = EngineLoad(
+                    running=float(stats.running),
+                    waiting=float(stats.waiting),
+                    kv_cache_usage=stats.kv_cache_usage,
+                )
+                own = own_counts(router.live, ids[engine])
+                record_load(router.live, ids[engine], load, now, own_before=own)
+                figures = CacheFigures(
+                    kv_cache_tokens=perf.kv_cache_tokens,
+                    prefix_queries=float(stats.prefix_queries_tokens),
+                    prefix_hits=float(stats.prefix_hits_tokens),
+                )
+                record_cache_figures(router.live, ids[engine], figures, config.cost)
+            if owners or any(e[2] == "arrive" for e in events):
+                push(now + 1.0, "scrape", data)
+        elif what == "sample":
+            peak = max([peak, *(c.stats().running + c.stats().waiting for c in cores)])
+            if owners or any(e[2] == "arrive" for e in events):
+                push(now + 0.5, "sample", None)
+    hits = sum(core.stats().prefix_hits_tokens for core in cores)
+    queries = sum(core.stats().prefix_queries_tokens for core in cores)
+    cell.peak_engine_busy = peak
+    cell.hit_rate = hits / queries if queries else math.nan
+    cell.kv_blocks = fleet.kv_blocks
+    cell.routers = routers if kind != "rr" else 0
+    cell.events_share = exact_used / routed if routed and kind != "approx" else None
+    rq.summarise(cell, trace, outcomes, system_tokens, block)
+
+
 # -- tables ---------------------------------------------------------------------------------
 
 
@@ -946,6 +1281,9 @@ def orchestrate(args: argparse.Namespace) -> int:
         if skipped:
             print(f"vllm-router not installed: {skipped} skipped")
         targets = [t for t in targets if not t.startswith("vllm-router-")]
+    if not args.offline and any(t in OFFLINE_ONLY for t in targets):
+        print(f"offline only: {list(OFFLINE_ONLY)} skipped")
+        targets = [t for t in targets if t not in OFFLINE_ONLY]
     if args.tokenizer == "sim" and "oracle" in targets:
         # The engines hash the regex tokenizer's token texts: per process, unknowable outside.
         print("the oracle needs --tokenizer tiny: skipped")
@@ -980,6 +1318,23 @@ def orchestrate(args: argparse.Namespace) -> int:
     ]
     cells: list[PrefixCell] = []
     began = time.monotonic()
+    if args.offline:
+        for target in (t for t in targets if not t.startswith("vllm-router-")):
+            cell = PrefixCell(args.workload, args.load, target, 0, duration_s=duration)
+            offline_cell(
+                cell, trace, fleet, system_tokens, lag_s=args.lag_ms / 1e3, tokens_of=tokens
+            )
+            cells.append(cell)
+            print(
+                f"  {target}: TTFT p50 {cell.ttft_ms['p50']:.0f} ms, "
+                f"p99 {cell.ttft_ms['p99']:.0f} ms, hit rate {cell.hit_rate:.3f}, "
+                f"history {rq._fmt(cell.history_cached, 3)}",  # noqa: SLF001
+                flush=True,
+            )
+        scratch.cleanup()
+        print_cells(cells, fleet, working_set)
+        print_acceptance(cells)
+        return 0
     with (
         started(
             [
@@ -1070,6 +1425,14 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default="", help="write every cell as JSON here (as it goes)")
     parser.add_argument("--quick", action="store_true", help="6 s of arrivals")
+    parser.add_argument(
+        "--offline",
+        action="store_true",
+        help="replay on a virtual clock (batch cores, relay states, routers' core): exact",
+    )
+    parser.add_argument(
+        "--lag-ms", type=float, default=20.0, help="offline: engine step to router KvIndex"
+    )
     args = parser.parse_args()
     if args.command == "engines":
         run_engines(args)
