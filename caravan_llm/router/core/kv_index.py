@@ -52,6 +52,7 @@ Pure: no clock (`now` is a parameter), no I/O. Not thread-safe (one loop).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import takewhile
 from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
@@ -301,16 +302,14 @@ class KvIndex:
         if stream is None or stream.block_size != block_size or self.state(replica, now) != "live":
             return None
         held = stream.digests
-        count = 0
+        # The blocks the events report, walked in C (a third of a Python loop's time).
+        count = len(list(takewhile(held.__contains__, digests)))
         flying = self._in_flight.get(replica)
         if flying is None:
-            for digest in digests:
-                if digest not in held:
-                    break
-                count += 1
             return count
-        for digest in digests:
-            if digest not in held and digest not in flying:
+        # Then those of this router's requests in flight there (usually the tail).
+        for digest in digests[count:]:
+            if digest not in flying and digest not in held:
                 break
             count += 1
         return count
