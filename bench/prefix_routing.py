@@ -1,16 +1,22 @@
 """Precise prefix routing (issue 24) against the approximate index, an oracle and the baselines.
 
-    .venv/bin/python bench/prefix_routing.py --quick        # short cells, one repetition
-    .venv/bin/python bench/prefix_routing.py --reps 2 --out prefix.json   # the recorded run
+    .venv/bin/python bench/prefix_routing.py --offline      # exact, on a virtual clock (~3 min)
+    .venv/bin/python bench/prefix_routing.py --out prefix.json   # live processes (~8 min)
+    .venv/bin/python bench/prefix_routing.py --quick --targets approx,precise-wait,oracle
 
 Extends `bench/routing_quality.py` (its traces, load generator, fleet and
-summaries) with the KV-event path. A fleet of simulated vLLM engines (one
-process) publishes KV events on ipc:// sockets; a relays process runs one
-KV relay (`caravan_llm.kvrelay`) per engine on loopback; the engines are
-registered in devcluster's Consul as Nomad would, and placed (profile and
-`placements/<model>` with each relay's `kv_port`) as the scheduler would,
-so routers verify them and read their digest streams with the engine key
-(from a stand-in Nomad Variables reader).
+summaries) with the KV-event path (docs/benchmarks.md, "Precise prefix
+routing"). A fleet of 8 simulated vLLM engines (one process) publishes KV
+events on ipc:// sockets; a relays process runs one KV relay
+(`caravan_llm.kvrelay`) per engine on loopback; the engines are registered
+in devcluster's Consul as Nomad would, and placed (profile with the model's
+tokenizer, `placements/<model>` with each relay's `kv_port`, the engine key
+in devcluster's Nomad Variables) as the scheduler would, so routers verify
+them, read their digest streams with the engine key and load the tokenizer.
+With `--tokenizer tiny` (default) engines and routers use the tiny models'
+HF tokenizer and the routers are `python -m caravan_llm.router` as deployed;
+`--tokenizer sim` keeps the simulator's regex tokenizer and launches routers
+here with a mirror of it.
 
 Targets, every one on the same trace, interleaved and rotated per repetition:
 
@@ -18,29 +24,26 @@ Targets, every one on the same trace, interleaved and rotated per repetition:
 - `vllm-router-cache_aware`, `vllm-router-power_of_two`: vllm-router 0.1.17;
 - `approx`: caravan's router (default policy, `predicted_ttft`) with the
   exact index off (`KV_EVENTS=false`): the approximate index only;
-- `precise`: the same router reading every replica's relay stream, with
-  the requests' token ids from a tokenizer that mirrors the simulated
-  engine's (its ChatML rendering, tokens and ids: what the router's
-  tokenizers give for a real model);
-- `oracle`: the same router, run inside the engines' process, whose exact
-  index is replaced by each engine's actual cache at decision time
-  (`BlockPool.cached_prefix` over the engine's own block hashes): what
-  precise routing would do with no event lag and no stale state;
-- `approx-x3`, `precise-x3`: three routers of that kind, the client
-  spreading requests round robin over them (each sees a third of the
-  traffic; the exact index's routers all read every relay).
+- `precise`: the same router reading every replica's relay stream, every
+  setting at its default (`EXACT_PREFIX_BUDGET_MS` 1.5);
+- `precise-wait`: the same with a 50 ms budget (every prompt's digests);
+- `oracle`: the same router whose exact index is, per request, a reading of
+  every engine's actual state just before the pick (its prefix cache and the
+  prompts it is running or queueing, `engine_holds`);
+- `-x3`: three routers of that kind, the client dealing requests in turn;
+- `precise-events-only[-x3]` (offline only): the events without the
+  router's own requests in flight (`KvIndex.hold`).
 
 Reported per cell: routing_quality's TTFT percentiles, fleet prefix-cache
 hit rate (the engines' `vllm:prefix_cache_hits/queries`), prefix missed,
-history cached; and for caravan's routers the requests whose prefix came
-from events, the KV events the routers applied, and the CPU seconds each
-process (engines, relays, routers) used.
+history cached; for caravan's routers the requests whose prefix came from
+events (`prefix_source`), `caravan_router_exact_prompts_total` by outcome,
+the KV deltas applied, and the CPU seconds of each process.
 
-The fleet: 8 engines of routing_quality's kind; each engine's KV cache is a
-quarter of the trace's working set (the peak, over the trace, of the
-distinct full blocks of the prompts of conversations under way, their
-system prompts included), so that no engine can hold everything and
-placement decides what stays cached.
+Each engine's KV cache is a quarter of the trace's working set (the peak,
+over the trace, of the distinct full blocks of the prompts of conversations
+under way, their system prompts included), so no engine can hold everything
+and placement decides what stays cached.
 """
 
 from __future__ import annotations
