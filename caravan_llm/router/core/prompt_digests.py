@@ -89,6 +89,22 @@ def exact_prompt(
     return ExactPrompt(tokens=len(token_ids), digests=MappingProxyType(digests))
 
 
+def endpoint_digests(
+    kv: CachedBlocksView, endpoint: Endpoint, prompt: ExactPrompt | None
+) -> tuple[BlockDigest, ...]:
+    """The prompt's digests as the endpoint's relay names blocks; () when it has none.
+
+    None of them without an exact prompt, a relay (`kv_port`), a stream that
+    said its block size, or digests computed in that size.
+    """
+    if prompt is None or endpoint.kv_port is None:
+        return ()
+    block_size = kv.block_size(endpoint.id)
+    if block_size is None:
+        return ()
+    return prompt.digests.get((endpoint.service, block_size), ())
+
+
 def events_cached(
     kv: CachedBlocksView, endpoint: Endpoint, prompt: ExactPrompt | None, now: float
 ) -> EventsCached | None:

@@ -57,6 +57,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol, assert_never
 
+from caravan_llm.common.block_digest import BlockDigest
 from caravan_llm.common.contract import DemandRecord, KVLayout, encode_demand
 from caravan_llm.common.errors import HashiError
 from caravan_llm.router.core.adapters import AdapterWant
@@ -99,7 +100,7 @@ from caravan_llm.router.core.errors import (
     RouteNotServed,
 )
 from caravan_llm.router.core.live_state import Lease, Outcome, finish_request, start_request
-from caravan_llm.router.core.prompt_digests import events_cached
+from caravan_llm.router.core.prompt_digests import endpoint_digests, events_cached
 from caravan_llm.router.core.replacement import still_excluded
 from caravan_llm.router.core.routing_state import KnownModel, RoutingState
 from caravan_llm.router.feeds.model_failures import ModelFailures
@@ -125,6 +126,8 @@ class Admitted:
     lease: Lease
     # Its prompt as the cost model counts it there, until its first byte or its end.
     prefill: Prefill | None = None
+    # Its prompt's block digests, held in the exact index as in flight there until its end.
+    held: tuple[BlockDigest, ...] = ()
     # Seconds spent loading the request's LoRA adapter there first; None: no load.
     adapter_load_s: float | None = field(default=None, compare=False)
 
@@ -367,6 +370,8 @@ class AdmissionGate:
                 self._balancer.cost,
                 first_token=False,
             )
+        if admitted.held:
+            self._state.kv.release(admitted.endpoint.id, admitted.held)
         finish_request(
             self._state.live, admitted.lease, outcome, self._balancer.breaker, self._clock()
         )
@@ -506,8 +511,14 @@ class AdmissionGate:
         """Count the request on the endpoint, and its prompt for the cost model."""
         live = self._state.live
         lease = start_request(live, endpoint.id, self._balancer.breaker, now)
+        kv = self._state.kv
+        # Its blocks are the engine's from now until it ends (computed, then kept for it):
+        # a request sharing them is told so before the engine's events can say it.
+        held = endpoint_digests(kv, endpoint, features.exact)
         if features.prompt is None:
-            return Admitted(endpoint, lease)
+            if held:
+                kv.hold(endpoint.id, held)
+            return Admitted(endpoint, lease, held=held)
         prefill = begin_prefill(
             live,
             endpoint,
@@ -516,9 +527,11 @@ class AdmissionGate:
             self._balancer.cost,
             max_age_s=self._balancer.load_max_age_s,
             peer=peer_rate_of(self._state.view.snapshot, live, features.model),
-            events=events_cached(self._state.kv, endpoint, features.exact, now),
+            events=events_cached(kv, endpoint, features.exact, now),
         )
-        return Admitted(endpoint, lease, prefill)
+        if held:
+            kv.hold(endpoint.id, held)
+        return Admitted(endpoint, lease, prefill, held)
 
     async def _wait(
         self,

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from types import MappingProxyType
 
 import pytest
 from prometheus_client import CollectorRegistry
 from router_builders import MODEL, endpoint_entry, snapshot_of
 
+from caravan_llm.common.block_digest import DigestKey
 from caravan_llm.common.contract import KVLayout
+from caravan_llm.common.kv_stream import KvSnapshot
 from caravan_llm.router.core.admission import AdmissionPolicy
 from caravan_llm.router.core.balancer import BalancerConfig, Policy, RequestFeatures
 from caravan_llm.router.core.errors import ModelNotFound, NoHealthyEndpoint, QueueTimeout
 from caravan_llm.router.core.live_state import Outcome, reconcile_live_state
+from caravan_llm.router.core.prompt_digests import exact_prompt
 from caravan_llm.router.core.routing_state import KnownModel, RoutingState, RoutingView
 from caravan_llm.router.edge.admission_gate import AdmissionGate, DemandSignal
 from caravan_llm.router.metrics import RouterMetrics
@@ -179,3 +183,32 @@ async def test_demand_is_written_at_most_once_per_interval() -> None:
         writer.cancel()
 
     assert [1, 4] == [value["waiting"] for _, value in store.writes]
+
+
+async def test_a_leased_prompt_is_held_in_the_exact_index_until_the_request_ends() -> None:
+    """The next request sharing the prefix sees it on the endpoint before the engine's events."""
+    entry = endpoint_entry("e0")
+    gate, state, _, _ = make_gate(entry)
+    snapshot = state.view.snapshot
+    placed = {eid: replace(e, kv_port=9000) for eid, e in snapshot.by_id.items()}
+    models = {
+        name: replace(m, endpoints=tuple(placed[e.id] for e in m.endpoints))
+        for name, m in snapshot.models.items()
+    }
+    view = RoutingView(snapshot=replace(snapshot, by_id=placed, models=models))
+    state.swap(view, state.live, synced=True)
+    key = DigestKey.from_secret("engine-key")
+    tokens = list(range(100, 100 + 64))
+    service = placed["e0"].service
+    state.kv.apply_snapshot(
+        "e0", KvSnapshot(epoch=1, seq=0, block_size=16, digests=frozenset()), 0.0
+    )
+    exact = exact_prompt(tokens, keys={service: key}, kinds=[(service, 16)])
+    digests = exact.digests[service, 16]
+
+    admitted = await gate.admit(RequestFeatures(MODEL, exact=exact), priority=0)
+    during = state.kv.cached_blocks("e0", digests, block_size=16, now=1.0)
+    gate.finish(admitted, Outcome.SUCCESS)
+    after = state.kv.cached_blocks("e0", digests, block_size=16, now=1.0)
+
+    assert (4, 0) == (during, after)

@@ -233,3 +233,38 @@ def test_bad_settings_are_refused() -> None:
         KvIndex(stale_after_s=0)
     with pytest.raises(ValueError, match="max_pending must be >= 0, got -1"):
         KvIndex(max_pending=-1)
+
+
+class TestInFlight:
+    def test_blocks_of_a_request_in_flight_count_until_it_is_released(self) -> None:
+        """Held blocks extend the events' chain on that replica only, until released."""
+        index = index_with(1)
+        index.apply_snapshot("r2", snap(9, 0), 0.0)
+        index.hold("r1", d(1, 2, 3))
+        held = index.cached_blocks("r1", CHAIN, block_size=B, now=1.0)
+        elsewhere = index.cached_blocks("r2", CHAIN, block_size=B, now=1.0)
+        index.release("r1", d(1, 2, 3))
+        released = index.cached_blocks("r1", CHAIN, block_size=B, now=1.0)
+        assert (3, 0, 1) == (held, elsewhere, released)
+        assert 0 == index.in_flight_count("r1")
+
+    def test_two_requests_holding_a_block_keep_it_until_both_end(self) -> None:
+        """A block held twice stays held after the first release."""
+        index = index_with()
+        index.hold("r1", d(1, 2))
+        index.hold("r1", d(1))
+        index.release("r1", d(1, 2))
+        assert 1 == index.cached_blocks("r1", CHAIN, block_size=B, now=1.0)
+
+    def test_in_flight_blocks_say_nothing_without_a_live_stream(self) -> None:
+        """A replica whose stream is not live answers None even while it holds requests."""
+        index = KvIndex(stale_after_s=STALE_S)
+        index.hold("r1", d(1, 2))
+        assert index.cached_blocks("r1", CHAIN, block_size=B, now=1.0) is None
+
+    def test_a_replica_that_left_discovery_holds_nothing(self) -> None:
+        """retain drops the in-flight blocks of replicas no longer routable."""
+        index = index_with()
+        index.hold("r1", d(1, 2))
+        index.retain(["r2"])
+        assert 0 == index.in_flight_count("r1")
