@@ -64,7 +64,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -204,9 +204,14 @@ class EngineTokens:
         return [(str(m.get("role")), str(m.get("content"))) for m in messages]
 
     async def prompt_token_ids(
-        self, view: Any, route: Any, payload: Mapping[str, Any]
+        self,
+        view: Any,
+        route: Any,
+        payload: Mapping[str, Any],
+        *,
+        on_prefix: Callable[[Sequence[int]], None] | None = None,
     ) -> Sequence[int] | None:
-        del view, route
+        del view, route, on_prefix
         messages = self.messages(payload)
         return None if messages is None else self.ids(self.engine_tokens(messages))
 
@@ -343,9 +348,14 @@ class OracleTokens(EngineTokens):
         return ids, digests, prompt_block_hashes(ids, self.block_size)
 
     async def prompt_token_ids(
-        self, view: Any, route: Any, payload: Mapping[str, Any]
+        self,
+        view: Any,
+        route: Any,
+        payload: Mapping[str, Any],
+        *,
+        on_prefix: Callable[[Sequence[int]], None] | None = None,
     ) -> Sequence[int] | None:
-        del view, route
+        del view, route, on_prefix
         messages = self.messages(payload)
         if messages is None:
             return None

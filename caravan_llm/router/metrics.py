@@ -358,7 +358,10 @@ class RouterMetrics:
         self.exact_prompts = Counter(
             "caravan_router_exact_prompts_total",
             "Requests the exact prefix index was asked about, by how their prompt's digests "
-            "came: exact (in time), over_budget (not within the tokenizing budget: routed on "
+            "came: exact (in time), cached_prefix (not within the tokenizing budget: routed on "
+            "the digests of its leading part the tokenizer had cached, a shared system prompt "
+            "and the history, while the new text was tokenized in the background), "
+            "over_budget (not within the budget and no cached leading block: routed on "
             "the approximate index while the tokenizing finished in the background), busy "
             "(the model's tokenizer queue full: not tokenized), not_exact (no tokenizer for "
             "the model, or a body the router does not tokenize the engine's way).",

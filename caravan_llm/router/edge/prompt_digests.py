@@ -22,20 +22,27 @@ derived from the engine key once per model and kept while the key is the same.
 most `budget_s` (the router's `exact_prefix_budget_ms`). A prompt whose
 pieces the model's segment cache holds (a shared system prompt, a
 conversation's earlier turns) comes back well within it; a cold one (a
-new 8k-token document: ~20 ms) does not, and the request is routed on the
-approximate index (`prefix_source: approximate`) while the tokenizing goes
-on in the background, so the segment cache holds the pieces for the
-conversation's next turn. At most `max_pending` prompts of one model are
-being tokenized at once; a request beyond that is not tokenized at all (its
-model's worker thread is behind: waiting would only add latency). Each
-request is counted by outcome in `caravan_router_exact_prompts_total`.
+new 8k-token document: ~20 ms; a long new turn: 1-2 ms) does not. The
+tokenizer hands over the leading ids its segment cache held before it starts
+on the first piece it has not seen (`PromptTokens.prompt_token_ids`'s
+`on_prefix`), and past the budget the request is routed on their digests
+(`cached_prefix`): the system prompt and the history, all of the prompt a
+replica can hold from this router's traffic. Without a full block of them
+it is routed on the approximate index (`prefix_source: approximate`,
+`over_budget`). Either way the tokenizing goes on in the background, so the
+segment cache holds the pieces for the conversation's next turn. At most
+`max_pending` prompts of one model are being tokenized at once; a request
+beyond that is not tokenized at all (its model's worker thread is behind:
+waiting would only add latency). Each request is counted by outcome in
+`caravan_router_exact_prompts_total`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from caravan_llm.common.block_digest import DigestKey
@@ -54,7 +61,7 @@ log = logging.getLogger("router.prompt_digests")
 # through them one by one): past this, requests are not tokenized (`busy`).
 MAX_PENDING = 8
 
-Outcome = Literal["exact", "over_budget", "busy", "not_exact"]
+Outcome = Literal["exact", "cached_prefix", "over_budget", "busy", "not_exact"]
 
 
 class PromptTokens(Protocol):
@@ -67,9 +74,19 @@ class PromptTokens(Protocol):
     """
 
     async def prompt_token_ids(
-        self, view: ModelView, route: EngineRoute, payload: Mapping[str, Any]
+        self,
+        view: ModelView,
+        route: EngineRoute,
+        payload: Mapping[str, Any],
+        *,
+        on_prefix: Callable[[Sequence[int]], None] | None = None,
     ) -> Sequence[int] | None:
         """The prompt's token ids exactly as the engine will compute them, or None.
+
+        `on_prefix`, when given, may be called once on the event loop, before
+        the result, with the prompt's leading ids that were at hand at once
+        (a shared system prompt and the history the tokenizer saw before),
+        while the rest (the new text) is still being tokenized.
 
         `view` is the request's model as its profile declares it (where its
         tokenizer is); `route` which OpenAI route the request came on (chat:
@@ -113,11 +130,19 @@ class PromptDigester:
         self._pending: dict[str, set[asyncio.Task[Sequence[int] | None]]] = {}
 
     async def exact_prompt(
-        self, model: str, payload: Mapping[str, Any], *, route: EngineRoute
+        self,
+        model: str,
+        payload: Mapping[str, Any],
+        *,
+        route: EngineRoute,
+        estimated_tokens: int | None = None,
     ) -> ExactPrompt | None:
         """The prompt's digests per (service, block size); None when no replica can use them.
 
-        Waits at most the budget for the token ids (module docstring).
+        Waits at most the budget for the token ids (module docstring). Past
+        it, the digests of the prompt's leading ids the tokenizer had at hand,
+        if any; their `tokens` is then `estimated_tokens` (the approximate
+        count of the whole prompt) when that is more.
         """
         known = self._state.view.profiles.get(model)
         if known is None or known.view is None:
@@ -130,7 +155,10 @@ class PromptDigester:
         if len(pending) >= self._max_pending:
             self._count("busy")
             return None
-        task = asyncio.ensure_future(self._tokens.prompt_token_ids(known.view, route, payload))
+        leading: list[Sequence[int]] = []
+        task = asyncio.ensure_future(
+            self._tokens.prompt_token_ids(known.view, route, payload, on_prefix=leading.append)
+        )
         pending.add(task)
         task.add_done_callback(lambda done: self._finished(model, done))
         if self._budget_s <= 0:
@@ -138,12 +166,46 @@ class PromptDigester:
             return None
         done, _ = await asyncio.wait((task,), timeout=self._budget_s)
         if not done:
-            self._count("over_budget")
-            return None
+            return self._from_leading(model, leading, keys, kinds, estimated_tokens)
         token_ids = _result(task, log_failure=False)  # `_finished` logged a failure
         if token_ids is None:
             self._count("not_exact")
             return None
+        prompt = self._digests(model, token_ids, keys, kinds, None)
+        self._count("not_exact" if prompt is None else "exact")
+        return prompt
+
+    def _from_leading(
+        self,
+        model: str,
+        leading: Sequence[Sequence[int]],
+        keys: Mapping[str, DigestKey],
+        kinds: set[DigestKind],
+        estimated_tokens: int | None,
+    ) -> ExactPrompt | None:
+        """Past the budget: the digests of the leading ids at hand, if they fill a block.
+
+        The rest of the prompt is text the tokenizer had not seen, so no
+        replica can hold a block of it that this router sent; blocks past the
+        leading ids count as not cached.
+        """
+        smallest = min((block_size for _, block_size in kinds), default=None)
+        if not leading or smallest is None or len(leading[0]) < smallest:
+            self._count("over_budget")
+            return None
+        prompt = self._digests(model, leading[0], keys, kinds, estimated_tokens)
+        self._count("over_budget" if prompt is None else "cached_prefix")
+        return prompt
+
+    def _digests(
+        self,
+        model: str,
+        token_ids: Sequence[int],
+        keys: Mapping[str, DigestKey],
+        kinds: set[DigestKind],
+        estimated_tokens: int | None,
+    ) -> ExactPrompt | None:
+        """`exact_prompt` of the ids; None (logged once per model) when the ids are invalid."""
         try:
             prompt = exact_prompt(token_ids, keys=keys, kinds=kinds)
         except ValueError:
@@ -151,9 +213,9 @@ class PromptDigester:
             if model not in self._invalid_logged:
                 self._invalid_logged.add(model)
                 log.warning("prompt_token_ids_invalid", extra={"model": model})
-            self._count("not_exact")
             return None
-        self._count("exact")
+        if estimated_tokens is not None and estimated_tokens > prompt.tokens:
+            return replace(prompt, tokens=estimated_tokens)
         return prompt
 
     def pending(self, model: str) -> int:

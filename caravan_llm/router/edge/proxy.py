@@ -468,7 +468,10 @@ class Proxy:
         if features.prompt is None or features.adapter is not None or self._digester is None:
             return exchange
         exact = await self._digester.exact_prompt(
-            exchange.parsed.model, exchange.parsed.payload, route=exchange.spec.route
+            exchange.parsed.model,
+            exchange.parsed.payload,
+            route=exchange.spec.route,
+            estimated_tokens=features.prompt.tokens,
         )
         if exact is None:
             return exchange

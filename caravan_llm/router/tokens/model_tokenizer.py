@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,10 @@ MIN_CACHED_SEGMENT_CHARS = 16
 # Texts this long are tokenized with the GIL released (`ModelTokenizer._encode`): below it,
 # `encode` is cheaper than `encode_batch` and holds the GIL for well under a millisecond.
 GIL_RELEASE_CHARS = 1024
+
+
+# Called with a prompt's leading token ids before the rest is tokenized (`encode`).
+PrefixCallback = Callable[[tuple[int, ...]], None]
 
 
 class TokenizerUnavailable(Exception):
@@ -117,23 +121,39 @@ class ModelTokenizer:
         )
 
     def encode(
-        self, text: str, *, add_special_tokens: bool, use_cache: bool = True
+        self,
+        text: str,
+        *,
+        add_special_tokens: bool,
+        use_cache: bool = True,
+        on_prefix: PrefixCallback | None = None,
     ) -> tuple[int, ...]:
-        """The ids `tokenizer(text, add_special_tokens=...)` gives in transformers."""
+        """The ids `tokenizer(text, add_special_tokens=...)` gives in transformers.
+
+        `on_prefix`, with the segment cache in use, is called at most once:
+        with the ids found so far, just before the first piece that must be
+        tokenized after some ids (a new turn after a cached system prompt and
+        history). Never when the cache held every piece: the whole result
+        comes as fast then.
+        """
         if not (use_cache and self.segmentable) or (add_special_tokens and self._prefix is None):
             return self._encode(text, add_special_tokens=add_special_tokens)
-        ids = self._segmented(text)
+        prefix = self._prefix if add_special_tokens and self._prefix is not None else ()
+        ids = self._segmented(text, prefix, on_prefix)
         if add_special_tokens and self._prefix is not None and self._suffix is not None:
             return self._prefix + ids + self._suffix
         return ids
 
-    def chat_ids(self, prompt: ChatPrompt, *, use_cache: bool = True) -> tuple[int, ...]:
+    def chat_ids(
+        self, prompt: ChatPrompt, *, use_cache: bool = True, on_prefix: PrefixCallback | None = None
+    ) -> tuple[int, ...]:
         """The ids vLLM feeds the model for a chat: its template rendered, no special tokens added.
 
-        Raises NotExact when the model has no usable template or the template refuses.
+        Raises NotExact when the model has no usable template or the template
+        refuses. `on_prefix`: as for `encode`.
         """
         text = self.render_chat(prompt)
-        return self.encode(text, add_special_tokens=False, use_cache=use_cache)
+        return self.encode(text, add_special_tokens=False, use_cache=use_cache, on_prefix=on_prefix)
 
     def render_chat(self, prompt: ChatPrompt) -> str:
         """The chat's prompt text; NotExact when it cannot be rendered as the engine would."""
@@ -174,7 +194,10 @@ class ModelTokenizer:
         (encoding,) = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
         return tuple(encoding.ids)
 
-    def _segmented(self, text: str) -> tuple[int, ...]:
+    def _segmented(
+        self, text: str, prefix: tuple[int, ...], on_prefix: PrefixCallback | None
+    ) -> tuple[int, ...]:
+        """The text's ids, piece by piece; `on_prefix` gets `prefix` + the cached leading ids."""
         splitter = self._splitter
         if splitter is None:  # pragma: no cover - segmentable implies a splitter
             return self._encode(text, add_special_tokens=False)
@@ -182,12 +205,23 @@ class ModelTokenizer:
         start = 0
         for match in splitter.finditer(text):
             if match.start() > start:
-                ids.extend(self._piece(text[start : match.start()]))
+                piece = text[start : match.start()]
+                if on_prefix is not None and ids and self._is_miss(piece):
+                    on_prefix((*prefix, *ids))
+                    on_prefix = None
+                ids.extend(self._piece(piece))
             ids.append(self._added_ids[match.group()])
             start = match.end()
         if start < len(text):
-            ids.extend(self._piece(text[start:]))
+            piece = text[start:]
+            if on_prefix is not None and ids and self._is_miss(piece):
+                on_prefix((*prefix, *ids))
+            ids.extend(self._piece(piece))
         return tuple(ids)
+
+    def _is_miss(self, piece: str) -> bool:
+        """Whether the piece will be tokenized for the cache (a long piece it does not hold)."""
+        return len(piece) >= MIN_CACHED_SEGMENT_CHARS and piece not in self._cache
 
     def _piece(self, piece: str) -> tuple[int, ...]:
         if len(piece) < MIN_CACHED_SEGMENT_CHARS:

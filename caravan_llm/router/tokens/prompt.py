@@ -30,7 +30,7 @@ from caravan_llm.router.tokens.conversation import (
     chat_completions_prompt,
     responses_prompt,
 )
-from caravan_llm.router.tokens.model_tokenizer import ModelTokenizer
+from caravan_llm.router.tokens.model_tokenizer import ModelTokenizer, PrefixCallback
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +51,19 @@ def prompt_token_ids(
     payload: Mapping[str, Any],
     *,
     use_cache: bool = True,
+    on_prefix: PrefixCallback | None = None,
 ) -> tuple[int, ...] | None:
-    """The ids the engine will see for this request's prompt; None when not exact."""
+    """The ids the engine will see for this request's prompt; None when not exact.
+
+    `on_prefix` may get the prompt's leading ids first (`ModelTokenizer.encode`).
+    """
     try:
         if route is EngineRoute.COMPLETIONS:
-            return _completion_ids(tokenizer, payload, use_cache=use_cache)
+            return _completion_ids(tokenizer, payload, use_cache=use_cache, on_prefix=on_prefix)
         chat = chat_prompt(route, payload)
         if chat is None or tokenizer is None:
             return None
-        return tokenizer.chat_ids(chat, use_cache=use_cache)
+        return tokenizer.chat_ids(chat, use_cache=use_cache, on_prefix=on_prefix)
     except NotExact as exc:
         # The reason only (never the prompt): why this request is routed approximately.
         log.debug("prompt_not_exact", extra={"route": route.value, "reason": str(exc)})
@@ -78,7 +82,11 @@ def chat_prompt(route: EngineRoute, payload: Mapping[str, Any]) -> ChatPrompt | 
 
 
 def _completion_ids(
-    tokenizer: ModelTokenizer | None, payload: Mapping[str, Any], *, use_cache: bool
+    tokenizer: ModelTokenizer | None,
+    payload: Mapping[str, Any],
+    *,
+    use_cache: bool,
+    on_prefix: PrefixCallback | None,
 ) -> tuple[int, ...] | None:
     if payload.get("prompt_embeds") is not None or payload.get("truncate_prompt_tokens"):
         raise NotExact("prompt_embeds or truncate_prompt_tokens is set")
@@ -96,4 +104,6 @@ def _completion_ids(
     add_special = payload.get("add_special_tokens", True)
     if not isinstance(add_special, bool):
         raise NotExact("add_special_tokens is not a JSON boolean")
-    return tokenizer.encode(prompt, add_special_tokens=add_special, use_cache=use_cache)
+    return tokenizer.encode(
+        prompt, add_special_tokens=add_special, use_cache=use_cache, on_prefix=on_prefix
+    )

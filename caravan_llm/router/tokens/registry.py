@@ -22,16 +22,19 @@ event loop is never blocked by a long prompt).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from caravan_llm.common.contract import EngineRoute, ModelView
 from caravan_llm.router.tokens.model_tokenizer import (
     ModelTokenizer,
+    PrefixCallback,
     TokenizerUnavailable,
     load_model_tokenizer,
 )
@@ -82,12 +85,20 @@ class Tokenizers:
         return tokenizer
 
     async def prompt_token_ids(
-        self, view: ModelView, route: EngineRoute, payload: Mapping[str, Any]
+        self,
+        view: ModelView,
+        route: EngineRoute,
+        payload: Mapping[str, Any],
+        *,
+        on_prefix: Callable[[Sequence[int]], None] | None = None,
     ) -> tuple[int, ...] | None:
         """The ids the engine will see for this request's prompt; None when not exact.
 
         `view` is the request's model, `route` the engine route it goes to,
-        `payload` its parsed JSON body (`ParsedRequest.payload`).
+        `payload` its parsed JSON body (`ParsedRequest.payload`). `on_prefix`
+        is called on the event loop with the prompt's leading ids when the
+        segment cache held them and the rest must still be tokenized
+        (`ModelTokenizer.encode`).
         """
         if route not in TOKENIZED_ROUTES:
             return None
@@ -95,9 +106,18 @@ class Tokenizers:
         if tokenizer is None and route is not EngineRoute.COMPLETIONS:
             return None
         entry = self._entry(view)
-        return await asyncio.get_running_loop().run_in_executor(
-            entry.executor, prompt_token_ids, tokenizer, route, payload
-        )
+        loop = asyncio.get_running_loop()
+        from_thread: PrefixCallback | None = None
+        if on_prefix is not None:
+            callback = on_prefix
+
+            def from_thread(ids: tuple[int, ...]) -> None:
+                # A loop already closed (the router stopping) has no one left to tell.
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(callback, ids)
+
+        work = partial(prompt_token_ids, tokenizer, route, payload, on_prefix=from_thread)
+        return await loop.run_in_executor(entry.executor, work)
 
     def close(self) -> None:
         """Stop the worker threads (pending work is dropped)."""

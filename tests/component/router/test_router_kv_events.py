@@ -21,7 +21,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +64,14 @@ class SimulatedEngineTokens:
         self._vocabulary = Vocabulary()
 
     async def prompt_token_ids(
-        self, view: ModelView, route: EngineRoute, payload: Mapping[str, Any]
+        self,
+        view: ModelView,
+        route: EngineRoute,
+        payload: Mapping[str, Any],
+        *,
+        on_prefix: Callable[[Sequence[int]], None] | None = None,
     ) -> Sequence[int] | None:
-        del view
+        del view, on_prefix
         return self.ids(route, payload)
 
     def ids(self, route: EngineRoute, payload: Mapping[str, Any]) -> Sequence[int] | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -34,8 +34,16 @@ BUDGET_S = 5.0
 class Tokens:
     """A PromptTokens that counts its calls and answers when `release` is set."""
 
-    def __init__(self, ids: Sequence[int] | None = TOKENS, *, held: bool = False) -> None:
+    def __init__(
+        self,
+        ids: Sequence[int] | None = TOKENS,
+        *,
+        held: bool = False,
+        leading: Sequence[int] | None = None,
+    ) -> None:
         self.ids = ids
+        # Handed to `on_prefix` at once, as the tokenizer does with the ids its cache held.
+        self.leading = leading
         self.calls = 0
         self.views: list[ModelView] = []
         self.release = asyncio.Event()
@@ -44,9 +52,16 @@ class Tokens:
         self.finished = 0
 
     async def prompt_token_ids(
-        self, view: ModelView, route: EngineRoute, payload: Mapping[str, Any]
+        self,
+        view: ModelView,
+        route: EngineRoute,
+        payload: Mapping[str, Any],
+        *,
+        on_prefix: Callable[[Sequence[int]], None] | None = None,
     ) -> Sequence[int] | None:
         del route, payload
+        if on_prefix is not None and self.leading is not None:
+            on_prefix(self.leading)
         self.calls += 1
         self.views.append(view)
         await self.release.wait()
@@ -196,9 +211,14 @@ async def test_a_failing_tokenizer_costs_the_request_its_exact_prompt_only() -> 
 
     class Broken:
         async def prompt_token_ids(
-            self, view: ModelView, route: EngineRoute, payload: Mapping[str, Any]
+            self,
+            view: ModelView,
+            route: EngineRoute,
+            payload: Mapping[str, Any],
+            *,
+            on_prefix: Callable[[Sequence[int]], None] | None = None,
         ) -> Sequence[int] | None:
-            del view, route, payload
+            del view, route, payload, on_prefix
             raise RuntimeError("cannot schedule new futures after shutdown")
 
     digester = PromptDigester(
@@ -207,3 +227,58 @@ async def test_a_failing_tokenizer_costs_the_request_its_exact_prompt_only() -> 
 
     assert await digester.exact_prompt(MODEL, PAYLOAD, route=CHAT) is None
     assert 0 == digester.pending(MODEL)
+
+
+async def test_past_the_budget_the_leading_ids_at_hand_name_the_prompts_first_blocks() -> None:
+    """Over budget with the cached system prompt's ids at hand: their digests, counted apart."""
+    metrics = RouterMetrics(CollectorRegistry())
+    leading = TOKENS[:40]
+    tokens = Tokens(held=True, leading=leading)
+    digester = PromptDigester(
+        tokens, state_with(relayed("e0"), {"e0": 16}), Keys(), budget_s=0.05, metrics=metrics
+    )
+
+    prompt = await digester.exact_prompt(MODEL, PAYLOAD, route=CHAT, estimated_tokens=900)
+    tokens.release.set()
+    await eventually(
+        lambda: digester.pending(MODEL) == 0, 5.0, "the background tokenizing done", interval_s=0.01
+    )
+
+    assert prompt is not None
+    key = DigestKey.from_secret(KEY)
+    assert {(SERVICE, 16): block_digests(leading, block_size=16, key=key)} == dict(prompt.digests)
+    assert 2 == len(prompt.digests[SERVICE, 16])
+    assert 900 == prompt.tokens
+    assert {"cached_prefix": 1.0} == outcomes(metrics)
+
+
+async def test_leading_ids_shorter_than_a_block_leave_the_request_approximate() -> None:
+    """Leading ids that fill no block name nothing: over budget, None."""
+    metrics = RouterMetrics(CollectorRegistry())
+    tokens = Tokens(held=True, leading=TOKENS[:15])
+    digester = PromptDigester(
+        tokens, state_with(relayed("e0"), {"e0": 16}), Keys(), budget_s=0.05, metrics=metrics
+    )
+
+    prompt = await digester.exact_prompt(MODEL, PAYLOAD, route=CHAT, estimated_tokens=900)
+    tokens.release.set()
+    await eventually(
+        lambda: digester.pending(MODEL) == 0, 5.0, "the background tokenizing done", interval_s=0.01
+    )
+
+    assert prompt is None
+    assert {"over_budget": 1.0} == outcomes(metrics)
+
+
+async def test_a_prompt_tokenized_in_time_counts_its_own_tokens_not_the_estimate() -> None:
+    """Within the budget the whole prompt's ids are used, leading ids or not."""
+    tokens = Tokens(leading=TOKENS[:40])
+    digester = PromptDigester(
+        tokens, state_with(relayed("e0"), {"e0": 16}), Keys(), budget_s=BUDGET_S
+    )
+
+    prompt = await digester.exact_prompt(MODEL, PAYLOAD, route=CHAT, estimated_tokens=900)
+
+    assert prompt is not None
+    assert len(TOKENS) == prompt.tokens
+    assert 4 == len(prompt.digests[SERVICE, 16])

@@ -229,6 +229,31 @@ def test_later_turns_reuse_the_cached_history(tiny: ModelTokenizer) -> None:
     assert (1, 1) == (after.hits - before.hits, after.misses - before.misses)
 
 
+def test_a_new_turn_hands_over_the_cached_historys_ids_before_tokenizing_it(
+    tiny_tokenizer_dir: Path,
+) -> None:
+    """`on_prefix` gets the ids of the cached history once, a prefix of the whole prompt's."""
+    tokenizer = load_model_tokenizer(tiny_tokenizer_dir)
+    history = [{"role": "system", "content": "a shared system prompt, long enough " * 10}]
+    tokenizer.chat_ids(ChatPrompt(messages=tuple(history)))
+    next_turn = ChatPrompt(
+        messages=(*history, {"role": "user", "content": "a question nobody asked before " * 5})
+    )
+    handed: list[tuple[int, ...]] = []
+
+    ids = tokenizer.chat_ids(next_turn, on_prefix=handed.append)
+    again: list[tuple[int, ...]] = []
+    tokenizer.chat_ids(next_turn, on_prefix=again.append)
+
+    # Everything before the new turn's first piece: the system turn and the user's marker.
+    text = tokenizer.render_chat(next_turn)
+    cut = text.index("<|im_start|>user") + len("<|im_start|>")
+    expected = tokenizer.encode(text[:cut], add_special_tokens=False, use_cache=False)
+    assert [expected] == handed
+    assert expected == ids[: len(expected)]
+    assert [] == again  # every piece cached: the whole answer comes as fast
+
+
 @given(text=st.text(min_size=GIL_RELEASE_CHARS, max_size=3 * GIL_RELEASE_CHARS))
 def test_long_texts_tokenized_without_the_gil_give_encodes_ids(
     tiny: ModelTokenizer, tiny_tokenizer_dir: Path, text: str
