@@ -705,6 +705,8 @@ async def router_figures(bases: list[str]) -> dict[str, float]:
                     name = "exact_prompts_" + line.split('outcome="', 1)[1].split('"', 1)[0]
                 elif line.startswith("caravan_router_kv_events_total"):
                     name = "kv_events"
+                elif line.startswith("caravan_router_kv_resyncs_total{"):
+                    name = "kv_resyncs"
                 else:
                     continue
                 totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])

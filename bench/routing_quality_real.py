@@ -353,6 +353,7 @@ class Cell:
     events_share: float | None = None
     exact_prompts: dict[str, float] = field(default_factory=dict)
     kv_events: float | None = None
+    kv_resyncs: float | None = None
     ttfts: list[float] = field(default_factory=list, repr=False)
 
     @property
@@ -469,6 +470,7 @@ async def run_cell(
             cell.events_share = sources.get("events", 0) / total if total else None
             figures = await router_figures([target.router])
             cell.kv_events = figures.get("kv_events")
+            cell.kv_resyncs = figures.get("kv_resyncs")
             cell.exact_prompts = {
                 k.removeprefix("exact_prompts_"): v
                 for k, v in figures.items()
@@ -945,7 +947,8 @@ def orchestrate(args: argparse.Namespace, workload: Workload) -> int:
                 events = (
                     ""
                     if cell.events_share is None
-                    else f", prefix from events {cell.events_share:.2f}"
+                    else f", prefix from events {cell.events_share:.2f}, KV deltas applied "
+                    f"{cell.kv_events or 0:.0f}, resyncs {cell.kv_resyncs or 0:.0f}"
                 )
                 print(
                     f"  {target} rep {rep}: hit rate {_fmt(cell.hit_rate, 3)}, TTFT p50 "
