@@ -587,9 +587,16 @@ class Placed:
 
 
 async def place_fleet(
-    consul_addr: str, nomad_addr: str, fleet: rq.Fleet, tokenizer_dir: str | None
+    consul_addr: str,
+    nomad_addr: str,
+    fleet: rq.Fleet,
+    tokenizer_dir: str | None,
+    ports: Sequence[int] | None = None,
 ) -> Placed:
-    """Register the engines as Nomad would and place them (with their relays) as the scheduler."""
+    """Register the engines as Nomad would and place them (with their relays) as the scheduler.
+
+    `ports`: the engines' ports then the relays' (default: free ones, chosen here).
+    """
     from caravan_llm.common.consul_api import (  # noqa: PLC0415
         ConsulClient,
         ConsulSettings,
@@ -607,7 +614,7 @@ async def place_fleet(
         replica_job_id,
     )
 
-    ports = rq.free_ports(2 * fleet.engines)
+    ports = list(ports) if ports is not None else rq.free_ports(2 * fleet.engines)
     engine_ports, relay_ports = ports[: fleet.engines], ports[fleet.engines :]
     rng = random.Random(7)
     allocs = [str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in engine_ports]
@@ -708,6 +715,8 @@ async def router_figures(bases: list[str]) -> dict[str, float]:
                     name = "exact_prompts_" + line.split('outcome="', 1)[1].split('"', 1)[0]
                 elif line.startswith("caravan_router_kv_events_total"):
                     name = "kv_events"
+                elif line.startswith("caravan_router_kv_resyncs_total{"):
+                    name = "kv_resyncs"
                 else:
                     continue
                 totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])

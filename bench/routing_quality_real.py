@@ -21,11 +21,28 @@ request lands decides its hit. With a steep popularity (`--zipf 0.8`) the hot
 prompts fit in both caches, round robin already hits on them, and the ceiling
 of any router is near round robin's 1.5x (docs/benchmarks.md).
 
+Every engine publishes its KV-cache events on an ipc:// socket in its own
+scratch folder, and a KV relay (`python -m caravan_llm.kvrelay`, as a
+replica's `kv-relay` task runs it) per engine serves their digests on
+loopback. The engines are placed as the scheduler places replicas (profile
+with the tiny model's tokenizer, `placements/<model>` with each relay's
+`kv_port`, the engine key in devcluster's Nomad Variables), so routers verify
+them and read the streams as deployed (bench/prefix_routing.py's `place_fleet`).
+
 Targets, interleaved (each repetition plays every target once, in rotated
 order): `rr`, `lor` (client-side round robin / least outstanding requests,
 straight to the engines), `caravan` (caravan's router, `python -m caravan_llm.router`,
-with its default policy; `caravan-<policy>` for another), and vllm-router's
-`cache_aware` and `power_of_two` when the `vllm-router` command is installed.
+with its default policy and `KV_EVENTS=false`: the approximate index;
+`caravan-<policy>` for another policy), `precise` (the same router reading
+the relays' streams, every setting at its default: exact prefix routing),
+`precise-wait` (the same, with a 50 ms tokenizing budget: every prompt's
+digests), `oracle` (the same router whose exact index is fed in its own
+process straight from the engines' ZeroMQ sockets, each batch applied as it
+arrives: no relay, no stream, no HTTP hop, and every request waits for its
+digests; it knows every engine's cache as the engine's own events describe
+it at the moment of the pick, plus, like `precise`, this router's requests in
+flight there), and vllm-router's `cache_aware` and `power_of_two` when the
+`vllm-router` command is installed.
 Before each target both engines' prefix caches are emptied
 (`POST /reset_prefix_cache`, hence `VLLM_SERVER_DEV_MODE=1`: a bench, not
 production) and their `vllm:prefix_cache_{hits,queries}_total` counters are
@@ -59,6 +76,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 # ruff: noqa: E402 - the imports below need the repository on sys.path
+from bench.prefix_routing import KEY, Placed, place_fleet, prefix_sources, router_figures
 from bench.processes import Proc, started
 from bench.routing_quality import (
     ENGINE_BASES,
@@ -76,17 +94,21 @@ from bench.routing_quality import (
     free_ports,
     http_ok,
     play,
-    register_engines,
     wait_until,
 )
 from caravan_llm.devcluster.vllm_build import API_SERVER_MODULE, CPU_BLOCK_SIZE, find_vllm
 from caravan_llm.devcluster.vllm_build import missing_build_message as _missing_build
 
 DEFAULT_TARGET = "caravan"  # the router with no policy set: its default (predicted_ttft)
+# The KV-event targets (caravan's router with its default policy, on the engines' events).
+EVENT_TARGETS = ("precise", "precise-wait", "oracle")
+TOPIC = "kv-events"
 SERVED_NAME = "tiny"
 READY_TIMEOUT_S = 240.0  # 30-80 s on 2 cores; up to ~140 s seen on a loaded machine
 # Seconds a cell takes beyond its arrivals: reset, router start (+1 scrape), drain.
-STARTUP_S = {"rr": 1.0, "lor": 1.0, "caravan": 4.5, "vllm-router": 3.0}
+STARTUP_S = {
+    "rr": 1.0, "lor": 1.0, "caravan": 4.5, "precise": 6.0, "oracle": 7.0, "vllm-router": 3.0,
+}  # fmt: skip
 SERVERS_S = 70.0  # both servers started together, the trace sized, the engines calibrated
 
 
@@ -106,9 +128,24 @@ class Workload:
 # -- the engines ----------------------------------------------------------------------------
 
 
-def server_command(python: str, model: str, port: int, workload: Workload) -> list[str]:
+def events_endpoints(scratch: str) -> tuple[str, str]:
+    """An engine's KV-event and replay sockets, in its own short scratch folder."""
+    return f"ipc://{scratch}/kv-events.ipc", f"ipc://{scratch}/kv-replay.ipc"
+
+
+def server_command(
+    python: str, model: str, port: int, workload: Workload, scratch: str
+) -> list[str]:
     # Served as `tiny` and as the benches' model name, which the Consul Meta and
     # the traces of routing_quality use (vLLM takes several served names).
+    events, replay = events_endpoints(scratch)
+    kv_events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": events,
+        "replay_endpoint": replay,
+        "topic": TOPIC,
+    }
     return [
         python, "-W", "ignore::DeprecationWarning", "-m", API_SERVER_MODULE,
         "--model", model, "--host", "127.0.0.1", "--port", str(port),
@@ -116,6 +153,7 @@ def server_command(python: str, model: str, port: int, workload: Workload) -> li
         "--max-model-len", "2048", "--enable-prefix-caching", "--enforce-eager",
         "--num-gpu-blocks-override", str(workload.kv_blocks),
         "--max-num-seqs", str(workload.max_num_seqs),
+        "--kv-events-config", json.dumps(kv_events),
     ]  # fmt: skip
 
 
@@ -192,6 +230,12 @@ async def reset_caches(bases: list[str]) -> None:
                 await asyncio.sleep(0.1)
             else:
                 raise RuntimeError(f"{base}/reset_prefix_cache kept failing")
+            # vLLM publishes the reset (AllBlocksCleared) with its next step's batch: a
+            # prompt shorter than a block makes that step and caches nothing.
+            body = {"model": MODEL, "prompt": "flush", "max_tokens": 1}
+            async with session.post(base + "/v1/completions", json=body) as response:
+                if response.status != 200:
+                    raise RuntimeError(f"{base}/v1/completions: {response.status}")
 
 
 async def calibrate(bases: list[str], system_texts: list[str]) -> float:
@@ -304,6 +348,12 @@ class Cell:
     engine_queries: list[float] = field(default_factory=list)
     peak_engine_busy: int = 0
     wall_s: float = math.nan
+    # caravan's routers: share of requests whose prefix came from events (request log),
+    # caravan_router_exact_prompts_total by outcome, KV deltas applied.
+    events_share: float | None = None
+    exact_prompts: dict[str, float] = field(default_factory=dict)
+    kv_events: float | None = None
+    kv_resyncs: float | None = None
     ttfts: list[float] = field(default_factory=list, repr=False)
 
     @property
@@ -311,69 +361,121 @@ class Cell:
         return self.hits / self.queries if self.queries else math.nan
 
 
+@dataclass(frozen=True)
+class RealFleet:
+    """Where the run's parts are: devcluster, the engines, their event sockets and relays."""
+
+    consul_addr: str
+    nomad_addr: str
+    bases: list[str]
+    placed: Placed
+    events: list[str]  # each engine's KV-event endpoint (ipc://), in `bases`' order
+    tokenizer: str  # the tiny model's folder: its tokenizer
+
+
+@dataclass
+class Target:
+    """One target's URLs, and its caravan router (base URL, process log), if it has one."""
+
+    urls: list[str]
+    router: str | None = None
+    log: Path | None = None
+
+
+def _router_env(target: str, real: RealFleet) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "CONSUL_HTTP_ADDR": real.consul_addr,
+        "NOMAD_ADDR": real.nomad_addr,
+        "CARAVAN_ROUTER_PORT": "0",
+        "CARAVAN_ROUTER_REGISTER_SERVICE": "false",
+        # The approximate index (`caravan`, `caravan-<policy>`) or the engines' events.
+        "CARAVAN_ROUTER_KV_EVENTS": "true" if target in EVENT_TARGETS else "false",
+        # Info: the request lines, whose prefix_source is counted.
+        "CARAVAN_ROUTER_LOG_LEVEL": "info",
+        "CARAVAN_ROUTER_LOG_FORMAT": "json",
+    }
+    if target == "precise-wait":
+        env["CARAVAN_ROUTER_EXACT_PREFIX_BUDGET_MS"] = "50"
+    elif target.startswith("caravan-"):
+        env["CARAVAN_ROUTER_POLICY"] = target.removeprefix("caravan-")
+    return env
+
+
 @contextlib.asynccontextmanager
-async def target_urls(
-    target: str, bases: list[str], consul_addr: str, vllm_router: str | None
-) -> Any:
-    """The URLs one target's requests go to, with its router (if any) up until the block ends."""
+async def target_urls(target: str, real: RealFleet, vllm_router: str | None) -> Any:
+    """One target's URLs, with its router (if any) up until the block ends."""
+    bases = real.bases
     if target in ("rr", "lor"):
-        yield [base + "/v1/chat/completions" for base in bases]
+        yield Target([base + "/v1/chat/completions" for base in bases])
         return
     with contextlib.ExitStack() as stack:
-        if target.startswith("caravan"):
-            env = {
-                **os.environ,
-                "PYTHONPATH": str(REPO),
-                "CONSUL_HTTP_ADDR": consul_addr,
-                "CARAVAN_ROUTER_PORT": "0",
-                "CARAVAN_ROUTER_REGISTER_SERVICE": "false",
-                # Registered directly: no Nomad allocation behind them to verify them by.
-                "CARAVAN_ROUTER_ALLOW_UNVERIFIED_ENDPOINTS": "true",
-                "CARAVAN_ROUTER_LOG_LEVEL": os.environ.get(
-                    "CARAVAN_BENCH_ROUTER_LOG_LEVEL", "warning"
-                ),
-            }
-            if target != DEFAULT_TARGET:
-                env["CARAVAN_ROUTER_POLICY"] = target.removeprefix("caravan-")
-            _, match = stack.enter_context(
-                started(
-                    [sys.executable, "-m", "caravan_llm.router"],
-                    r"listening on http://[\d.]+:(\d+)",
-                    env=env,
-                )
+        if target.startswith("caravan") or target in EVENT_TARGETS:
+            if target == "oracle":
+                command = [
+                    sys.executable, __file__, "oracle-router",
+                    "--consul", real.consul_addr, "--nomad", real.nomad_addr,
+                    "--events", ",".join(real.events), "--ids", ",".join(real.placed.ids),
+                ]  # fmt: skip
+                pattern = r"oracle router listening on (http://[\d.]+:\d+)"
+            else:
+                command = [sys.executable, "-m", "caravan_llm.router"]
+                pattern = r"listening on (http://[\d.]+:\d+)"
+            proc, match = stack.enter_context(
+                started(command, pattern, env=_router_env(target, real))
             )
-            base = f"http://127.0.0.1:{match.group(1)}"
+            base = match.group(1)
             await http_ok(base + "/health")
+            if target in EVENT_TARGETS:
+                await streams_live(base, len(bases))
             await asyncio.sleep(1.2)  # one engine scrape, for the load-reading policies
-        else:
-            assert vllm_router is not None
-            port = free_ports(1)[0]
-            command = [
-                vllm_router, "--host", "127.0.0.1", "--port", str(port),
-                "--worker-urls", *bases,
-                "--policy", target.removeprefix("vllm-router-"), "--log-level", "warning",
-            ]  # fmt: skip
-            stack.enter_context(started(command, r""))
-            base = f"http://127.0.0.1:{port}"
-            await http_ok(base + "/health")
-        yield [base + "/v1/chat/completions"]
+            yield Target([base + "/v1/chat/completions"], base, proc.log)
+            return
+        assert vllm_router is not None
+        port = free_ports(1)[0]
+        command = [
+            vllm_router, "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *bases,
+            "--policy", target.removeprefix("vllm-router-"), "--log-level", "warning",
+        ]  # fmt: skip
+        stack.enter_context(started(command, r""))
+        base = f"http://127.0.0.1:{port}"
+        await http_ok(base + "/health")
+        yield Target([base + "/v1/chat/completions"])
+
+
+async def streams_live(base: str, count: int) -> None:
+    """Until the router follows every replica's KV stream (state live)."""
+
+    async def check(_session: aiohttp.ClientSession) -> bool:
+        return (await router_figures([base])).get("kv_streams_live", 0) == count
+
+    await wait_until(check, f"{base}: {count} KV streams live")
 
 
 async def run_cell(
-    cell: Cell,
-    trace: list[TraceRequest],
-    *,
-    fleet: Fleet,
-    bases: list[str],
-    consul_addr: str,
-    vllm_router: str | None,
+    cell: Cell, trace: list[TraceRequest], *, fleet: Fleet, real: RealFleet, vllm_router: str | None
 ) -> None:
+    bases = real.bases
     await reset_caches(bases)
-    async with target_urls(cell.target, bases, consul_addr, vllm_router) as urls:
+    async with target_urls(cell.target, real, vllm_router) as target:
         before = await counters(bases)
         ENGINE_BASES[:] = bases  # for play()'s running+waiting sampler
-        outcomes, _, peak = await play(trace, cell.target, urls, fleet)
+        outcomes, _, peak = await play(trace, cell.target, target.urls, fleet)
         after = await counters(bases)
+        if target.router is not None and target.log is not None:
+            sources = prefix_sources(target.log)
+            total = sum(sources.values())
+            cell.events_share = sources.get("events", 0) / total if total else None
+            figures = await router_figures([target.router])
+            cell.kv_events = figures.get("kv_events")
+            cell.kv_resyncs = figures.get("kv_resyncs")
+            cell.exact_prompts = {
+                k.removeprefix("exact_prompts_"): v
+                for k, v in figures.items()
+                if k.startswith("exact_prompts_")
+            }
     summarise(cell, outcomes, before, after, peak)
 
 
@@ -405,7 +507,171 @@ def pooled(cells: list[Cell]) -> Cell:
     total.queries = sum(c.queries for c in cells)
     total.engine_queries = [sum(q) for q in zip(*(c.engine_queries for c in cells), strict=True)]
     total.peak_engine_busy = max(c.peak_engine_busy for c in cells)
+    shares = [(c.events_share, c.requests) for c in cells if c.events_share is not None]
+    if shares:
+        total.events_share = sum(s * n for s, n in shares) / sum(n for _, n in shares)
+    for c in cells:
+        for outcome, count in c.exact_prompts.items():
+            total.exact_prompts[outcome] = total.exact_prompts.get(outcome, 0.0) + count
     return total
+
+
+# -- the oracle -----------------------------------------------------------------------------
+
+
+def oracle_index() -> Any:
+    """A KvIndex fed in this process from the engines' own sockets (`feed_engine`).
+
+    The router's KV feed still reads the relays' streams into it; those calls
+    are ignored. A replica is live from its first reading on, never stale:
+    its set is the engine's events applied as they arrive.
+    """
+    from caravan_llm.router.core.kv_index import KvIndex  # noqa: PLC0415
+
+    class OracleIndex(KvIndex):
+        __slots__ = ("fed",)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.fed: set[str] = set()
+
+        def feed_snapshot(self, replica: str, snapshot: Any, now: float) -> None:
+            self.fed.add(replica)
+            KvIndex.apply_snapshot(self, replica, snapshot, now)
+
+        def feed_delta(self, replica: str, delta: Any, now: float) -> None:
+            KvIndex.apply_delta(self, replica, delta, now)
+
+        def state(self, replica: str, now: float) -> Any:
+            if replica in self.fed and not self.needs_snapshot(replica):
+                return "live"
+            return super().state(replica, now)
+
+        def apply_snapshot(self, replica: str, snapshot: Any, now: float) -> Any:
+            del replica, snapshot, now
+            return "ignored"
+
+        def apply_delta(self, replica: str, delta: Any, now: float) -> Any:
+            del replica, delta, now
+            return "ignored"
+
+        def heartbeat(self, replica: str, position: Any, now: float) -> Any:
+            del replica, position, now
+            return "ignored"
+
+        def forget(self, replica: str) -> None:
+            del replica
+
+        def retain(self, replicas: Any) -> None:
+            del replicas
+
+    return OracleIndex()
+
+
+async def feed_engine(index: Any, replica: str, endpoint: str) -> None:
+    """Apply one engine's KV-event batches to `index` as they arrive, named as its relay names
+    them (the relay's own `RelayState`, keyed with the engine key), with no relay in between."""
+    import zmq  # noqa: PLC0415
+    import zmq.asyncio  # noqa: PLC0415
+
+    from caravan_llm.common.block_digest import DigestKey  # noqa: PLC0415
+    from caravan_llm.kvrelay.events import relay_events  # noqa: PLC0415
+    from caravan_llm.kvrelay.state import RelayState  # noqa: PLC0415
+    from caravan_llm.kvrelay.wire import KvWireError, decode_frame  # noqa: PLC0415
+
+    state = RelayState(epoch=1, block_size=CPU_BLOCK_SIZE, key=DigestKey.from_secret(KEY))
+    index.feed_snapshot(replica, state.snapshot(), time.monotonic())
+    sub = zmq.asyncio.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
+    sub.connect(endpoint)
+    try:
+        while True:
+            parts = await sub.recv_multipart()
+            try:
+                batch = decode_frame(parts)
+            except KvWireError:
+                continue
+            applied = state.apply(batch.seq, relay_events(batch).events)
+            now = time.monotonic()
+            if applied.reset is not None:
+                index.feed_snapshot(replica, state.snapshot(), now)
+            elif applied.delta is not None:
+                index.feed_delta(replica, applied.delta, now)
+    finally:
+        sub.close(linger=0)
+
+
+def run_oracle_router(argv: list[str]) -> int:
+    """The `oracle` target's router: caravan's router (default policy, its own tokenizers)
+    whose exact index is `oracle_index`, fed by `feed_engine`; every request waits for its
+    digests."""
+    parser = argparse.ArgumentParser(prog="routing_quality_real.py oracle-router")
+    parser.add_argument("--consul", required=True)
+    parser.add_argument("--nomad", required=True)
+    parser.add_argument("--events", required=True, help="the engines' KV-event endpoints")
+    parser.add_argument("--ids", required=True, help="their endpoint ids, in the same order")
+    args = parser.parse_args(argv)
+
+    from aiohttp import web  # noqa: PLC0415
+    from prometheus_client import CollectorRegistry  # noqa: PLC0415
+
+    from caravan_llm.common.consul_api import ConsulClient, ConsulSettings  # noqa: PLC0415
+    from caravan_llm.common.log_format import configure_logging  # noqa: PLC0415
+    from caravan_llm.common.nomad_api import NomadClient, NomadSettings  # noqa: PLC0415
+    from caravan_llm.router.settings import RouterSettings  # noqa: PLC0415
+    from caravan_llm.router.tokens.registry import Tokenizers  # noqa: PLC0415
+    from caravan_llm.router.wiring.app import RUNTIME, app_runner, create_app  # noqa: PLC0415
+
+    # Info: the request lines (as the other caravan targets write them), counted by the bench.
+    configure_logging("info", "json")
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        settings = RouterSettings(
+            port=0, register_service=False, kv_events=True, exact_prefix_budget_ms=10_000.0
+        )
+        host, _, port = args.consul.rpartition(":")
+        tokenizers = Tokenizers()
+        async with (
+            ConsulClient(ConsulSettings(host=host, port=int(port))) as consul,
+            NomadClient(NomadSettings.from_env({"NOMAD_ADDR": args.nomad})) as nomad,
+        ):
+            app = create_app(
+                settings,
+                consul=consul,
+                registry=CollectorRegistry(),
+                nomad=nomad,
+                prompt_tokens=tokenizers,
+            )
+            index = oracle_index()
+            app[RUNTIME].state.kv = index
+            feeds = [
+                asyncio.create_task(feed_engine(index, replica, endpoint))
+                for replica, endpoint in zip(
+                    args.ids.split(","), args.events.split(","), strict=True
+                )
+            ]
+            runner = app_runner(app, settings)
+            await runner.setup()
+            try:
+                await web.TCPSite(runner, "127.0.0.1", 0).start()
+                print(
+                    f"oracle router listening on http://127.0.0.1:{runner.addresses[0][1]}",
+                    flush=True,
+                )
+                await stop.wait()
+            finally:
+                for feed in feeds:
+                    feed.cancel()
+                await asyncio.gather(*feeds, return_exceptions=True)
+                await runner.cleanup()
+                tokenizers.close()
+
+    asyncio.run(main())
+    return 0
 
 
 # -- the report -----------------------------------------------------------------------------
@@ -432,17 +698,19 @@ def print_report(cells: list[Cell], targets: list[str], text: str) -> None:
     print(f"\n{text}\n")
     header = (
         "| target | requests | errors | fleet hit rate | TTFT p50 ms | TTFT p99 ms "
-        "| engine split | peak busy |"
+        "| engine split | peak busy | prefix from events | exact prompts |"
     )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     totals = {t: pooled([c for c in cells if c.target == t]) for t in targets}
     for target, c in totals.items():
         split = "/".join(f"{q / c.queries:.2f}" for q in c.engine_queries) if c.queries else "-"
+        events = "-" if c.events_share is None else f"{c.events_share:.2f}"
+        exact = ", ".join(f"{k} {v:.0f}" for k, v in sorted(c.exact_prompts.items()) if v) or "-"
         print(
             f"| {target} | {c.requests} | {c.errors} | {_fmt(c.hit_rate, 3)} | "
             f"{_fmt(c.ttft_ms['p50'], 1)} | {_fmt(c.ttft_ms['p99'], 1)} | {split} | "
-            f"{c.peak_engine_busy} |"
+            f"{c.peak_engine_busy} | {events} | {exact} |"
         )
     reps = sorted({c.rep for c in cells})
     if len(reps) > 1:
@@ -459,12 +727,13 @@ def print_report(cells: list[Cell], targets: list[str], text: str) -> None:
                     else "-"
                 )
             print(f"| {target} | " + " | ".join(row) + " |")
-    mine = totals.get(DEFAULT_TARGET)
-    if mine is None:
-        return
     rr = totals.get("rr")
     peers = [c for t, c in totals.items() if t.startswith("vllm-router-")]
     best_peer = max(peers, key=lambda c: c.hit_rate, default=None)
+    print_precise_ratios(totals, rr, best_peer)
+    mine = totals.get(DEFAULT_TARGET)
+    if mine is None:
+        return
     hit_rr = _ratio(mine.hit_rate, rr.hit_rate if rr else None)
     hit_peer = _ratio(mine.hit_rate, best_peer.hit_rate if best_peer else None)
     ttft_rr = _ratio(mine.ttft_ms["p50"], rr.ttft_ms["p50"] if rr else None)
@@ -489,6 +758,37 @@ def print_report(cells: list[Cell], targets: list[str], text: str) -> None:
         print(f"- {name}: {verdict} ({value})")
 
 
+def print_precise_ratios(totals: dict[str, Cell], rr: Cell | None, best_peer: Cell | None) -> None:
+    """Issue 24's bar on real engines: precise routing's fleet hit rate against the
+    approximate index (`caravan`) and the oracle, and against rr and vllm-router's best."""
+    approx, oracle = totals.get(DEFAULT_TARGET), totals.get("oracle")
+    for name in ("precise", "precise-wait"):
+        precise = totals.get(name)
+        if precise is None:
+            continue
+        against = {
+            "approximate index": approx,
+            "oracle": oracle,
+            "rr": rr,
+            "best vllm-router": best_peer,
+        }
+        ratios = {
+            k: _ratio(precise.hit_rate, v.hit_rate if v else None) for k, v in against.items()
+        }
+        print(f"\nFleet hit rate of `{name}`, all repetitions pooled, over:\n")
+        print("| " + " | ".join(ratios) + " |")
+        print("|" + "---|" * len(ratios))
+        print("| " + " | ".join(ratios.values()) + " |")
+        checks = [
+            (">= the approximate index's", ratios["approximate index"], lambda r: r >= 1.0),
+            ("within 5% of the oracle's", ratios["oracle"], lambda r: r >= 0.95),
+        ]
+        print()
+        for label, value, passes in checks:
+            verdict = "n/a" if value == "-" else ("yes" if passes(float(value)) else "NO")
+            print(f"- {name} {label}: {verdict} ({value})")
+
+
 # -- orchestration --------------------------------------------------------------------------
 
 
@@ -510,7 +810,7 @@ def find_vllm_router() -> str | None:
 
 
 def choose_targets(text: str, vllm_router: str | None) -> list[str]:
-    targets = text.split(",") if text else ["rr", "lor", DEFAULT_TARGET]
+    targets = text.split(",") if text else ["rr", "lor", DEFAULT_TARGET, "precise", "oracle"]
     if not text and vllm_router is not None:
         targets += [f"vllm-router-{p}" for p in VLLM_ROUTER_POLICIES]
     if vllm_router is None:
@@ -532,7 +832,7 @@ def orchestrate(args: argparse.Namespace, workload: Workload) -> int:
     targets = choose_targets(args.targets, vllm_router)
     unknown = [
         t for t in targets
-        if t not in ("rr", "lor", DEFAULT_TARGET)
+        if t not in ("rr", "lor", DEFAULT_TARGET, *EVENT_TARGETS)
         and not t.startswith("caravan-")
         and t.removeprefix("vllm-router-") not in VLLM_ROUTER_POLICIES
     ]  # fmt: skip
@@ -564,18 +864,24 @@ def orchestrate(args: argparse.Namespace, workload: Workload) -> int:
                     "0",
                     "--dns-port",
                     "0",
+                    "--nomad-port",
+                    "0",
+                    "--nodes",
+                    "0",
                 ],
-                r"CONSUL_HTTP_ADDR=([\d.:]+)",
+                r"CONSUL_HTTP_ADDR=([\d.:]+)[\s\S]*?NOMAD_ADDR=(\S+)",
             )
         )
-        consul_addr = consul.group(1)
-        ports = free_ports(2)
-        bases = [f"http://127.0.0.1:{port}" for port in ports]
+        consul_addr, nomad_addr = consul.group(1), consul.group(2)
+        ports = free_ports(4)  # the engines', then their relays'
+        bases = [f"http://127.0.0.1:{port}" for port in ports[:2]]
         procs = []
-        for core, port in enumerate(ports):
+        scratches = []
+        for core, port in enumerate(ports[:2]):
             tmpdir = tempfile.mkdtemp(prefix="cvl-")
+            scratches.append(tmpdir)
             stack.callback(shutil.rmtree, tmpdir, ignore_errors=True)  # after the stop below
-            command = server_command(str(build.python), str(build.model), port, workload)
+            command = server_command(str(build.python), str(build.model), port, workload, tmpdir)
             proc, _ = stack.enter_context(
                 started(command, r"", env=server_env(core, tmpdir), new_session=True)
             )
@@ -594,8 +900,23 @@ def orchestrate(args: argparse.Namespace, workload: Workload) -> int:
             step_s=0.0,
             output_tokens=workload.max_tokens,
         )
-        asyncio.run(register_engines(consul_addr, ports, fleet))
+        # Placed as the scheduler places replicas: the engine key in Nomad Variables, the
+        # relays' ports in `placements/<model>`, the tiny model's tokenizer in the profile.
+        placed = asyncio.run(
+            place_fleet(consul_addr, nomad_addr, fleet, str(build.model), ports=ports)
+        )
+        for scratch, port in zip(scratches, placed.relay_ports, strict=True):
+            stack.enter_context(started(*relay_command(scratch, port)))
+            asyncio.run(http_ok(f"http://127.0.0.1:{port}/health"))
         asyncio.run(engines_passing(consul_addr, 2))
+        real = RealFleet(
+            consul_addr=consul_addr,
+            nomad_addr=nomad_addr,
+            bases=bases,
+            placed=placed,
+            events=[events_endpoints(scratch)[0] for scratch in scratches],
+            tokenizer=str(build.model),
+        )
         trace = build_trace(workload, systems, workload.duration_s)
         lengths = asyncio.run(prompt_lengths(bases[0], trace))
         # The user turn must stay in the partial block after the shared ones (with the
@@ -618,16 +939,21 @@ def orchestrate(args: argparse.Namespace, workload: Workload) -> int:
                 cell_began = time.monotonic()
                 asyncio.run(
                     run_cell(
-                        cell, trace, fleet=fleet, bases=bases, consul_addr=consul_addr,
-                        vllm_router=vllm_router,
+                        cell, trace, fleet=fleet, real=real, vllm_router=vllm_router,
                     )
                 )  # fmt: skip
                 cell.wall_s = time.monotonic() - cell_began
                 cells.append(cell)
+                events = (
+                    ""
+                    if cell.events_share is None
+                    else f", prefix from events {cell.events_share:.2f}, KV deltas applied "
+                    f"{cell.kv_events or 0:.0f}, resyncs {cell.kv_resyncs or 0:.0f}"
+                )
                 print(
                     f"  {target} rep {rep}: hit rate {_fmt(cell.hit_rate, 3)}, TTFT p50 "
                     f"{_fmt(cell.ttft_ms['p50'], 1)} ms, p99 {_fmt(cell.ttft_ms['p99'], 1)} ms, "
-                    f"errors {cell.errors} ({cell.wall_s:.0f} s)",
+                    f"errors {cell.errors}{events} ({cell.wall_s:.0f} s)",
                     flush=True,
                 )
     print_report(cells, targets, caption(workload, counts, prefill_rate, args.reps))
@@ -642,7 +968,26 @@ def orchestrate(args: argparse.Namespace, workload: Workload) -> int:
     return 0
 
 
+def relay_command(scratch: str, port: int) -> tuple[list[str], str, dict[str, str]]:
+    """A KV relay for the engine whose sockets are in `scratch`, as a replica's task runs it."""
+    events, replay = events_endpoints(scratch)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "CARAVAN_KV_RELAY_EVENTS_ENDPOINT": events,
+        "CARAVAN_KV_RELAY_REPLAY_ENDPOINT": replay,
+        "CARAVAN_KV_RELAY_TOPIC": TOPIC,
+        "CARAVAN_KV_RELAY_ENGINE_API_KEY": KEY,
+        "CARAVAN_KV_RELAY_HOST": "127.0.0.1",
+        "CARAVAN_KV_RELAY_PORT": str(port),
+        "CARAVAN_KV_RELAY_LOG_LEVEL": "warning",
+    }
+    return [sys.executable, "-m", "caravan_llm.kvrelay"], r"", env
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["oracle-router"]:
+        return run_oracle_router(sys.argv[2:])
     defaults = Workload()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default="", help="comma-separated (default: all)")

@@ -20,16 +20,17 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import signal
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import aiohttp
 from pydantic import SecretStr
@@ -97,6 +98,14 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         action="store_true",
         help="narrate on stderr; once ready, print one JSON object on stdout (the addresses, "
         "keys and tokens of the export lines, the models, each one's completion)",
+    )
+    parser.add_argument(
+        "--request-log",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="append the router's line for each request to FILE, one JSON object a line "
+        "(model, endpoint, status, prefix_source, ...: never a prompt or a key)",
     )
     parser.add_argument(
         "--keep-logs",
@@ -254,8 +263,9 @@ async def _started(args: argparse.Namespace) -> AsyncIterator[Running]:
     from caravan_llm.cli.local_stack import StackOptions, local_stack  # noqa: PLC0415
 
     router_settings = RouterSettings(port=args.router_port, log_level="warning")
+    request_log = _request_log_writer(args.request_log)
     if args.real:
-        async with _real(router_settings) as running:
+        async with _real(router_settings, request_log) as running:
             yield running
         return
     work_dir = Path(tempfile.mkdtemp(prefix="caravan-demo-")) if args.keep_logs else None
@@ -268,6 +278,7 @@ async def _started(args: argparse.Namespace) -> AsyncIterator[Running]:
         prefer_real_llama_server=not args.simulated_llama,
         vllm_engine=args.vllm,
         router=router_settings,
+        request_log=request_log,
     )
     say(
         f"starting devcluster: {args.cpu_nodes} CPU nodes, {args.gpu_nodes} GPU nodes "
@@ -282,7 +293,10 @@ async def _started(args: argparse.Namespace) -> AsyncIterator[Running]:
         store = ModelStore(stack.scheduler.consul, KVLayout())
         # As they are: devcluster's nodes have the files they name (local_stack's node root).
         profiles = tuple(load_profile(example_profiles_dir() / name) for name in DEMO_PROFILES)
-        _say_vllm_engine(stack.cluster.nomad.driver_settings.real_vllm, profiles, stack.config)
+        real_vllm = stack.cluster.nomad.driver_settings.real_vllm
+        if real_vllm is not None:
+            profiles = tuple(_with_tiny_tokenizer(p, real_vllm) for p in profiles)
+        _say_vllm_engine(real_vllm, profiles, stack.config)
         say(f"router on {stack.router.base_url} (API key required)")
         say(f"scheduler API on {stack.scheduler_url} (API token required)")
         yield Running(
@@ -325,10 +339,39 @@ def _say_vllm_engine(
         say(f"  {profile.name}: the rendered job runs as it is, except:")
         for change in substitutions_for(args, real):
             say(f"    {change.describe()}")
+        say(
+            f"    profile tokenizer: {profile.tokenizer} (routers name the prompt's KV blocks "
+            "in the tokens of the model the replicas really run)"
+        )
+
+
+def _with_tiny_tokenizer(profile: ModelProfile, real: RealVllmOptions) -> ModelProfile:
+    """A vLLM profile whose routers tokenize as its real replicas do: with the tiny model's
+    tokenizer, since they run the tiny model in place of the profile's (vllm_real.py)."""
+    if profile.engine.value != "vllm" or profile.tokenizer is not None:
+        return profile
+    return profile.model_copy(update={"tokenizer": str(real.build.model)})
+
+
+def _request_log_writer(path: Path | None) -> Callable[[dict[str, Any]], None] | None:
+    """The router's request lines appended to `path` as JSON lines (None: not written)."""
+    if path is None:
+        return None
+    # The router builds its request line only when its logger is at info; the
+    # line goes to the file, not to the demo's stderr (which stays at warnings).
+    logging.getLogger("router.proxy").setLevel(logging.INFO)
+
+    def write(fields: dict[str, Any]) -> None:
+        with path.open("a", encoding="utf-8") as out:
+            out.write(json.dumps(fields, sort_keys=True) + "\n")
+
+    return write
 
 
 @contextlib.asynccontextmanager
-async def _real(router_settings: RouterSettings) -> AsyncIterator[Running]:
+async def _real(
+    router_settings: RouterSettings, request_log: Callable[[dict[str, Any]], None] | None
+) -> AsyncIterator[Running]:
     from caravan_llm.cli.local_stack import (  # noqa: PLC0415
         new_secret,
         running_router,
@@ -348,7 +391,9 @@ async def _real(router_settings: RouterSettings) -> AsyncIterator[Running]:
         )
         async with (
             running_scheduler(scheduler),
-            running_router(with_api_key(router_settings, new_secret()), consul) as router,
+            running_router(
+                with_api_key(router_settings, new_secret()), consul, request_log
+            ) as router,
         ):
             store = ModelStore(consul, KVLayout())
             yield Running(

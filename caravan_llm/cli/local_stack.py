@@ -55,6 +55,7 @@ from caravan_llm.devcluster.consul.server import ConsulConfig
 from caravan_llm.devcluster.llama_server_build import find_llama_server
 from caravan_llm.devcluster.nomad.settings import NomadServerSettings, default_nodes
 from caravan_llm.router.settings import RouterSettings
+from caravan_llm.router.tokens.registry import Tokenizers
 from caravan_llm.router.wiring.app import RUNTIME, app_runner, create_app
 from caravan_llm.scheduler.app import SchedulerProcess, build_scheduler
 from caravan_llm.scheduler.cluster_config import (
@@ -301,10 +302,17 @@ async def running_router(
     nomad: NomadClient | None = None,
 ) -> AsyncIterator[RouterHandle]:
     """Serve a router on the running loop, registered in Consul as `caravan-router`;
-    with `nomad` it reads the engines' API keys from Nomad Variables."""
+    with `nomad` it reads the engines' API keys from Nomad Variables. With KV events on it
+    has its tokenizers, as the router process has (exact prefix routing)."""
     registry = CollectorRegistry()
+    tokenizers = Tokenizers() if settings.kv_events else None
     app = create_app(
-        settings, consul=consul, registry=registry, request_log=request_log, nomad=nomad
+        settings,
+        consul=consul,
+        registry=registry,
+        request_log=request_log,
+        nomad=nomad,
+        prompt_tokens=tokenizers,
     )
     runtime = app[RUNTIME]
     runner = app_runner(app, settings)
@@ -323,6 +331,8 @@ async def running_router(
                 await runtime.deregister()
     finally:
         await runner.cleanup()
+        if tokenizers is not None:
+            tokenizers.close()
 
 
 @dataclass(slots=True)

@@ -102,10 +102,14 @@ async def test_demo_once_streams_a_completion_and_exits_zero():
 
 
 @pytest.mark.slow
-async def test_demo_json_prints_one_object_with_the_exports_and_narrates_on_stderr():
+async def test_demo_json_prints_one_object_with_the_exports_and_narrates_on_stderr(
+    tmp_path: Path,
+):
     """`caravan demo --once --json`: stdout is one JSON object a script can read; the
-    narration goes to stderr; the key and token it gives work as the export lines' do."""
-    process = await start_demo("--once", "--json")
+    narration goes to stderr; the key and token it gives work as the export lines' do;
+    `--request-log` has the router's line of each completion, without the prompt."""
+    request_log = tmp_path / "requests.jsonl"
+    process = await start_demo("--once", "--json", "--request-log", str(request_log))
     out, err = await asyncio.wait_for(process.communicate(), 240)
     assert process.returncode == 0, err.decode()
     (line,) = out.decode().splitlines()
@@ -128,6 +132,11 @@ async def test_demo_json_prints_one_object_with_the_exports_and_narrates_on_stde
     assert ready["openai_api_key"]
     assert ready["caravan_api_token"]
     assert "tiny-chat: 3/3 ready" in err.decode()
+    logged = [json.loads(entry) for entry in request_log.read_text().splitlines()]
+    assert ["qwen2.5-7b-instruct", "tiny-chat"] == sorted(entry["model"] for entry in logged)
+    assert {200} == {entry["status"] for entry in logged}
+    assert all("prefix_source" in entry for entry in logged)
+    assert "say hello" not in request_log.read_text().lower()  # the demo's prompt
 
 
 async def router_srv(dns_port: int) -> list[int]:
