@@ -87,6 +87,9 @@ NO_DEMAND = AdapterDemand()
 # A router's demand record older than this is not counted (a router that stopped
 # writing: gone, or no longer asked for the model's adapters).
 DEMAND_MAX_AGE_S = 60.0
+# ... and older than this it is deleted (`forgotten_demand`): a router that went away
+# leaves its keys behind, and routers come and go (one key per process and port).
+DEMAND_FORGET_AFTER_S = 600.0
 
 
 def demand_from_records(
@@ -105,6 +108,24 @@ def demand_from_records(
         for adapter, rate in record.requests_per_s.items():
             total[adapter] = total.get(adapter, 0.0) + rate
     return AdapterDemand(MappingProxyType(total)) if total else NO_DEMAND
+
+
+def forgotten_demand(
+    records: Mapping[str, Iterable[AdapterDemandRecord]],
+    now: float,
+    forget_after_s: float = DEMAND_FORGET_AFTER_S,
+) -> list[tuple[str, str]]:
+    """The (model, router) records to delete: written longer than `forget_after_s` ago.
+
+    A router rewrites its record every few seconds while it runs (even with
+    no figures), so one this old belongs to a router that is gone.
+    """
+    return sorted(
+        (model, record.router)
+        for model, found in records.items()
+        for record in found
+        if record.router and now - record.at > forget_after_s
+    )
 
 
 @dataclass(frozen=True, slots=True)
