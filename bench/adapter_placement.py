@@ -25,7 +25,8 @@ streamed completions of unique prompts, so no prefix cache helps either):
   fewest requests in flight (ties at random), with no regard to adapters;
   an adapter the replica does not hold is loaded there first (lazy loading),
   and a replica that holds 4 already first unloads the one its requests used
-  least recently, so it is never asked to hold more than `max_loras` either.
+  least recently (never one a request in flight uses), so it is never asked
+  to hold more than `max_loras` either.
 
 Each arm gets a warm-up phase (the same trace shape, another seed: caravan's
 demand signal and the baseline's lazy loads settle), then the measured
@@ -35,8 +36,11 @@ errors, requests that waited for a load, and, from the engines' own state
 (`--sim-lora-state-dir`, written by each simulated vLLM), the most adapters
 each replica was ever asked to hold (registered through the API), held in
 its GPU slots and mixed in one batch, and how often it read an adapter from
-disk. The run fails (exit 1) when any replica exceeded `max_loras` or the
-p50 ratio (caravan / random) is above 0.7.
+disk; for caravan, its adapter events in the measured phase (the router's
+on-demand loads and evictions, the scheduler's loads and unloads) and the
+router's loads by the adapter's popularity rank. The run fails (exit 1)
+when any replica exceeded `max_loras` or the p50 ratio (caravan / random)
+is above 0.7.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -128,6 +133,8 @@ class ArmResult:
     engines: list[dict[str, Any]] = field(default_factory=list)
     # caravan: its adapter events in the measured phase (router loads, scheduler loads/unloads).
     events: dict[str, int] = field(default_factory=dict)
+    # caravan: the router's on-demand loads, by the adapter's popularity rank (1: hottest).
+    loads_by_rank: dict[int, int] = field(default_factory=dict)
 
     def ttfts(self) -> list[float]:
         return sorted(o.ttft_s for o in self.outcomes if o.ok and o.ttft_s is not None)
@@ -167,6 +174,7 @@ def build_trace(
 
 
 def popularity_order(args: argparse.Namespace) -> list[str]:
+    """The adapters, most popular first, as the measured trace draws them (`build_trace`)."""
     rng = random.Random(args.seed)
     names = adapter_names()
     rng.shuffle(names)
@@ -373,7 +381,7 @@ class LazyBalancer:
                 if task is None:
                     task = asyncio.get_running_loop().create_task(self._load(url, request.adapter))
                     self._loading[key] = task
-                    task.add_done_callback(lambda _, key=key: self._loading.pop(key, None))
+                    task.add_done_callback(functools.partial(self._loaded, key))
                 await asyncio.shield(task)
             self._held[url][request.adapter] = time.monotonic()
             in_use = self._in_use[url]
@@ -390,6 +398,9 @@ class LazyBalancer:
         finally:
             self._inflight[url] -= 1
 
+    def _loaded(self, key: tuple[str, str], _: asyncio.Task[None]) -> None:
+        self._loading.pop(key, None)
+
     async def _load(self, url: str, name: str) -> None:
         async with self._locks[url]:
             held = self._held[url]
@@ -404,8 +415,9 @@ class LazyBalancer:
             if len(held) >= MAX_LORAS:
                 idle = [n for n in held if not self._in_use[url].get(n, 0)]
                 victim = min(idle, key=lambda n: held[n])
-                await self._post(url, "/v1/unload_lora_adapter", {"lora_name": victim})
+                # Out of `held` first: no request may pick it while the unload is under way.
                 del held[victim]
+                await self._post(url, "/v1/unload_lora_adapter", {"lora_name": victim})
             await self._post(
                 url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": self._sources[name]}
             )
@@ -535,9 +547,12 @@ async def run_caravan(
                     logger.removeHandler(counter)
             result.events = dict(sorted(counter.counts.items()))
         result.waited_for_load = sum(1 for line in lines if line.get("adapter_load_s") is not None)
-        print("DEBUG loads", sorted(counter.by_adapter.items(), key=lambda kv: -kv[1]))
-        print("DEBUG popularity", popularity_order(args))
-        print("DEBUG line", lines[len(lines) // 2] if lines else None)
+        ranks = {name: rank for rank, name in enumerate(popularity_order(args), start=1)}
+        result.loads_by_rank = {
+            ranks[key.split(":", 1)[1]]: count
+            for key, count in counter.by_adapter.items()
+            if key.startswith("adapter_loaded:")
+        }
     result.engines = engine_states(state)
     return result
 
@@ -579,6 +594,7 @@ def report(results: list[ArmResult], args: argparse.Namespace, measured: int) ->
         )
         if arm.events:
             print(f"  {arm.name} adapter events while measured: {arm.events}")
+            print(f"  router loads by popularity rank: {dict(sorted(arm.loads_by_rank.items()))}")
         errors = sorted({o.error for o in arm.outcomes if o.error})
         if errors:
             print(f"  {arm.name} errors: {errors[:5]}")
