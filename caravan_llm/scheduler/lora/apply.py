@@ -384,7 +384,9 @@ class LoraApplier:
             if reserved and previous is not None
             else current
         )
-        placed_now = frozenset().union(*basis.values()) if basis else frozenset()
+        # With a slot left to routers, an adapter placed now weighs more (`sticky`); without,
+        # the router's copies are in the plan's slots and demand alone decides, as before.
+        placed_now = frozenset().union(*basis.values()) if reserved and basis else frozenset()
         placement = plan_adapters(
             basis, placeable, sticky(wanted, placed_now), limits.max_loras - reserved
         )
