@@ -40,13 +40,18 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Protocol
 
+from caravan_llm.common.contract import AdapterDemandRecord
 from caravan_llm.common.errors import HashiError, HashiNotFound, JobModifyIndexConflict
 from caravan_llm.common.nomad_api import DeregisterResult, RegisterResult
 from caravan_llm.scheduler.assess import assess
 from caravan_llm.scheduler.cluster_config import ClusterConfig
 from caravan_llm.scheduler.engine_keys import EngineKeys
 from caravan_llm.scheduler.lora.apply import LoraApplier
-from caravan_llm.scheduler.lora.plan import AdapterDemand, demand_from_records
+from caravan_llm.scheduler.lora.plan import (
+    AdapterDemand,
+    demand_from_records,
+    forgotten_demand,
+)
 from caravan_llm.scheduler.metrics import SchedulerMetrics
 from caravan_llm.scheduler.model_store import DesiredState, ModelStore
 from caravan_llm.scheduler.observe import HealthSource, NomadReads, observe, read_nomad
@@ -277,6 +282,7 @@ class Controller:
 
             adapters = await self.lora.reconcile(models, observed, assessment, demand)
             await self.publisher.publish_adapters(adapters)
+            await self._forget_demand(records)
         await self.publisher.publish_failures(desired, assessment, now)
         self.metrics.reconcile_passes.labels(outcome="ok" if not failed else "error").inc()
         requeue = result.requeue_after_s
@@ -289,6 +295,19 @@ class Controller:
             failed=failed,
             conflicts=conflicts,
         )
+
+    async def _forget_demand(self, records: Mapping[str, tuple[AdapterDemandRecord, ...]]) -> None:
+        """Delete the adapter-demand records of routers gone long ago (`forgotten_demand`)."""
+        for model, router in forgotten_demand(records, self.clock()):
+            try:
+                await self.store.forget_adapter_demand(model, router)
+            except HashiError as exc:
+                log.warning(
+                    "adapter_demand_forget_failed",
+                    extra={"model": model, "router": router, "error": str(exc)},
+                )
+                return
+            log.info("adapter_demand_forgotten", extra={"model": model, "router": router})
 
     async def apply_all(self, actions: tuple[Action, ...]) -> list[_Outcome]:
         """Apply actions with bounded concurrency; one outcome per action."""

@@ -434,7 +434,13 @@ def parse_desired_state(entries: tuple[KVEntry, ...], layout: KVLayout, index: i
                 )
                 continue
             if model and router:
-                adapter_demand.setdefault(model, []).append(figures)
+                # The key names the writer (what `forget_adapter_demand` deletes).
+                named = (
+                    figures
+                    if figures.router == router
+                    else figures.model_copy(update={"router": router})
+                )
+                adapter_demand.setdefault(model, []).append(named)
         elif entry.key.startswith(layout.adapters):
             model = _suffix(entry, layout.adapters)
             try:
@@ -693,6 +699,10 @@ class ModelStore:
 
     async def clear_demand(self, name: str) -> None:
         await self.kv.kv_delete(self.layout.demand_key(name))
+
+    async def forget_adapter_demand(self, model: str, router: str) -> None:
+        """Delete a router's adapter-demand record (`adapter-demand/<model>/<router>`)."""
+        await self.kv.kv_delete(self.layout.adapter_demand_key(model, router))
 
     async def publish_cluster_config(self, config: ClusterConfig) -> None:
         """Share the config the scheduler renders with (status and validation use it)."""

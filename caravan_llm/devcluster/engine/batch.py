@@ -19,6 +19,13 @@ How a step works, in the order a real continuous-batching engine does it:
    + prefill_seconds_per_token * prefill tokens`; at its end each sequence
    that has computed everything it needs samples one token.
 
+LoRA adapters (vLLM with `--enable-lora`, when the core is given an
+`AdapterSlots`, `lora_slots.py`): a waiting request is admitted only while
+the step's batch mixes at most `max_loras` adapters; one whose adapter would
+be one too many is skipped this step and the queue behind it goes on (vLLM's
+scheduler). The step then lasts longer by the time it takes to make the
+batch's adapters resident (read from disk, copied into a slot).
+
 KV cache: a fixed number of blocks of `block_size` tokens. Full prompt blocks
 are registered in the prefix cache under a hash chain of their tokens; when no
 sequence holds them any more they stay cached and are evicted least recently
@@ -39,6 +46,10 @@ import heapq
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from caravan_llm.devcluster.engine.lora_slots import AdapterSlots
 
 
 class RequestTooLargeError(ValueError):
@@ -108,6 +119,8 @@ class SequenceSpec:
     output_len: int
     # The prompt's token ids, for the cache events' `token_ids` (empty when none are recorded).
     prompt_token_ids: tuple[int, ...] = ()
+    # The LoRA adapter the request uses (None: the base model).
+    adapter: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +178,8 @@ class StepPlan:
     chunks: tuple[tuple[str, int], ...]
     prefill_tokens: int
     decode_seqs: int
+    # Seconds of the step spent making its LoRA adapters resident.
+    adapter_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,8 +307,15 @@ class BlockPool:
 class BatchCore:
     """One engine instance's scheduler: a FIFO queue, a running batch and a KV cache."""
 
-    def __init__(self, model: PerfModel, *, record_cache_events: bool = False) -> None:
+    def __init__(
+        self,
+        model: PerfModel,
+        *,
+        record_cache_events: bool = False,
+        adapters: AdapterSlots | None = None,
+    ) -> None:
         self.model = model
+        self.adapters = adapters
         self._record = record_cache_events
         self._cache_events: list[CacheEvent] = []
         self._pool = BlockPool(
@@ -379,6 +401,8 @@ class BatchCore:
         chunks: list[tuple[str, int]] = []
         prefill_tokens = 0
         decode_seqs = 0
+        # The adapters this step's batch uses so far.
+        batch_adapters: set[str] = set()
 
         for seq in list(self._running):
             if budget == 0:
@@ -391,30 +415,52 @@ class BatchCore:
                 continue
             chunks.append((seq.spec.request_id, chunk))
             budget -= chunk
+            if seq.spec.adapter is not None:
+                batch_adapters.add(seq.spec.adapter)
             if need == 1 and seq.generated > 0:
                 decode_seqs += 1
             else:
                 prefill_tokens += chunk
 
-        while self._waiting and len(self._running) < self.model.max_num_seqs and budget > 0:
-            seq = self._waiting[0]
+        # Waiting requests skipped for their adapter (they keep their place in the queue).
+        skipped = 0
+        while (
+            len(self._waiting) > skipped
+            and len(self._running) < self.model.max_num_seqs
+            and budget > 0
+        ):
+            seq = self._waiting[skipped]
+            if self.adapters is not None and not self.adapters.fits(
+                batch_adapters, seq.spec.adapter
+            ):
+                skipped += 1
+                continue
             first_chunk = self._admit(seq, budget, now)
             if first_chunk is None:
                 break
             chunks.append((seq.spec.request_id, first_chunk))
             budget -= first_chunk
             prefill_tokens += first_chunk
+            if seq.spec.adapter is not None:
+                batch_adapters.add(seq.spec.adapter)
 
         if not chunks:
             return None
+        adapter_seconds = (
+            self.adapters.prepare(batch_adapters)
+            if self.adapters is not None and batch_adapters
+            else 0.0
+        )
         return StepPlan(
             started_at=now,
             duration=self.model.step_duration(
                 prefill_tokens=prefill_tokens, decode_seqs=decode_seqs
-            ),
+            )
+            + adapter_seconds,
             chunks=tuple(chunks),
             prefill_tokens=prefill_tokens,
             decode_seqs=decode_seqs,
+            adapter_seconds=adapter_seconds,
         )
 
     def complete(self, plan: StepPlan, now: float) -> StepOutcome:
@@ -461,7 +507,8 @@ class BatchCore:
     # --- internals ------------------------------------------------------
 
     def _admit(self, seq: _Seq, budget: int, now: float) -> int | None:
-        """Admit the queue head if its first chunk fits; its chunk size, else None."""
+        """Admit a waiting request (the head, unless those before it were skipped for their
+        adapter) if its first chunk fits; its chunk size, else None."""
         bs = self.model.block_size
         hit_blocks = 0
         if self.model.prefix_caching:
@@ -478,7 +525,10 @@ class BatchCore:
             for block_hash in hits:
                 self._pool.release(block_hash)
             return None
-        self._waiting.popleft()
+        if self._waiting[0] is seq:
+            self._waiting.popleft()
+        else:
+            self._waiting.remove(seq)
         seq.cached_hashes = list(hits)
         seq.private_blocks = new_blocks
         seq.computed = cached

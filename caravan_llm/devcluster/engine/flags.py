@@ -43,6 +43,11 @@ from caravan_llm.devcluster.engine.lora import (
     parse_lora_module,
     runtime_updating,
 )
+from caravan_llm.devcluster.engine.lora_slots import (
+    DEFAULT_LOAD_SECONDS,
+    DEFAULT_SWAP_SECONDS,
+    LoraCosts,
+)
 from caravan_llm.kvrelay.wire import Encoding
 
 Flavor = Literal["vllm", "llamacpp", "sglang"]
@@ -190,6 +195,9 @@ SIM_KNOBS = (
     SimKnob(
         "kv_events_encoding", "map|array: how KV events are encoded (vLLM before PR #42892: array)"
     ),
+    SimKnob("lora_load_seconds", "seconds to read a LoRA adapter from disk (lora_slots.py)"),
+    SimKnob("lora_swap_seconds", "seconds to copy a read LoRA adapter into a GPU slot"),
+    SimKnob("lora_state_dir", "folder for <port>.json, the adapter cache's state (benchmarks)"),
 )
 
 
@@ -252,6 +260,10 @@ class EngineSettings:
     runtime_lora_updating: bool = False
     # Where the engine finds adapter folders (the node folder, HF_HOME).
     lora_env: Mapping[str, str] = field(default_factory=dict)
+    # What adapters cost the simulated engine (`--sim-lora-*-seconds`), and where it writes
+    # its adapter cache's state (`--sim-lora-state-dir`; None: nowhere).
+    lora_costs: LoraCosts = field(default_factory=LoraCosts)
+    lora_state_dir: Path | None = None
 
     @property
     def api_flavor(self) -> ApiFlavor:
@@ -280,6 +292,9 @@ _DEFAULTS: dict[Flavor, dict[str, float | int | str]] = {
         "kv_cache_tokens": 131072,
         # vLLM's CPU build uses 128-token blocks (GPU vLLM: 16); tests/real_vllm holds us to it.
         "block_size": 128,
+        # Where these come from: lora_slots.py.
+        "lora_load_seconds": DEFAULT_LOAD_SECONDS,
+        "lora_swap_seconds": DEFAULT_SWAP_SECONDS,
         "output_tokens": 64,
         "failure_rate": 0.0,
         "disconnect_rate": 0.0,
@@ -599,7 +614,23 @@ def _vllm_settings(args: argparse.Namespace, env: Mapping[str, str]) -> EngineSe
         lora=_lora_config(args),
         runtime_lora_updating=runtime_updating(env),
         lora_env={k: env[k] for k in (NODE_ROOT_ENV, "HF_HOME") if k in env},
+        lora_costs=LoraCosts(
+            load_seconds=_float_knob(values, "lora_load_seconds"),
+            swap_seconds=_float_knob(values, "lora_swap_seconds"),
+        ),
+        lora_state_dir=_state_dir(values),
     )
+
+
+def _state_dir(values: Mapping[str, str]) -> Path | None:
+    raw = values.get("lora_state_dir")
+    if not raw:
+        return None
+    folder = Path(raw)
+    if not folder.is_dir():
+        knob = _knob("lora_state_dir")
+        raise FlagError(f"{knob.flag} / {knob.env}: not a folder: {raw!r}")
+    return folder
 
 
 def _lora_config(args: argparse.Namespace) -> LoraConfig | None:

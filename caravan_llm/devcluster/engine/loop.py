@@ -4,6 +4,11 @@ Each step it asks the core for work, sleeps for the step's duration once for
 the whole batch, applies the step and wakes the requests that got tokens. No
 request sleeps per token: a handler waits on its own event and, when woken,
 sends every token that is ready (several if it fell behind).
+
+Work the engine core does between two steps (vLLM's utility calls, such as
+`add_lora` for a runtime adapter load) is queued with `between_steps`: the
+loop runs it before its next step and sleeps for the seconds it reports, so
+no step runs meanwhile, as in vLLM's engine-core busy loop.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from caravan_llm.devcluster.engine.batch import (
 
 Clock = Callable[[], float]
 StepObserver = Callable[[StepOutcome], None]
+# Work between two steps: does it and returns the seconds it takes.
+Utility = Callable[[], float]
 
 
 @dataclass(slots=True, eq=False)
@@ -59,7 +66,15 @@ class EngineLoop:
         self._observers = tuple(observers)
         self._handles: dict[str, RequestHandle] = {}
         self._wake = asyncio.Event()
+        self._utilities: list[tuple[Utility, asyncio.Future[None]]] = []
         self.steps = 0
+
+    async def between_steps(self, work: Utility) -> None:
+        """Run `work` on the engine between two steps; returns once its seconds have passed."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._utilities.append((work, done))
+        self._wake.set()
+        await done
 
     def submit(self, spec: SequenceSpec) -> RequestHandle:
         """Queue a request; raises RequestTooLargeError when it can never fit."""
@@ -77,6 +92,9 @@ class EngineLoop:
     async def run(self) -> None:
         """Step forever; cancel the task to stop."""
         while True:
+            if self._utilities:
+                await self._run_utilities()
+                continue
             plan = self.core.schedule(self._clock())
             if plan is None:
                 self._wake.clear()
@@ -90,6 +108,20 @@ class EngineLoop:
             self._dispatch(outcome)
             for observe in self._observers:
                 observe(outcome)
+
+    async def _run_utilities(self) -> None:
+        pending, self._utilities = self._utilities, []
+        for work, done in pending:
+            started = self._clock()
+            try:
+                seconds = work()
+            except Exception as exc:
+                if not done.done():
+                    done.set_exception(exc)
+                continue
+            await asyncio.sleep(max(started + seconds - self._clock(), 0.0))
+            if not done.done():
+                done.set_result(None)
 
     def _dispatch(self, outcome: StepOutcome) -> None:
         for request_id in outcome.emitted:

@@ -41,6 +41,7 @@ from caravan_llm.devcluster.engine.hf_tokenizer import HfTokenizer
 from caravan_llm.devcluster.engine.kv_events import KvEventPublisher
 from caravan_llm.devcluster.engine.loop import EngineLoop, RequestHandle
 from caravan_llm.devcluster.engine.lora import LoadedAdapter, LoraRegistry
+from caravan_llm.devcluster.engine.lora_slots import AdapterSlots
 from caravan_llm.devcluster.engine.metrics import (
     PROMETHEUS_TEXT_CONTENT_TYPE,
     LlamacppMetrics,
@@ -138,7 +139,21 @@ class SimulatedEngine:
     ) -> None:
         self.settings = settings
         self._kv_events = kv_events
-        self.core = BatchCore(settings.perf, record_cache_events=kv_events is not None)
+        # vLLM's adapter CPU cache and GPU slots (lora_slots.py), with --enable-lora.
+        self.adapter_slots: AdapterSlots | None = None
+        if settings.flavor == "vllm" and settings.lora is not None:
+            self.adapter_slots = AdapterSlots(
+                max_loras=settings.lora.max_loras,
+                max_cpu_loras=settings.lora.max_cpu_loras,
+                costs=settings.lora_costs,
+            )
+        self._most_registered = 0
+        self._lora_stats_written: tuple[int, ...] = ()
+        self.core = BatchCore(
+            settings.perf,
+            record_cache_events=kv_events is not None,
+            adapters=self.adapter_slots,
+        )
         self.loop = EngineLoop(self.core, clock=clock, observers=(self._observe,))
         self.ready = asyncio.Event()
         self._faults = random.Random(settings.sim.seed)
@@ -157,6 +172,11 @@ class SimulatedEngine:
         if settings.flavor == "vllm" and settings.lora is not None:
             self.lora = LoraRegistry(settings.lora, env=settings.lora_env)
             self.lora.load_static()
+            # vLLM loads the --lora-modules into the engine while it starts.
+            for module in settings.lora.modules:
+                if self.adapter_slots is not None:
+                    self.adapter_slots.add(module.name)
+            self._note_lora_state()
         self._adapter_of: dict[str, str] = {}
         self.shape: ApiShape
         self._vllm_metrics: VllmMetrics | None = None
@@ -307,6 +327,12 @@ class SimulatedEngine:
             self._vllm_metrics.observe_step(outcome)
         if self._llamacpp_metrics is not None:
             self._llamacpp_metrics.observe_step(outcome)
+        if self.adapter_slots is not None and self.settings.lora_state_dir is not None:
+            stats = self.adapter_slots.stats()
+            seen = (stats.disk_loads, stats.swaps, stats.max_active, stats.max_batch_adapters)
+            if seen != self._lora_stats_written:
+                self._lora_stats_written = seen
+                self._note_lora_state()
         for finished in outcome.finished:
             reason = self._finish_reasons.pop(finished.request_id, "stop")
             if self._vllm_metrics is not None:
@@ -342,10 +368,48 @@ class SimulatedEngine:
     async def _lora_call(self, request: web.Request, *, load: bool) -> web.Response:
         """vLLM's load and unload routes: a text body on success, an error object otherwise."""
         try:
-            text = self._lora_change(await self._read_json(request), load=load)
+            body = await self._read_json(request)
+            text = self._lora_change(body, load=load)
         except ApiError as err:
             return self._error(err)
+        await self._lora_resident(body["lora_name"], load=load)
         return web.Response(status=200, text=text)
+
+    async def _lora_resident(self, name: str, *, load: bool) -> None:
+        """What a load or unload does to the engine's adapter cache (lora_slots.py): a load
+        reads and activates the adapter between two steps, holding the engine meanwhile."""
+        slots = self.adapter_slots
+        if slots is not None:
+            if load:
+                await self.loop.between_steps(lambda: slots.add(name))
+            else:
+                slots.remove(name)
+        self._note_lora_state()
+
+    def _note_lora_state(self) -> None:
+        """Track the most adapters ever registered; write the state file when one is asked for
+        (`--sim-lora-state-dir`: `<dir>/<port>.json`, read by bench/adapter_placement.py)."""
+        if self.lora is None:
+            return
+        self._most_registered = max(self._most_registered, len(self.lora.loaded))
+        folder = self.settings.lora_state_dir
+        if folder is None:
+            return
+        stats = self.adapter_slots.stats() if self.adapter_slots is not None else None
+        document = {
+            "port": self.settings.port,
+            "max_loras": self.lora.config.max_loras,
+            "registered": sorted(self.lora.loaded),
+            "max_registered": self._most_registered,
+            "max_active": None if stats is None else stats.max_active,
+            "max_batch_adapters": None if stats is None else stats.max_batch_adapters,
+            "disk_loads": None if stats is None else stats.disk_loads,
+            "swaps": None if stats is None else stats.swaps,
+        }
+        path = folder / f"{self.settings.port}.json"
+        scratch = path.with_suffix(".tmp")
+        scratch.write_text(json.dumps(document), encoding="utf-8")
+        scratch.replace(path)
 
     def _lora_change(self, body: Any, *, load: bool) -> str:
         if not isinstance(body, dict):
@@ -1012,6 +1076,7 @@ class SimulatedEngine:
             output_len=len(output.tokens),
             # Only the KV events carry token ids (BlockStored.token_ids).
             prompt_token_ids=prompt_ids if self._kv_events is not None else (),
+            adapter=None if adapter is None else adapter.name,
         )
         return _Plan(request=parsed, spec=spec, output=output, prompt_tokens=n_prompt)
 

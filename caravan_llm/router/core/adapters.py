@@ -15,6 +15,8 @@ clock of its own:
   hold it, and the load time a replica that does not would add);
 - `eviction_victim`: which adapter a full replica gives up for an on-demand
   load, so that no replica is asked to hold more than `max_loras`;
+  `on_demand_victim` keeps on-demand loads in the slot the plan leaves to
+  routers when it could not place every adapter;
 - `engine_model_name`: the `model` value the engine expects for an adapter
   (`ModelAdapters.request_model`: vLLM takes the adapter's name, SGLang
   `<served>:<adapter>`);
@@ -124,6 +126,24 @@ class AdapterTable:
                 return frozenset(replica.loaded)
         return frozenset()
 
+    def desired_on(self, model: str, endpoint_id: str) -> frozenset[str]:
+        """The adapters the scheduler's plan wants one endpoint of the model to hold."""
+        document = self.documents.get(model)
+        if document is None:
+            return frozenset()
+        for replica in document.replicas:
+            if nomad_service_id(replica.alloc_id, model) == endpoint_id:
+                return frozenset(replica.desired)
+        return frozenset()
+
+    def on_demand_slots(self, route: AdapterRoute) -> int:
+        """Slots per replica the plan leaves to routers (scheduler/lora/plan.py's
+        `on_demand_slots`): one when the plan could not place every adapter."""
+        document = self.documents.get(route.model)
+        if document is None or not document.unplaced or route.max_loras < 2:
+            return 0
+        return 1
+
     def copies(self, model: str) -> dict[str, int]:
         """On how many replicas each adapter of the model is held."""
         counts: dict[str, int] = {}
@@ -171,6 +191,33 @@ def eviction_victim(
     if len(names) < max_loras:
         return None
     return min(names, key=lambda n: (-copies.get(n, 1), demand.get(n, 0.0), n))
+
+
+def on_demand_victim(
+    held: Iterable[str],
+    desired: Iterable[str],
+    *,
+    max_loras: int,
+    reserved: int,
+    copies: Mapping[str, int],
+    demand: Mapping[str, float],
+) -> str | None:
+    """The adapter to unload before an on-demand load on a replica; None: there is room.
+
+    When the plan leaves `reserved` slots to routers, a router's loads stay in
+    them: an adapter held beyond the plan's (a router's earlier on-demand
+    load) makes way, the least asked for first, even while the replica has a
+    free slot, so that the plan's slots and the routers' never overlap. With
+    no such adapter and a free slot, nothing goes. Otherwise (nothing
+    reserved, or the documents behind): `eviction_victim`.
+    """
+    names = set(held)
+    extras = sorted(names - set(desired))
+    if reserved > 0 and len(extras) >= reserved:
+        return min(extras, key=lambda n: (demand.get(n, 0.0), n))
+    if reserved > 0 and len(names) < max_loras:
+        return None
+    return eviction_victim(names, max_loras=max_loras, copies=copies, demand=demand)
 
 
 def learned_load_s(previous: float | None, observed_s: float) -> float:

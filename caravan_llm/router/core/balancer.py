@@ -53,6 +53,7 @@ from caravan_llm.router.core.cost_model import (
     Estimate,
     estimate,
     index_fill,
+    load_cost,
     peer_rate,
     with_adapter_load,
 )
@@ -464,7 +465,9 @@ def ttft_estimates(
                 peer=peer,
                 events=None if kv is None else events_cached(kv, endpoint, request.exact, now),
             ),
-            None if adapter is None or adapter.holds(endpoint.id) else adapter.load_s,
+            None
+            if adapter is None or adapter.holds(endpoint.id)
+            else load_cost(adapter.load_s, state.in_flight),
         )
         for endpoint, state in candidates
     ]

@@ -403,6 +403,20 @@ def with_adapter_load(item: Estimate, load_s: float | None) -> Estimate:
     return replace(item, seconds=item.seconds + load_s)
 
 
+def load_cost(load_s: float, in_flight: int) -> float:
+    """What loading the request's adapter on a replica costs, in seconds of TTFT.
+
+    The engine reads and activates an adapter between two steps, so every
+    request in flight there waits for the load too (vLLM's engine core runs
+    `add_lora` in its busy loop; devcluster/engine/lora_slots.py). The load is
+    counted once for this request and once for each of them, so a replica
+    that holds the adapter wins unless it is busier than the load would make
+    the other one: loading a copy onto a busy replica to save one request's
+    wait delays all of that replica's.
+    """
+    return load_s * (1 + max(0, in_flight))
+
+
 def restart_prefill_clock(prefill: Prefill, now: float) -> None:
     """The request reaches the engine only now (its adapter was loaded first).
 

@@ -369,6 +369,20 @@ class UpstreamStatusError(UpstreamError):
         self.status = upstream_status if upstream_status in {503, 504} else 502
 
 
+class AdapterNotHeld(UpstreamError):
+    """The replica answered 404 for the request's LoRA adapter: it no longer holds it.
+
+    What the router read said it did (the scheduler's document, or its own
+    load), but the adapter was unloaded since (a scheduler pass, another
+    router). Nothing reached the client and the replica is healthy: another
+    attempt goes to a holder, or has the adapter loaded on demand.
+    """
+
+    retryable = True
+    status = 503
+    code = "adapter_not_held"
+
+
 class UpstreamProtocolError(UpstreamError):
     code = "upstream_protocol_error"
 

@@ -8,19 +8,28 @@ the engine's runtime route that the scheduler's `adapters/<model>` document
 names (`load_path`), with the model's engine key, from the adapter's source
 in the profile. The request is held meanwhile, with its lease, up to
 `timeout_s`; requests for the same adapter on the same replica wait for the
-same load. A replica already holding `max_loras` adapters first unloads one
-(`eviction_victim`: a copy held elsewhere too, else the one this router saw
-least demand for), so no replica is asked to hold more than the profile
-allows.
+same load, and loads on one replica run one at a time (each decides what to
+unload from what the one before left). A replica already holding
+`max_loras` adapters first unloads one (`eviction_victim`: a copy held
+elsewhere too, else the one this router saw least demand for), so no
+replica is asked to hold more than the profile allows. When the plan could
+not place every adapter it leaves one slot per replica to routers
+(scheduler/lora/plan.py): an on-demand load then replaces the adapter held
+there beyond the plan, if any (`on_demand_victim`), and never one the plan
+placed while the replica has room.
 
 How this agrees with the scheduler's plan (scheduler/lora/apply.py, which
 loads and unloads by its own plan every reconcile pass):
 
 - what this router loaded is routed to at once (an overlay on the document)
-  until the scheduler's next document for the model, which then says what the
-  engine holds; an overlay entry older than `confirm_after_s` with no newer
-  document is loaded again on the next request (the engine answers "already
-  loaded", which counts as success, or loads it back if the plan took it);
+  until a document of the scheduler's lists it there, and what it unloaded
+  is not routed to until one no longer does: a document read before the load
+  or unload does not undo it (`_view_changed`). An overlay entry older than
+  `confirm_after_s` goes, and the next request loads it again (the engine
+  answers "already loaded", which counts as success, or loads it back if the
+  plan took it). An engine that answers 404 for an adapter it was thought to
+  hold (`not_held`: unloaded since) is not routed to for it either, and the
+  request is tried again (the proxy's `AdapterNotHeld`);
 - every request for an adapter is counted (`DemandWindow`) and written to
   `adapter-demand/<model>/<router>` (`AdapterDemandWriter`); the scheduler sums
   those into the plan's weights, so an adapter asked for has at least one
@@ -59,8 +68,8 @@ from caravan_llm.router.core.adapters import (
     AdapterRoute,
     AdapterWant,
     DemandWindow,
-    eviction_victim,
     learned_load_s,
+    on_demand_victim,
 )
 from caravan_llm.router.core.endpoints import Endpoint
 from caravan_llm.router.core.errors import AdapterUnavailable
@@ -118,9 +127,13 @@ class AdapterLoader:
         # Endpoint id -> adapter -> when this router loaded it there.
         self._overlay: dict[str, dict[str, float]] = {}
         # Endpoint id -> adapters this router unloaded there (the document may still list them).
-        self._evicted: dict[str, set[str]] = {}
+        # Endpoint id -> adapter -> when this router unloaded it there (or the engine said
+        # it does not hold it); the document may still list it.
+        self._evicted: dict[str, dict[str, float]] = {}
         self._documents: Mapping[str, ModelAdapters] = state.view.adapters.documents
         self._inflight: dict[tuple[str, str], asyncio.Task[float]] = {}
+        # Endpoint id -> the lock its loads take in turn (`_endpoint_lock`).
+        self._endpoint_locks: dict[str, asyncio.Lock] = {}
         self._refusals: dict[tuple[str, str | None], _Refusal] = {}
         # The load time this router last learned, per model.
         self._load_s: dict[str, float] = {}
@@ -185,6 +198,13 @@ class AdapterLoader:
             return True
         return any(route.name in loaded for loaded in self._overlay.values())
 
+    def not_held(self, endpoint_id: str, adapter: str) -> None:
+        """The endpoint's engine answered that it does not hold the adapter: route as if
+        it did not until the scheduler's next document says otherwise."""
+        self._overlay.get(endpoint_id, {}).pop(adapter, None)
+        self._evicted.setdefault(endpoint_id, {})[adapter] = self._clock()
+        log.info("adapter_not_held", extra={"adapter": adapter, "endpoint": endpoint_id})
+
     # -- loading ---------------------------------------------------------------------------
 
     async def ensure_want(self, endpoint: Endpoint, want: AdapterWant) -> float | None:
@@ -236,7 +256,7 @@ class AdapterLoader:
         started = self._clock()
         victim: str | None = None
         try:
-            async with asyncio.timeout(self._timeout_s):
+            async with asyncio.timeout(self._timeout_s), self._endpoint_lock(endpoint.id):
                 victim = await self._make_room(endpoint, route, document)
                 try:
                     await self._post(
@@ -245,6 +265,8 @@ class AdapterLoader:
                 except _LoadFailed:
                     await self._restore(endpoint, victim, load_path)
                     raise
+                # Counted as held at once, so that the next load here makes room for it.
+                self._loaded_here(endpoint.id, route.name)
         except TimeoutError:
             raise self._remember(
                 route,
@@ -266,6 +288,14 @@ class AdapterLoader:
             },
         )
         return took
+
+    def _endpoint_lock(self, endpoint_id: str) -> asyncio.Lock:
+        """One load at a time per endpoint: two loads deciding on the same room at once
+        would both see a free slot (or the same victim) and ask for one adapter too many."""
+        lock = self._endpoint_locks.get(endpoint_id)
+        if lock is None:
+            lock = self._endpoint_locks[endpoint_id] = asyncio.Lock()
+        return lock
 
     async def _restore(self, endpoint: Endpoint, victim: str | None, load_path: str) -> None:
         """Load back the adapter unloaded for a load that failed (best effort)."""
@@ -289,7 +319,7 @@ class AdapterLoader:
         """Unload one adapter from a replica that holds `max_loras` already; its name."""
         table = self._state.view.adapters
         held = (
-            set(table.held_on(route.model, endpoint.id)) - self._evicted.get(endpoint.id, set())
+            set(table.held_on(route.model, endpoint.id)) - set(self._evicted.get(endpoint.id, {}))
         ) | set(self._overlay.get(endpoint.id, {}))
         held.discard(route.name)
         copies = table.copies(route.model)
@@ -299,9 +329,11 @@ class AdapterLoader:
         for loaded in self._overlay.values():
             for name in loaded:
                 copies[name] = copies.get(name, 0) + 1
-        victim = eviction_victim(
+        victim = on_demand_victim(
             held,
+            table.desired_on(route.model, endpoint.id),
             max_loras=route.max_loras,
+            reserved=table.on_demand_slots(route),
             copies=copies,
             demand=self.demand.rates(self._clock()).get(route.model, {}),
         )
@@ -315,7 +347,7 @@ class AdapterLoader:
             if "404" not in exc.reason:
                 raise
         self._overlay.get(endpoint.id, {}).pop(victim, None)
-        self._evicted.setdefault(endpoint.id, set()).add(victim)
+        self._evicted.setdefault(endpoint.id, {})[victim] = self._clock()
         log.info(
             "adapter_evicted",
             extra={
@@ -382,12 +414,18 @@ class AdapterLoader:
 
     def _loaded_here(self, endpoint_id: str, adapter: str) -> None:
         self._overlay.setdefault(endpoint_id, {})[adapter] = self._clock()
-        self._evicted.get(endpoint_id, set()).discard(adapter)
+        self._evicted.get(endpoint_id, {}).pop(adapter, None)
 
     # -- the scheduler's documents -----------------------------------------------------------
 
     def _view_changed(self) -> None:
-        """A new document for a model says what its engines hold: its overlay entries go."""
+        """A new document for a model says what its engines hold: the overlay entries and
+        unloads it confirms go, and those older than `confirm_after_s`.
+
+        One it does not confirm stays (until then): the scheduler read the engine
+        before this router's load or unload, so the document is behind it, and
+        forgetting the load would let the next one here see a free slot that is not.
+        """
         table = self._state.view.adapters
         documents = table.documents
         if documents is self._documents:
@@ -400,17 +438,23 @@ class AdapterLoader:
         self._documents = documents
         if not changed:
             return
-        names = {route.name for route in table.routes.values() if route.model in changed}
-        for endpoint_id in list(self._overlay):
-            loaded = self._overlay[endpoint_id]
-            for name in names & loaded.keys():
-                del loaded[name]
-            if not loaded:
-                del self._overlay[endpoint_id]
-        for endpoint_id in list(self._evicted):
-            self._evicted[endpoint_id] -= names
-            if not self._evicted[endpoint_id]:
-                del self._evicted[endpoint_id]
+        now = self._clock()
+
+        def settled(endpoint_id: str, adapter: str, at: float, *, held: bool) -> bool:
+            route = table.route(adapter)
+            if route is None or route.model not in changed:
+                return route is None
+            listed = adapter in table.held_on(route.model, endpoint_id)
+            return listed == held or now - at >= self._confirm_after_s
+
+        for entries, held in ((self._overlay, True), (self._evicted, False)):
+            for endpoint_id in list(entries):
+                names = entries[endpoint_id]
+                for name, at in list(names.items()):
+                    if settled(endpoint_id, name, at, held=held):
+                        del names[name]
+                if not names:
+                    del entries[endpoint_id]
 
 
 def _message(data: bytes) -> str:

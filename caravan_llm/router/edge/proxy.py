@@ -70,6 +70,7 @@ from caravan_llm.router.core.affinity import affinity_key
 from caravan_llm.router.core.balancer import Policy, RequestFeatures
 from caravan_llm.router.core.endpoints import CheckStatus, Endpoint
 from caravan_llm.router.core.errors import (
+    AdapterNotHeld,
     AdmissionRejected,
     EngineRejectedInput,
     InvalidField,
@@ -541,6 +542,10 @@ class Proxy:
                 # Nothing reached the client yet (the body is read whole), so even
                 # a connection lost halfway through the body can go elsewhere.
                 return _Failed(_upstream_failure(endpoint.id, exc))
+            gone = self._adapter_gone(exchange, endpoint.id, status, data)
+            if gone is not None:
+                outcome = Outcome.NO_VERDICT
+                return _Failed(gone)
             if status in UpstreamStatusError.RETRYABLE_STATUSES or status == ENGINE_KEY_REFUSED:
                 error = _status_error(endpoint.id, status, data)
                 outcome = self._failure_verdict(exchange, error)
@@ -756,6 +761,9 @@ class Proxy:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             return self._failed_or_broken(exchange, _upstream_failure(endpoint_id, exc))
         status = upstream.status
+        gone = self._adapter_gone(exchange, endpoint_id, status, data)
+        if gone is not None:
+            return self._failed_or_broken(exchange, gone)
         if status in UpstreamStatusError.RETRYABLE_STATUSES or status == ENGINE_KEY_REFUSED:
             return self._failed_or_broken(exchange, _status_error(endpoint_id, status, data))
         if exchange.reply.response is None and not continuing:
@@ -1044,8 +1052,26 @@ class Proxy:
                 raise self._input_fault(exchange) from exc
             raise
 
+    def _adapter_gone(
+        self, exchange: Exchange, endpoint_id: str, status: int, data: bytes
+    ) -> AdapterNotHeld | None:
+        """The engine's 404 for the request's adapter: it no longer holds it (`AdapterNotHeld`).
+
+        The loader forgets the adapter there until the scheduler's next document,
+        so that the retry goes to a holder or loads it on demand.
+        """
+        adapter = exchange.features.adapter
+        if adapter is None or self._adapters is None or status != 404:
+            return None
+        if not is_openai_error(data):
+            return None  # a route the engine lacks (`_route_not_served`)
+        self._adapters.not_held(endpoint_id, adapter.name)
+        return AdapterNotHeld(endpoint_id, f"it does not hold the adapter '{adapter.name}'")
+
     def _failure_verdict(self, exchange: Exchange, error: UpstreamError) -> Outcome:
         """The breaker verdict of a failed attempt: a suspicion when the input may be at fault."""
+        if isinstance(error, AdapterNotHeld):
+            return Outcome.NO_VERDICT
         if (
             not isinstance(error, UpstreamStatusError)
             or error.upstream_status != AMBIGUOUS_STATUS

@@ -178,6 +178,9 @@ class RouterRuntime:
         self.state = RoutingState(KvIndex(stale_after_s=settings.kv_events_stale_after_s))
         self.metrics = RouterMetrics(registry)
         self.service_id = router_service_id(advertise_address(settings), settings.port)
+        # A worker of `caravan router --workers N` writes its demand signals under its own
+        # name (`set_worker`): each counts only the requests it got.
+        self.worker_suffix = ""
         self.demand = DemandSignal(
             consul,
             settings.kv_layout,
@@ -356,14 +359,24 @@ class RouterRuntime:
         supervisor = self._supervisor
         return supervisor is not None and supervisor.done() and not supervisor.cancelled()
 
+    def set_worker(self, index: int) -> None:
+        """Serve as worker `index` of several on one port: the demand signals (cold-start and
+        adapter demand) name the process, since each worker counts only its own requests
+        and the scheduler sums the records it reads (one key per worker)."""
+        self.worker_suffix = f"-worker-{index}"
+        self._name_demand()
+
+    def _name_demand(self) -> None:
+        self.demand.router_id = self.service_id + self.worker_suffix
+        self.adapter_demand.router_id = self.service_id + self.worker_suffix
+
     async def register(self, port: int) -> str | None:
         """Register this router in Consul (if enabled) as listening on `port`; the service id."""
         if not self.settings.register_service:
             return None
         registration = router_registration(self.settings, port, self.admin_port)
         service_id = self.service_id = router_service_id(advertise_address(self.settings), port)
-        self.demand.router_id = service_id
-        self.adapter_demand.router_id = service_id
+        self._name_demand()
         await self.consul.agent_service_register(registration, replace_existing_checks=True)
         self.registered_id = service_id
         log.info("router_registered", extra={"service_id": service_id})

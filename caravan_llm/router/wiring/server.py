@@ -154,8 +154,8 @@ async def _serve(
         )
         runtime = app[RUNTIME]
         if worker is not None:
-            # Workers share the router's service id; the demand signal names the process.
-            runtime.demand.router_id = f"{runtime.service_id}-worker-{worker.index}"
+            # Workers share the router's service id; the demand signals name the process.
+            runtime.set_worker(worker.index)
         runner = app_runner(app, settings)
         admin_runner = (
             app_runner(create_admin_app(runtime), settings, listener="admin")

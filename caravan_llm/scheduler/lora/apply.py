@@ -11,7 +11,11 @@ adapters at run time (`AdapterLoading.RUNTIME`, vLLM):
    `adapter-demand/` records, summed), leaving out adapters whose last load
    failed recently. The plan keeps a copy where it is held now whenever its
    counts allow, so an adapter a router loaded on demand (and reports demand
-   for) stays where the router put it;
+   for) stays where the router put it. When the adapters outnumber the
+   slots, the plan has one slot less per replica (`on_demand_slots`), left to
+   the routers, and what a router loaded there is kept (`kept_on_demand`).
+   An adapter placed now weighs more (`sticky`), so that noise in the
+   routers' counts does not move adapters back and forth;
 3. the difference is applied through the engine's API: unloads first (they
    free slots), then loads; an adapter loaded from another source than the
    profile's now is unloaded and loaded again;
@@ -51,7 +55,14 @@ from caravan_llm.common.errors import HashiError
 from caravan_llm.scheduler.assess import Assessment
 from caravan_llm.scheduler.engines.base import AdapterLoading, RuntimeAdapterApi
 from caravan_llm.scheduler.engines.registry import adapter_for
-from caravan_llm.scheduler.lora.plan import NO_DEMAND, AdapterDemand, plan_adapters
+from caravan_llm.scheduler.lora.plan import (
+    NO_DEMAND,
+    AdapterDemand,
+    kept_on_demand,
+    on_demand_slots,
+    plan_adapters,
+    sticky,
+)
 from caravan_llm.scheduler.world import DesiredModel, Observation
 
 log = logging.getLogger(__name__)
@@ -64,6 +75,9 @@ LOAD_TIMEOUT_S = 60.0
 APPLY_CONCURRENCY = 4
 # How much of an engine's error body a failure keeps.
 MAX_REASON_CHARS = 300
+# vLLM's answers to a load of a name it holds (400) and an unload of one it does not (404).
+ALREADY_LOADED = "has already been loaded"
+NOT_LOADED = "cannot be found"
 
 
 class AdapterApiError(Exception):
@@ -158,12 +172,28 @@ class HttpAdapterApi:
         return _adapters_of(text)
 
     async def load(self, target: AdapterTarget, name: str, source: str) -> None:
-        await self._post(target, target.api.load_path, {"lora_name": name, "lora_path": source})
+        await self._post(
+            target,
+            target.api.load_path,
+            {"lora_name": name, "lora_path": source},
+            done_already=(400, ALREADY_LOADED),
+        )
 
     async def unload(self, target: AdapterTarget, name: str) -> None:
-        await self._post(target, target.api.unload_path, {"lora_name": name})
+        await self._post(
+            target, target.api.unload_path, {"lora_name": name}, done_already=(404, NOT_LOADED)
+        )
 
-    async def _post(self, target: AdapterTarget, path: str, body: dict[str, str]) -> None:
+    async def _post(
+        self,
+        target: AdapterTarget,
+        path: str,
+        body: dict[str, str],
+        *,
+        done_already: tuple[int, str],
+    ) -> None:
+        """POST to the engine; `done_already`: the status and words of the engine saying the
+        change was made already (a router loaded or unloaded it since this pass read)."""
         try:
             async with self.session.post(
                 target.base_url + path,
@@ -172,6 +202,9 @@ class HttpAdapterApi:
                 timeout=aiohttp.ClientTimeout(total=LOAD_TIMEOUT_S),
             ) as response:
                 text = await response.text()
+                status, words = done_already
+                if response.status == status and words in text:
+                    return
                 if response.status != 200:
                     raise AdapterApiError(_reason(response.status, text))
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -336,14 +369,45 @@ class LoraApplier:
             alloc_id: frozenset(n for n, root in held[alloc_id].items() if sources.get(n) == root)
             for alloc_id in by_id
         }
-        placement = plan_adapters(current, placeable, demand(name), limits.max_loras)
+        # With more adapters than slots, one slot per replica is left to routers' loads.
+        reserved = on_demand_slots(limits.max_loras, len(placeable), len(by_id))
+        wanted = demand(name)
+        previous = self._last.get(name)
+        planned_before = {
+            r.alloc_id: frozenset(r.desired) for r in (previous.replicas if previous else ())
+        }
+        # What the plan keeps in place: with a slot left to routers, only what it placed
+        # itself (a router's copy stays in the routers' slot, `kept_on_demand`, instead of
+        # taking a planned slot and pushing the planned copy elsewhere).
+        basis = (
+            {a: held_now & planned_before.get(a, frozenset()) for a, held_now in current.items()}
+            if reserved and previous is not None
+            else current
+        )
+        # With a slot left to routers, an adapter placed now weighs more (`sticky`); without,
+        # the router's copies are in the plan's slots and demand alone decides, as before.
+        placed_now = frozenset().union(*basis.values()) if reserved and basis else frozenset()
+        placement = plan_adapters(
+            basis, placeable, sticky(wanted, placed_now), limits.max_loras - reserved
+        )
         loaded = {alloc_id: set(held[alloc_id]) for alloc_id in by_id}
         semaphore = asyncio.Semaphore(APPLY_CONCURRENCY)
 
         async def apply_replica(target: AdapterTarget) -> None:
             want = placement.holds[target.alloc_id]
             have = held[target.alloc_id]
-            stale = [n for n in sorted(have) if n not in want or sources.get(n) != have[n]]
+            keep = kept_on_demand(
+                current[target.alloc_id],
+                want,
+                planned_before.get(target.alloc_id, frozenset()),
+                reserved,
+                wanted,
+            )
+            stale = [
+                n
+                for n in sorted(have)
+                if (n not in want and n not in keep) or sources.get(n) != have[n]
+            ]
             for adapter in stale:
                 async with semaphore:
                     await self._unload(api, target, adapter, loaded)

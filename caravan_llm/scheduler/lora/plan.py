@@ -22,6 +22,16 @@ The rules, in order:
    free slots (then the lowest id). Planning again on the plan's own output
    changes nothing.
 
+When the adapters outnumber the slots (some can only be loaded on demand),
+the scheduler plans with one slot less per replica (`on_demand_slots`, when a
+replica has two or more): that slot is the routers'. A router loads an
+adapter held nowhere into it, replacing the one it loaded there before, and
+the scheduler keeps what a router loaded there (`kept_on_demand`) instead of
+unloading it on its next pass. So the plan and the routers never both fill
+the same slot, and no replica is asked to hold more than `max_loras`, even
+while a pass and a router's load overlap (with one router; several routers
+may each load one).
+
 Demand is requests per second per adapter, as routers measure it and write
 it to `adapter-demand/<model>/<router>` (summed by `demand_from_records`: the
 input of this plan, `AdapterDemand`); an adapter with no figure counts as the
@@ -77,6 +87,9 @@ NO_DEMAND = AdapterDemand()
 # A router's demand record older than this is not counted (a router that stopped
 # writing: gone, or no longer asked for the model's adapters).
 DEMAND_MAX_AGE_S = 60.0
+# ... and older than this it is deleted (`forgotten_demand`): a router that went away
+# leaves its keys behind, and routers come and go (one key per process and port).
+DEMAND_FORGET_AFTER_S = 600.0
 
 
 def demand_from_records(
@@ -95,6 +108,24 @@ def demand_from_records(
         for adapter, rate in record.requests_per_s.items():
             total[adapter] = total.get(adapter, 0.0) + rate
     return AdapterDemand(MappingProxyType(total)) if total else NO_DEMAND
+
+
+def forgotten_demand(
+    records: Mapping[str, Iterable[AdapterDemandRecord]],
+    now: float,
+    forget_after_s: float = DEMAND_FORGET_AFTER_S,
+) -> list[tuple[str, str]]:
+    """The (model, router) records to delete: written longer than `forget_after_s` ago.
+
+    A router rewrites its record every few seconds while it runs (even with
+    no figures), so one this old belongs to a router that is gone.
+    """
+    return sorted(
+        (model, record.router)
+        for model, found in records.items()
+        for record in found
+        if record.router and now - record.at > forget_after_s
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,3 +238,55 @@ def _place_one(name: str, ids: list[str], holds: dict[str, set[str]], max_loras:
     holds[full].remove(moved)
     holds[roomy].add(moved)
     holds[full].add(name)
+
+
+def on_demand_slots(max_loras: int, adapters: int, replicas: int) -> int:
+    """Slots per replica the plan leaves to routers' on-demand loads (module docstring).
+
+    One when the adapters outnumber the replicas' slots (some are placed
+    nowhere and routers load them on demand) and a replica has at least two
+    slots; else none (the plan fills every slot, as before).
+    """
+    return 1 if max_loras >= 2 and adapters > replicas * max_loras else 0
+
+
+def kept_on_demand(
+    held: Collection[str],
+    planned: Collection[str],
+    planned_before: Collection[str],
+    slots: int,
+    demand: AdapterDemand,
+) -> frozenset[str]:
+    """What a replica keeps beyond its plan: adapters a router loaded on demand.
+
+    Those held that the plan does not want there now and did not want there
+    before either (a copy the plan moved away is unloaded, not kept), at most
+    `slots` of them, the most asked for first (ties by name).
+    """
+    candidates = sorted(set(held) - set(planned) - set(planned_before))
+    if slots < 1 or not candidates:
+        return frozenset()
+    weights = demand.weights(candidates)
+    return frozenset(sorted(candidates, key=lambda n: (-weights[n], n))[:slots])
+
+
+# How much more an adapter placed now weighs when the next plan is made (`sticky`).
+STICKINESS = 1.5
+
+
+def sticky(
+    demand: AdapterDemand, placed: Collection[str], factor: float = STICKINESS
+) -> AdapterDemand:
+    """The demand the next plan weighs: an adapter placed now counts `factor` times its figure.
+
+    The routers' figures are counts over a window, noisy for a cold adapter
+    (a few requests a minute); without this, two adapters near the edge of
+    what fits would swap places pass after pass, and each move reads an
+    adapter from disk and holds an engine while it does. Adapters without a
+    figure keep none (they weigh the mean, as before).
+    """
+    boosted = {
+        name: rate * factor if name in placed else rate
+        for name, rate in demand.requests_per_s.items()
+    }
+    return AdapterDemand(MappingProxyType(boosted)) if boosted else demand

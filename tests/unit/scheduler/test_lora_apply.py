@@ -7,6 +7,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from profile_builders import make_vllm
 from world_builders import NOW, alloc, desired, replica, world
 
@@ -20,7 +22,13 @@ from caravan_llm.common.errors import HashiUnavailable
 from caravan_llm.common.nomad_api import AllocatedPort
 from caravan_llm.scheduler.assess import assess
 from caravan_llm.scheduler.cluster_config import ClusterConfig
-from caravan_llm.scheduler.lora.apply import AdapterApiError, AdapterTarget, LoraApplier
+from caravan_llm.scheduler.engines.base import RuntimeAdapterApi
+from caravan_llm.scheduler.lora.apply import (
+    AdapterApiError,
+    AdapterTarget,
+    HttpAdapterApi,
+    LoraApplier,
+)
 from caravan_llm.scheduler.world import AllocEngine, Observation
 
 SQL = {"name": "sql", "source": "/m/sql"}
@@ -198,3 +206,60 @@ async def test_an_unreadable_engine_key_keeps_the_last_document() -> None:
     first = await run(applier, profile, seen)
     failing[0] = True
     assert first == await run(applier, profile, seen)
+
+
+async def test_with_more_adapters_than_slots_a_routers_copy_is_kept_and_none_go_over() -> None:
+    """Five adapters on two replicas of two slots: the plan takes one slot each, a copy a
+    router loaded into the other stays over the next pass, and no replica holds more than 2."""
+    names = ("a", "b", "c", "d", "e")
+    profile = make_vllm(
+        adapters=[{"name": n, "source": f"/m/{n}"} for n in names], lora={"max_loras": 2}
+    )
+    engines, clock = FakeEngines(), [NOW]
+    applier = applier_with(engines, clock)
+    seen = two_ready_replicas(profile)
+    first = await run(applier, profile, seen)
+    assert [1, 1] == [len(r.desired) for r in first.replicas]
+    assert 3 == len(first.unplaced)
+    router_copy = first.unplaced[0]
+    engines.held[A0][router_copy] = f"/m/{router_copy}"  # a router's on-demand load
+    second = await run(applier, profile, seen)
+    assert router_copy in engines.held[A0]
+    assert first.replicas[0].desired == second.replicas[0].desired
+    assert all(len(held) <= 2 for held in engines.held.values())
+
+
+async def test_vllms_already_loaded_and_not_found_answers_count_as_done() -> None:
+    """A load a router made since the pass read (400 "already been loaded") and an unload of
+    one it unloaded since (404 "cannot be found") are successes; other refusals are not."""
+
+    async def load(_: web.Request) -> web.Response:
+        return web.json_response(
+            {"error": {"message": "The lora adapter 'sql' has already been loaded."}}, status=400
+        )
+
+    async def unload(request: web.Request) -> web.Response:
+        name = (await request.json())["lora_name"]
+        message = f"The lora adapter '{name}' cannot be found."
+        return web.json_response({"error": {"message": message}}, status=404 if name else 400)
+
+    app = web.Application()
+    app.router.add_post("/v1/load_lora_adapter", load)
+    app.router.add_post("/v1/unload_lora_adapter", unload)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        api_routes = RuntimeAdapterApi(
+            list_path="/v1/models",
+            load_path="/v1/load_lora_adapter",
+            unload_path="/v1/unload_lora_adapter",
+        )
+        target = AdapterTarget("qwen", "job", A0, str(server.make_url("")).rstrip("/"), api_routes)
+        async with aiohttp.ClientSession() as session:
+            api = HttpAdapterApi(session)
+            await api.load(target, "sql", "/m/sql")
+            await api.unload(target, "sql")
+            with pytest.raises(AdapterApiError, match="HTTP 400"):
+                await api.unload(target, "")
+    finally:
+        await server.close()

@@ -11,7 +11,10 @@ from caravan_llm.scheduler.lora.plan import (
     AdapterDemand,
     AdapterPlacement,
     demand_from_records,
+    kept_on_demand,
+    on_demand_slots,
     plan_adapters,
+    sticky,
 )
 
 ADAPTER_NAMES = [f"a{i}" for i in range(12)]
@@ -153,3 +156,39 @@ def test_a_copy_a_router_loaded_on_demand_stays_where_it_is_once_its_demand_is_r
     placement = plan_adapters(current, ["a", "b", "c"], demand, max_loras=1)
     assert {"r1": frozenset({"c"}), "r2": frozenset({"a"})} == dict(placement.holds)
     assert ("b",) == placement.unplaced
+
+
+def test_one_slot_per_replica_is_left_to_routers_only_when_the_adapters_do_not_fit() -> None:
+    """20 adapters on 4 replicas of 4 slots: one slot each for routers; 16 or a single slot:
+    none."""
+    assert [1, 0, 0] == [
+        on_demand_slots(max_loras=4, adapters=20, replicas=4),
+        on_demand_slots(max_loras=4, adapters=16, replicas=4),
+        on_demand_slots(max_loras=1, adapters=20, replicas=4),
+    ]
+
+
+def test_what_a_router_loaded_beyond_the_plan_is_kept_the_most_asked_for_first() -> None:
+    """Adapters held that the plan never placed there stay, up to the slots left to routers;
+    one the plan placed there before and now moved away does not."""
+    demand = AdapterDemand({"x": 1.0, "y": 3.0, "moved": 9.0})
+    kept = kept_on_demand(
+        held={"a", "x", "y", "moved"},
+        planned={"a"},
+        planned_before={"a", "moved"},
+        slots=1,
+        demand=demand,
+    )
+    assert frozenset({"y"}) == kept
+    assert frozenset() == kept_on_demand({"a", "x"}, {"a"}, set(), 0, demand)
+
+
+def test_an_adapter_placed_now_keeps_its_slot_against_a_slightly_hotter_one() -> None:
+    """With one slot, the placed adapter stays until the other is asked for 1.5 times as much."""
+    replicas = {"r0": frozenset({"a"})}
+    close = AdapterDemand({"a": 1.0, "b": 1.2})
+    far = AdapterDemand({"a": 1.0, "b": 1.6})
+    assert [frozenset({"a"}), frozenset({"b"})] == [
+        plan_adapters(replicas, ["a", "b"], sticky(d, {"a"}), 1).holds["r0"] for d in (close, far)
+    ]
+    assert NO_DEMAND == sticky(NO_DEMAND, {"a"})
