@@ -40,7 +40,7 @@ from caravan_llm.devcluster.engine.flags import LLAMACPP_TRAINED_CONTEXT, Engine
 from caravan_llm.devcluster.engine.hf_tokenizer import HfTokenizer
 from caravan_llm.devcluster.engine.kv_events import KvEventPublisher
 from caravan_llm.devcluster.engine.loop import EngineLoop, RequestHandle
-from caravan_llm.devcluster.engine.lora import LoadedAdapter, LoraRegistry
+from caravan_llm.devcluster.engine.lora import LoadedAdapter, LoraRegistry, missing_fields
 from caravan_llm.devcluster.engine.metrics import (
     PROMETHEUS_TEXT_CONTENT_TYPE,
     LlamacppMetrics,
@@ -345,11 +345,16 @@ class SimulatedEngine:
             text = self._lora_change(await self._read_json(request), load=load)
         except ApiError as err:
             return self._error(err)
-        return web.Response(status=200, text=text)
+        # vLLM answers a bare Response(content=...): a body without a content type.
+        return web.Response(status=200, body=text.encode())
 
     def _lora_change(self, body: Any, *, load: bool) -> str:
         if not isinstance(body, dict):
             raise ApiError(400, "Input should be a valid dictionary", error_type="BadRequestError")
+        # FastAPI validates the body before vLLM looks at it.
+        missing = missing_fields(body, ("lora_name", "lora_path") if load else ("lora_name",))
+        if missing is not None:
+            raise missing
         if self.lora is None:
             # vLLM's engine has no LoRA manager without --enable-lora.
             raise ApiError(
