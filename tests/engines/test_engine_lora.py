@@ -18,6 +18,8 @@ import pytest
 from engine_test_support import StartEngine, post_json
 
 from caravan_llm.devcluster.engine.flags import FlagError, parse_engine_args
+from caravan_llm.scheduler.engines.vllm import VLLM_ADAPTERS
+from caravan_llm.scheduler.lora.apply import AdapterApiError, AdapterTarget, HttpAdapterApi
 
 RUNTIME = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 LORA = ("--model", "base", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8")
@@ -250,3 +252,25 @@ def test_max_lora_rank_takes_vllms_values_only() -> None:
     """--max-lora-rank outside vLLM's list is an argparse error (exit 2)."""
     with pytest.raises(SystemExit):
         parse_engine_args(["--flavor", "vllm", "--model", "m", "--max-lora-rank", "12"], {})
+
+
+async def test_the_schedulers_load_of_an_adapter_already_held_counts_as_loaded(
+    sim_engine: StartEngine, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """A router loaded the adapter between the scheduler's list and its load: vLLM's 400
+    "already been loaded" means it is held, so the scheduler records no failure; another
+    refusal (a bad path) still raises with the engine's answer."""
+    engine = await sim_engine("vllm", *LORA, env=RUNTIME)
+    path = make_adapter(tmp_path / "sql")
+    await load(http, engine.base_url, "sql", path)
+    api = HttpAdapterApi(http)
+    target = AdapterTarget(
+        model="m", job_id="j", alloc_id="a", base_url=engine.base_url, api=VLLM_ADAPTERS.api
+    )
+
+    await api.load(target, "sql", path)
+    with pytest.raises(AdapterApiError) as refused:
+        await api.load(target, "bad", str(tmp_path / "missing"))
+
+    assert {"sql": path} == await api.loaded(target)
+    assert refused.value.reason.startswith("HTTP 404: Loading lora bad failed")

@@ -64,6 +64,9 @@ LOAD_TIMEOUT_S = 60.0
 APPLY_CONCURRENCY = 4
 # How much of an engine's error body a failure keeps.
 MAX_REASON_CHARS = 300
+# vLLM's 400 for a load of a name it holds (InvalidUserInput): a router loaded it on
+# demand between this pass's list and its load, so it is held, not failed.
+ALREADY_LOADED = "has already been loaded"
 
 
 class AdapterApiError(Exception):
@@ -158,7 +161,11 @@ class HttpAdapterApi:
         return _adapters_of(text)
 
     async def load(self, target: AdapterTarget, name: str, source: str) -> None:
-        await self._post(target, target.api.load_path, {"lora_name": name, "lora_path": source})
+        try:
+            await self._post(target, target.api.load_path, {"lora_name": name, "lora_path": source})
+        except AdapterApiError as exc:
+            if not (exc.reason.startswith("HTTP 400:") and ALREADY_LOADED in exc.reason):
+                raise
 
     async def unload(self, target: AdapterTarget, name: str) -> None:
         await self._post(target, target.api.unload_path, {"lora_name": name})
