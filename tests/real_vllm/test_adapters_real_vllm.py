@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -166,10 +167,17 @@ async def fleet(
         ),
         request_log=lines.append,
     )
-    async with local_stack(options) as stack:
-        found = Fleet(stack=stack, folder=folder, lines=lines)
-        await found.submit(GOOD, bad=True)
-        yield found
+    # The router writes its canonical line per request (request_log) at info.
+    proxy_log = logging.getLogger("router.proxy")
+    level = proxy_log.level
+    proxy_log.setLevel(logging.INFO)
+    try:
+        async with local_stack(options) as stack:
+            found = Fleet(stack=stack, folder=folder, lines=lines)
+            await found.submit(GOOD, bad=True)
+            yield found
+    finally:
+        proxy_log.setLevel(level)
 
 
 async def test_three_adapters_load_answer_with_their_own_text_and_a_bad_one_is_reported(
