@@ -12,7 +12,9 @@ the real engine reads as a node would). The tests run in order on it:
    the bad one is reported with vLLM's reason and answers an OpenAI-shaped 503;
 2. one removed from the profile is unloaded from every replica by one reconcile;
 3. five adapters for four slots: one is held nowhere, and a request for it is
-   answered (the router loads it on demand) with the load time in the request log.
+   answered (the router loads it on demand) with the load time in the request log;
+4. a simulated vLLM with the same LoRA flags answers the adapter routes, model
+   cards and `vllm:lora_requests_info` as a real replica does.
 
 Timings are CPU timings on a loaded 2-core machine: nothing here asserts a speed.
 """
@@ -33,6 +35,7 @@ import openai
 import pytest
 import pytest_asyncio
 from polling import eventually
+from standalone import simulated_vllm_server
 
 from caravan_llm.cli.local_stack import LocalStack, StackOptions, local_stack
 from caravan_llm.common.contract import KVLayout, model_service_name
@@ -49,6 +52,8 @@ NAME = "tiny-lora"
 READY_S = 300
 # Loads, unloads and plan passes on real engines (each load reads the adapter from disk).
 SETTLE_S = 90
+# How long what the replicas hold must stay put before a test relies on it.
+STABLE_S = 5.0
 GOOD = ("sql", "chat", "poet")
 LATER = ("d-four", "e-five", "f-six")
 BAD = "broken"
@@ -255,6 +260,10 @@ async def test_an_adapter_held_nowhere_is_loaded_on_demand_with_the_time_logged(
     names = (*GOOD[:-1], *LATER)
     await fleet.submit(names, bad=False)
 
+    # The plan may place a new adapter for a pass and evict it the next: wait until what the
+    # replicas hold has stayed the same for a while, so every router's view has caught up.
+    seen: dict[str, Any] = {}
+
     async def full() -> str | None:
         status = await fleet.status()
         replicas = [r for r in status["replicas"] if r["state"] == "ready"]
@@ -263,7 +272,12 @@ async def test_an_adapter_held_nowhere_is_loaded_on_demand_with_the_time_logged(
         if len(replicas) != 2 or loaded != desired or any(len(held) != 2 for held in loaded):
             return None
         nowhere = sorted(set(names) - set().union(*loaded))
-        return nowhere[0] if nowhere else None
+        signature = sorted(sorted(held) for held in loaded)
+        now = asyncio.get_running_loop().time()
+        if seen.get("signature") != signature:
+            seen.update(signature=signature, since=now)
+        stable = now - float(seen["since"]) >= STABLE_S
+        return nowhere[0] if nowhere and stable else None
 
     unplaced = await eventually(full, SETTLE_S, "four slots full, an adapter held nowhere")
     assert unplaced not in set().union(*await fleet.listed())
@@ -274,3 +288,64 @@ async def test_an_adapter_held_nowhere_is_loaded_on_demand_with_the_time_logged(
     line = next(entry for entry in fleet.lines if entry.get("model") == unplaced)
     assert (200, True) == (line.get("status"), line.get("adapter_load_s") is not None)
     assert unplaced in set().union(*await fleet.listed())
+
+
+async def probe_adapter_routes(
+    base_url: str, key: str, held: str, source: str, missing: str
+) -> dict[str, Any]:
+    """What an engine answers on the adapter routes, for probes that change nothing it holds:
+    status, content type and JSON body of each, its adapter cards' fields, the LoRA metric."""
+    answers: dict[str, Any] = {}
+    probes = {
+        "load held": ("/v1/load_lora_adapter", {"lora_name": held, "lora_path": source}),
+        "load missing": ("/v1/load_lora_adapter", {"lora_name": "nope", "lora_path": missing}),
+        "load no path": ("/v1/load_lora_adapter", {"lora_name": "nope"}),
+        "unload unknown": ("/v1/unload_lora_adapter", {"lora_name": "nope"}),
+        "unload no name": ("/v1/unload_lora_adapter", {}),
+    }
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as http:
+        for name, (path, body) in probes.items():
+            async with http.post(base_url + path, json=body) as response:
+                answers[name] = (response.status, response.content_type, await response.json())
+        async with http.get(f"{base_url}/v1/models") as response:
+            cards = (await response.json())["data"]
+        (card,) = [c for c in cards if c["id"] == held]
+        answers["card"] = (sorted(card), card["root"], card["parent"] is not None)
+        async with http.get(f"{base_url}/metrics") as response:
+            metrics = await response.text()
+    info = [line for line in metrics.splitlines() if line.startswith("vllm:lora_requests_info{")]
+    labels = {tuple(sorted(p.split("=")[0] for p in line.split("{")[1].split("}")[0].split(",")))
+              for line in info}  # fmt: skip
+    answers["lora_requests_info labels"] = labels
+    answers["max_lora"] = {line.split('max_lora="')[1].split('"')[0] for line in info}
+    return answers
+
+
+async def test_the_simulated_vllm_answers_the_adapter_routes_as_the_real_one(
+    fleet: Fleet, vllm_build: VllmBuild
+) -> None:
+    """A simulated vLLM with the replicas' LoRA flags and key answers the same statuses,
+    content types, bodies, model cards and LoRA metric labels as a real replica."""
+    key = await EngineKeys(fleet.stack.scheduler.nomad).model_key(NAME)
+    url = (await fleet.engines())[0]
+    async with (
+        aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as http,
+        http.get(f"{url}/v1/models") as response,
+    ):
+        held = min(c["id"] for c in (await response.json())["data"] if c["parent"] is not None)
+    source = str(fleet.folder / held)
+    missing = str(fleet.folder / "missing")
+    real = await probe_adapter_routes(url, key, held, source, missing)
+    flags = ["--api-key", key, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    async with simulated_vllm_server(vllm_build, extra_args=flags, env=env) as sim_url:
+        async with (
+            aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as http,
+            http.post(
+                f"{sim_url}/v1/load_lora_adapter", json={"lora_name": held, "lora_path": source}
+            ) as loaded,
+        ):
+            assert 200 == loaded.status
+        simulated = await probe_adapter_routes(sim_url, key, held, source, missing)
+
+    assert real == simulated
