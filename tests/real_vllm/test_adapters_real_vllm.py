@@ -52,8 +52,6 @@ NAME = "tiny-lora"
 READY_S = 300
 # Loads, unloads and plan passes on real engines (each load reads the adapter from disk).
 SETTLE_S = 90
-# How long what the replicas hold must stay put before a test relies on it.
-STABLE_S = 5.0
 GOOD = ("sql", "chat", "poet")
 LATER = ("d-four", "e-five", "f-six")
 BAD = "broken"
@@ -167,8 +165,11 @@ async def fleet(
         autoscale=False,
         resync_s=1.0,
         work_dir=work / "stack",
+        # The router reports no adapter demand while the module runs: demand moves copies
+        # between replicas, and a request routed to a copy the scheduler is unloading gets
+        # the engine's 404 (a known race, not what these tests are about).
         router=RouterSettings(
-            port=0, scrape_interval_s=0.5, log_level="warning", adapter_demand_interval_s=0.5
+            port=0, scrape_interval_s=0.5, log_level="warning", adapter_demand_interval_s=3600
         ),
         request_log=lines.append,
     )
@@ -260,34 +261,31 @@ async def test_an_adapter_held_nowhere_is_loaded_on_demand_with_the_time_logged(
     names = (*GOOD[:-1], *LATER)
     await fleet.submit(names, bad=False)
 
-    # The plan may place a new adapter for a pass and evict it the next: wait until what the
-    # replicas hold has stayed the same for a while, so every router's view has caught up.
-    seen: dict[str, Any] = {}
-
-    async def full() -> str | None:
+    async def held_nowhere() -> str | None:
         status = await fleet.status()
         replicas = [r for r in status["replicas"] if r["state"] == "ready"]
         loaded = [set(r.get("adapters_loaded") or ()) for r in replicas]
         desired = [set(r.get("adapters_desired") or ()) for r in replicas]
         if len(replicas) != 2 or loaded != desired or any(len(held) != 2 for held in loaded):
             return None
-        nowhere = sorted(set(names) - set().union(*loaded))
-        signature = sorted(sorted(held) for held in loaded)
-        now = asyncio.get_running_loop().time()
-        if seen.get("signature") != signature:
-            seen.update(signature=signature, since=now)
-        stable = now - float(seen["since"]) >= STABLE_S
-        return nowhere[0] if nowhere and stable else None
+        nowhere = sorted(set(names) - set().union(*loaded) - set().union(*await fleet.listed()))
+        return nowhere[0] if nowhere else None
 
-    unplaced = await eventually(full, SETTLE_S, "four slots full, an adapter held nowhere")
-    assert unplaced not in set().union(*await fleet.listed())
+    async def loaded_on_demand() -> tuple[str, dict[str, Any]] | None:
+        """Ask for an adapter held nowhere: every answer must be a success; the first whose
+        adapter the router loaded itself is the proof (under load the scheduler's next pass
+        may place the adapter between the look and the request: then ask again)."""
+        unplaced = await held_nowhere()
+        if unplaced is None:
+            return None
+        assert await fleet.answer(unplaced)
+        line = [entry for entry in fleet.lines if entry.get("model") == unplaced][-1]
+        assert 200 == line.get("status")
+        return (unplaced, line) if line.get("adapter_load_s") is not None else None
 
-    text = await fleet.answer(unplaced)
+    unplaced, line = await eventually(loaded_on_demand, SETTLE_S, "an adapter loaded on demand")
 
-    assert text
-    line = next(entry for entry in fleet.lines if entry.get("model") == unplaced)
-    assert (200, True) == (line.get("status"), line.get("adapter_load_s") is not None)
-    assert unplaced in set().union(*await fleet.listed())
+    assert (unplaced, True) == (line["model"], line["adapter_load_s"] > 0)
 
 
 async def probe_adapter_routes(
