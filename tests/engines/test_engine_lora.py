@@ -18,6 +18,8 @@ import pytest
 from engine_test_support import StartEngine, post_json
 
 from caravan_llm.devcluster.engine.flags import FlagError, parse_engine_args
+from caravan_llm.scheduler.engines.vllm import VLLM_ADAPTERS
+from caravan_llm.scheduler.lora.apply import AdapterApiError, AdapterTarget, HttpAdapterApi
 
 RUNTIME = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 LORA = ("--model", "base", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8")
@@ -83,14 +85,16 @@ async def test_an_adapter_answers_with_text_of_its_own(
 async def test_a_missing_path_is_404_and_the_others_keep_serving(
     sim_engine: StartEngine, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
-    """A path with no adapter answers vLLM's 404 NotFoundError; a loaded adapter still serves."""
+    """A path with no adapter answers vLLM's 404 NotFoundError, the path masked as vLLM 0.32
+    masks paths in every error message (measured on the real build); a loaded adapter still
+    serves."""
     engine = await sim_engine("vllm", *LORA, env=RUNTIME)
     await load(http, engine.base_url, "sql", make_adapter(tmp_path / "sql"))
     status, text = await load(http, engine.base_url, "bad", str(tmp_path / "missing"))
     assert 404 == status
     assert {
         "error": {
-            "message": f"Loading lora bad failed: No adapter found for {tmp_path / 'missing'}",
+            "message": "Loading lora bad failed: No adapter found for <path>",
             "type": "NotFoundError",
             "param": None,
             "code": 404,
@@ -145,13 +149,47 @@ async def test_loads_beyond_max_loras_succeed(
 async def test_a_rank_above_the_limit_is_refused(
     sim_engine: StartEngine, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
-    """An adapter whose rank is above --max-lora-rank is refused with vLLM's message."""
+    """An adapter whose rank is above --max-lora-rank is refused with vLLM's message (the
+    worker's, as the real build words it)."""
     engine = await sim_engine("vllm", *LORA, env=RUNTIME)
     status, text = await load(http, engine.base_url, "big", make_adapter(tmp_path / "b", 16))
-    assert (500, "LoRA rank 16 is greater than max_lora_rank 8.") == (
-        status,
-        json.loads(text)["error"]["message"],
+    expected = (
+        "Call to add_lora method failed: Worker failed with error 'LoRA rank 16 is greater "
+        "than max_lora_rank 8.', please check the stack trace above for the root cause"
     )
+    assert (500, expected) == (status, json.loads(text)["error"]["message"])
+
+
+async def test_a_load_without_its_path_is_fastapis_400(
+    sim_engine: StartEngine, http: aiohttp.ClientSession
+) -> None:
+    """A load body without `lora_path` is refused by request validation, as vLLM's FastAPI
+    app words it (measured on the real build)."""
+    engine = await sim_engine("vllm", *LORA, env=RUNTIME)
+    async with http.post(
+        f"{engine.base_url}/v1/load_lora_adapter", json={"lora_name": "x"}
+    ) as response:
+        status, error = response.status, (await response.json())["error"]
+    assert (
+        400,
+        {
+            "message": "1 validation error:\n  {'type': 'missing', 'loc': 'body.lora_path', "
+            "'msg': 'Field required', 'input': '<dict of 1 items>'}",
+            "type": "Bad Request",
+            "param": "body.lora_path",
+            "code": 400,
+        },
+    ) == (status, error)
+
+
+async def test_a_successful_load_has_no_content_type(
+    sim_engine: StartEngine, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """vLLM answers a load with a bare body, which a client reads as application/octet-stream."""
+    engine = await sim_engine("vllm", *LORA, env=RUNTIME)
+    body = {"lora_name": "sql", "lora_path": make_adapter(tmp_path / "sql")}
+    async with http.post(f"{engine.base_url}/v1/load_lora_adapter", json=body) as response:
+        assert (200, "application/octet-stream") == (response.status, response.content_type)
 
 
 async def test_without_runtime_updating_the_routes_do_not_exist(
@@ -214,3 +252,25 @@ def test_max_lora_rank_takes_vllms_values_only() -> None:
     """--max-lora-rank outside vLLM's list is an argparse error (exit 2)."""
     with pytest.raises(SystemExit):
         parse_engine_args(["--flavor", "vllm", "--model", "m", "--max-lora-rank", "12"], {})
+
+
+async def test_the_schedulers_load_of_an_adapter_already_held_counts_as_loaded(
+    sim_engine: StartEngine, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """A router loaded the adapter between the scheduler's list and its load: vLLM's 400
+    "already been loaded" means it is held, so the scheduler records no failure; another
+    refusal (a bad path) still raises with the engine's answer."""
+    engine = await sim_engine("vllm", *LORA, env=RUNTIME)
+    path = make_adapter(tmp_path / "sql")
+    await load(http, engine.base_url, "sql", path)
+    api = HttpAdapterApi(http)
+    target = AdapterTarget(
+        model="m", job_id="j", alloc_id="a", base_url=engine.base_url, api=VLLM_ADAPTERS.api
+    )
+
+    await api.load(target, "sql", path)
+    with pytest.raises(AdapterApiError) as refused:
+        await api.load(target, "bad", str(tmp_path / "missing"))
+
+    assert {"sql": path} == await api.loaded(target)
+    assert refused.value.reason.startswith("HTTP 404: Loading lora bad failed")

@@ -1,6 +1,8 @@
 """`caravan demo --vllm real`: the demo's vLLM model served by real vLLM processes that
 caravan placed on devcluster GPU nodes, every substitution said, and routed on the engines'
-own KV-cache events (issue 24), whose publishers listen only inside their allocations.
+own KV-cache events (issue 24), whose publishers listen only inside their allocations; its
+two example LoRA adapters (tiny ones the demo builds) listed with their parent, each
+answering from those same replicas (issue 25).
 
 One demo for the module, running (not `--once`) with `--json` (its addresses and keys on
 stdout, the narration on stderr) and `--request-log` (the router's request lines); the
@@ -31,6 +33,7 @@ from caravan_llm.devcluster.vllm_build import API_SERVER_MODULE, CPU_BLOCK_SIZE,
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 SERVED = "qwen2.5-7b-instruct"
+ADAPTERS = ("qwen2.5-7b-poet", "qwen2.5-7b-sql")
 MODEL = "qwen2-5-7b"
 # The demo's own readiness limit with real vLLM is 420 s; then its first completions.
 READY_S = 480.0
@@ -123,6 +126,19 @@ async def test_demo_streams_from_real_vllm_replicas(demo: Demo) -> None:
     assert "    profile tokenizer: " in text
     assert f"{MODEL}: 2/2 ready" in text
     assert demo.document["completions"][SERVED].strip(), "no streamed text"
+
+
+async def test_the_demos_adapters_are_listed_with_their_parent_and_answer(demo: Demo) -> None:
+    """Both example adapters in /v1/models with the vLLM model as parent (the demo's ready
+    document and narration), their node paths said as substitutions, each with streamed text."""
+    text = demo.narration.read_text(errors="replace")
+    assert {name: SERVED for name in ADAPTERS} == demo.document["adapters"]
+    for adapter in ADAPTERS:
+        assert f"  {adapter} (parent {SERVED})" in text
+        assert f"  qwen2-5-7b: adapter {adapter}: /opt/loras/{adapter} -> " in text
+        answer = demo.document["adapter_completions"][adapter]
+        assert answer, f"no streamed text from {adapter}"
+        assert answer.strip(), f"no streamed text from {adapter}"
 
 
 async def test_shared_prompts_are_routed_on_the_engines_kv_events(demo: Demo) -> None:

@@ -9,7 +9,11 @@ vLLM (`vllm/entrypoints/openai/models/serving.py`, `serve/lora/api_router.py`):
   /v1/load_lora_adapter {"lora_name", "lora_path"}` answers 200 with the text
   `Success: LoRA adapter '<name>' added successfully.`; a second load of a name
   400 InvalidUserInput; a path with no adapter 404 NotFoundError (`Loading
-  lora <name> failed: No adapter found for <path>`); a missing field 400.
+  lora <name> failed: No adapter found for <path>`, with the path itself
+  masked as every vLLM error message masks paths: `sanitize_message`); a
+  missing field 400 `Bad Request` with FastAPI's validation message; a rank
+  above `--max-lora-rank` 500 from the worker. The success body has no
+  content type (the client sees application/octet-stream).
   `POST /v1/unload_lora_adapter {"lora_name"}` answers 200 `Success: LoRA
   adapter '<name>' removed successfully.`, or 404 NotFoundError for a name not
   loaded. Without the variable neither route exists (404 `{"detail": "Not Found"}`);
@@ -29,6 +33,7 @@ node folder when the driver says where it is (`CARAVAN_SIM_NODE_ROOT`).
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -42,6 +47,41 @@ ADAPTER_CONFIG = "adapter_config.json"
 # Set by devcluster's driver: the folder that holds the nodes' files (`<root>/opt/...`).
 NODE_ROOT_ENV = "CARAVAN_SIM_NODE_ROOT"
 RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def sanitize_message(message: str) -> str:
+    """vLLM's `sanitize_message` (entrypoints/serve/exception_handling/utils.py), applied to
+    every error message it answers: memory addresses, traceback lines and file paths go."""
+    message = re.sub(r" at 0x[0-9a-fA-F]+>", ">", message)
+    message = re.sub(r'\n?\s*File "[^"]+", line \d+, in \S+(\n\s+.*)?', "", message)
+    message = re.sub(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+", "<path>", message)
+    message = re.sub(r"(?:/[\w\-]+)+/[\w\-]+\.\w+", "<path>", message)
+    return message.strip()
+
+
+def missing_fields(body: Mapping[str, object], fields: tuple[str, ...]) -> ApiError | None:
+    """FastAPI's 400 for required string fields absent from a JSON body, as vLLM words it
+    (serve/exception_handling/handlers/validation.py); None when all are there."""
+    errors = [
+        {
+            "type": "missing",
+            "loc": f"body.{name}",
+            "msg": "Field required",
+            "input": f"<dict of {len(body)} items>",
+        }
+        for name in fields
+        if name not in body
+    ]
+    if not errors:
+        return None
+    plural = "s" if len(errors) > 1 else ""
+    lines = "".join(f"\n  {error}" for error in errors)
+    return ApiError(
+        400,
+        f"{len(errors)} validation error{plural}:{lines}",
+        param=str(errors[0]["loc"]),
+        error_type="Bad Request",
+    )
 
 
 class LoraModuleError(ValueError):
@@ -156,14 +196,16 @@ class LoraRegistry:
         if folder is None or not (folder / ADAPTER_CONFIG).is_file():
             raise ApiError(
                 404,
-                f"Loading lora {name} failed: No adapter found for {path}",
+                sanitize_message(f"Loading lora {name} failed: No adapter found for {path}"),
                 error_type="NotFoundError",
             )
         rank = _rank_of(folder)
         if rank is not None and rank > self.config.max_lora_rank:
             raise ApiError(
                 500,
-                f"LoRA rank {rank} is greater than max_lora_rank {self.config.max_lora_rank}.",
+                "Call to add_lora method failed: Worker failed with error 'LoRA rank "
+                f"{rank} is greater than max_lora_rank {self.config.max_lora_rank}.', "
+                "please check the stack trace above for the root cause",
                 error_type="InternalServerError",
             )
         self._next_id += 1

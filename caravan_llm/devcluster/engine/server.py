@@ -40,7 +40,7 @@ from caravan_llm.devcluster.engine.flags import LLAMACPP_TRAINED_CONTEXT, Engine
 from caravan_llm.devcluster.engine.hf_tokenizer import HfTokenizer
 from caravan_llm.devcluster.engine.kv_events import KvEventPublisher
 from caravan_llm.devcluster.engine.loop import EngineLoop, RequestHandle
-from caravan_llm.devcluster.engine.lora import LoadedAdapter, LoraRegistry
+from caravan_llm.devcluster.engine.lora import LoadedAdapter, LoraRegistry, missing_fields
 from caravan_llm.devcluster.engine.lora_slots import AdapterSlots
 from caravan_llm.devcluster.engine.metrics import (
     PROMETHEUS_TEXT_CONTENT_TYPE,
@@ -373,7 +373,8 @@ class SimulatedEngine:
         except ApiError as err:
             return self._error(err)
         await self._lora_resident(body["lora_name"], load=load)
-        return web.Response(status=200, text=text)
+        # vLLM answers a bare Response(content=...): a body without a content type.
+        return web.Response(status=200, body=text.encode())
 
     async def _lora_resident(self, name: str, *, load: bool) -> None:
         """What a load or unload does to the engine's adapter cache (lora_slots.py): a load
@@ -414,6 +415,10 @@ class SimulatedEngine:
     def _lora_change(self, body: Any, *, load: bool) -> str:
         if not isinstance(body, dict):
             raise ApiError(400, "Input should be a valid dictionary", error_type="BadRequestError")
+        # FastAPI validates the body before vLLM looks at it.
+        missing = missing_fields(body, ("lora_name", "lora_path") if load else ("lora_name",))
+        if missing is not None:
+            raise missing
         if self.lora is None:
             # vLLM's engine has no LoRA manager without --enable-lora.
             raise ApiError(

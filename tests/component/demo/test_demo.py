@@ -126,9 +126,15 @@ async def test_demo_json_prints_one_object_with_the_exports_and_narrates_on_stde
         "engine_logs",
         "models",
         "completions",
+        "adapters",
+        "adapter_completions",
     } == set(ready)
     assert ["qwen2.5-7b-instruct", "tiny-chat"] == ready["models"]
     assert all(text.strip() for text in ready["completions"].values())
+    adapters = {"qwen2.5-7b-sql": "qwen2.5-7b-instruct", "qwen2.5-7b-poet": "qwen2.5-7b-instruct"}
+    assert adapters == ready["adapters"]
+    assert sorted(adapters) == sorted(ready["adapter_completions"])
+    assert all((text or "").strip() for text in ready["adapter_completions"].values())
     assert ready["openai_api_key"]
     assert ready["caravan_api_token"]
     assert "tiny-chat: 3/3 ready" in err.decode()
