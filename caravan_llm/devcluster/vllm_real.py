@@ -25,6 +25,11 @@ core 0), and a `TMPDIR` of the task's own that devcluster removes when the
 process exits, so vLLM's `vllm_dist_*` files and ipc sockets go with it.
 Paths under the container's `/alloc`, `/local` and `/secrets` point into the
 task's folders, as Docker's mounts make them.
+
+The process runs at niceness `nice` (10 by default): on a real cluster an engine
+has a host of its own, here its spinning OpenMP threads share two cores with
+the stand-in agents and caravan's processes, which must not be starved (a
+saturated pair of replicas once made the scheduler lose its Consul session).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from pathlib import Path
 from caravan_llm.devcluster.vllm_build import API_SERVER_MODULE, MAX_MODEL_LEN, VllmBuild
 
 DEFAULT_KV_BLOCKS = 64
+DEFAULT_NICE = 10
 # Environment every real replica gets unless its job sets it.
 BASE_ENV: Mapping[str, str] = {
     "HF_HUB_OFFLINE": "1",
@@ -78,6 +84,7 @@ class RealVllmLaunch:
     argv: tuple[str, ...]
     env: Mapping[str, str]
     substitutions: tuple[Substitution, ...]
+    nice: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +94,10 @@ class RealVllmOptions:
     build: VllmBuild
     kv_blocks: int = DEFAULT_KV_BLOCKS
     enforce_eager: bool = True
+    # The replica's scheduling niceness (0-19). On a real cluster an engine has a
+    # host of its own; here it shares this machine's cores with the stand-in
+    # agents and caravan's processes, and its OpenMP threads spin on their core.
+    nice: int = DEFAULT_NICE
 
 
 def _split(arg: str) -> tuple[str, str | None]:
@@ -206,4 +217,4 @@ def launch(
         API_SERVER_MODULE,
         *mapped,
     )
-    return RealVllmLaunch(argv=argv, env=process_env, substitutions=changes)
+    return RealVllmLaunch(argv=argv, env=process_env, substitutions=changes, nice=options.nice)

@@ -150,6 +150,9 @@ class DriverSettings:
     check_model_files: bool = False
 
 
+MAX_NICE = 19
+
+
 @dataclass(frozen=True, slots=True)
 class LaunchSpec:
     argv: tuple[str, ...]
@@ -158,6 +161,8 @@ class LaunchSpec:
     preamble: tuple[str, ...] = ()
     # A folder of the task's that is removed once its process has exited.
     scratch: Path | None = None
+    # Scheduling niceness of the task's process (0: the agent's own).
+    nice: int = 0
 
 
 def _string_list(value: Any, field_name: str) -> list[str]:
@@ -319,7 +324,7 @@ def resolve_launch(
             preamble = tuple(
                 f"devcluster: real vLLM: {change.describe()}" for change in real.substitutions
             )
-            return LaunchSpec(real.argv, real.env, preamble, scratch)
+            return LaunchSpec(real.argv, real.env, preamble, scratch, nice=real.nice)
         command = mapping.command or _engine_command(mapping.engine or "", settings)
         args, notes = node_files(args, settings.node_root)
         return LaunchSpec((*command, *args), process_env, notes)
@@ -383,6 +388,12 @@ async def start_process(spec: LaunchSpec, *, cwd: Path, stdout: Path, stderr: Pa
             raise DriverError(
                 f"failed to launch command with executor: rpc error: code = Unknown desc = {exc}"
             ) from None
+    if spec.nice > 0:
+        # Set before the new program has started any thread or child (both inherit it);
+        # relative to the agent's own niceness, at most the lowest priority.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            own = os.getpriority(os.PRIO_PROCESS, 0)
+            os.setpriority(os.PRIO_PROCESS, process.pid, min(own + spec.nice, MAX_NICE))
     return TaskProcess(process, spec.scratch)
 
 

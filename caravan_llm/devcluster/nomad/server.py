@@ -58,7 +58,7 @@ def real_vllm_options(settings: NomadServerSettings) -> RealVllmOptions | None:
     build = find_vllm()
     if build is None:
         raise RuntimeError(missing_build_message())
-    return RealVllmOptions(build=build, kv_blocks=settings.vllm_kv_blocks)
+    return RealVllmOptions(build=build, kv_blocks=settings.vllm_kv_blocks, nice=settings.vllm_nice)
 
 
 def core_cycle() -> Callable[[], int | None]:

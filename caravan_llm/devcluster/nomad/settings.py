@@ -16,6 +16,7 @@ from pydantic.alias_generators import to_pascal
 
 from caravan_llm.devcluster.nomad.gotext import NS_PER_S, parse_go_duration
 from caravan_llm.devcluster.nomad.node_pools import NODE_POOL_ALL, name_problem
+from caravan_llm.devcluster.vllm_real import DEFAULT_NICE
 
 DEFAULT_GPU_MODEL = "NVIDIA H100 80GB HBM3"
 # MiB NVML reports for common models (what `${device.attr.memory}` compares against).
@@ -130,6 +131,8 @@ class NomadServerSettings(BaseModel):
     vllm_engine: Literal["simulated", "real"] = "simulated"
     # KV blocks (128 tokens each) of a real vLLM replica whose job sets none.
     vllm_kv_blocks: int = Field(default=64, ge=16)
+    # Niceness a real vLLM replica runs at (devcluster/vllm_real.py says why).
+    vllm_nice: int = Field(default=DEFAULT_NICE, ge=0, le=19)
     # Files every node has at the same absolute path, kept under this folder
     # (drivers.node_files); None: tasks see only the host's own files.
     node_root: Path | None = None

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
+from caravan_llm.devcluster.nomad.drivers import MAX_NICE, LaunchSpec, start_process
 from caravan_llm.devcluster.vllm_build import MAX_MODEL_LEN, VllmBuild
 from caravan_llm.devcluster.vllm_real import RealVllmOptions, launch, substitutions_for
 
@@ -100,3 +103,42 @@ def test_the_kv_events_config_reaches_the_real_engine_unchanged() -> None:
         for change in substitutions_for((*RENDERED, "--kv-events-config", config), OPTIONS)
     ]
     assert "--kv-events-config" not in flags
+
+
+def test_a_real_replica_runs_below_the_agents_priority() -> None:
+    """The replica's niceness travels with its launch (10 unless devcluster says otherwise)."""
+    result = launch(
+        RENDERED,
+        {},
+        OPTIONS,
+        task_dir=Path("/data/alloc/a1/engine"),
+        alloc_dir=Path("/data/alloc/a1"),
+        core=None,
+        tmp_dir=Path("/tmp/cvl-x"),
+    )
+    assert 10 == result.nice
+    assert 0 == RealVllmOptions(build=BUILD, nice=0).nice
+
+
+# Prints its niceness once it differs from the agent's (set just after exec), or after 10 s.
+WATCH_OWN_PRIORITY = """
+import os, sys, time
+deadline = time.monotonic() + 10
+while os.getpriority(os.PRIO_PROCESS, 0) == int(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(os.getpriority(os.PRIO_PROCESS, 0))
+"""
+
+
+async def test_start_process_applies_the_niceness_to_the_started_program(tmp_path: Path) -> None:
+    """The started program (and what it starts later) runs at the agent's niceness + nice."""
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    spec = LaunchSpec(
+        (sys.executable, "-c", WATCH_OWN_PRIORITY, str(own)),
+        dict(os.environ),
+        nice=3,
+    )
+    out = tmp_path / "out"
+    task = await start_process(spec, cwd=tmp_path, stdout=out, stderr=tmp_path / "err")
+    assert (await task.wait()).successful
+    assert min(own + 3, MAX_NICE) == int(out.read_text())
