@@ -132,7 +132,7 @@ async def test_the_demos_adapters_are_listed_with_their_parent_and_answer(demo: 
     """Both example adapters in /v1/models with the vLLM model as parent (the demo's ready
     document and narration), their node paths said as substitutions, each with streamed text."""
     text = demo.narration.read_text(errors="replace")
-    assert {name: SERVED for name in ADAPTERS} == demo.document["adapters"]
+    assert dict.fromkeys(ADAPTERS, SERVED) == demo.document["adapters"]
     for adapter in ADAPTERS:
         assert f"  {adapter} (parent {SERVED})" in text
         assert f"  qwen2-5-7b: adapter {adapter}: /opt/loras/{adapter} -> " in text
