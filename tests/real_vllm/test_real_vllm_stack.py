@@ -96,9 +96,10 @@ class Fleet:
             base_url=f"{self.router_url}/v1", api_key=self.stack.router.api_key, max_retries=0
         )
 
-    async def replicas(self) -> list[Replica]:
+    async def replicas(self, *, passing: bool = True) -> list[Replica]:
+        """The model's replicas in Consul: those passing their checks, or all registered."""
         consul = self.stack.scheduler.consul
-        _, entries = await consul.health_service(model_service_name(NAME), passing=True)
+        _, entries = await consul.health_service(model_service_name(NAME), passing=passing)
         return [
             Replica(
                 alloc_id=entry.meta[ServiceMetaKey.ALLOC_ID],
@@ -524,7 +525,8 @@ async def serving_replica(fleet: Fleet) -> Replica:
     engines' gauges can already read 0 when a short answer has been generated whole)."""
     assert fleet.stack.router is not None
     registry = fleet.stack.router.registry
-    replicas = await fleet.replicas()
+    # Every registered replica: a saturated engine's check may time out while it streams.
+    replicas = await fleet.replicas(passing=False)
 
     def probe() -> Replica | None:
         for replica in replicas:

@@ -18,7 +18,11 @@ adapters at run time (`AdapterLoading.RUNTIME`, vLLM):
    routers' counts does not move adapters back and forth;
 3. the difference is applied through the engine's API: unloads first (they
    free slots), then loads; an adapter loaded from another source than the
-   profile's now is unloaded and loaded again;
+   profile's now is unloaded and loaded again. An adapter that appeared on a
+   replica since the last pass (a router's on-demand load, made just before
+   the request it is for) is not unloaded for `appeared_grace_s`, and a planned
+   load waits while no slot is free, so neither side answers the other's
+   request with a 404 and no replica goes over `max_loras`;
 4. the result is one `ModelAdapters` document per model (what each replica
    holds now, what it should, which adapters failed and why), which the
    publisher writes to `adapters/<model>` on change.
@@ -37,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -71,6 +76,10 @@ log = logging.getLogger(__name__)
 LIST_TIMEOUT_S = 5.0
 # Loading reads the adapter from the volume (or downloads it) into the engine.
 LOAD_TIMEOUT_S = 60.0
+# Seconds an adapter that appeared on a replica between two passes is kept there
+# (`LoraApplier.appeared_grace_s`): a router loads one on demand just before it
+# sends the request, and an unload in between would answer that request 404.
+ON_DEMAND_GRACE_S = 10.0
 # Loads and unloads in flight at once, over all replicas.
 APPLY_CONCURRENCY = 4
 # How much of an engine's error body a failure keeps.
@@ -280,8 +289,14 @@ class LoraApplier:
     # Builds the engine client for one pass (tests pass a fake).
     api_factory: Callable[[aiohttp.ClientSession], AdapterApi] = HttpAdapterApi
     retry_failed_after_s: float = 60.0
+    # An adapter that appeared on a replica since the last pass (a router loaded it on
+    # demand for a request it is about to send there) is not unloaded for this long.
+    appeared_grace_s: float = ON_DEMAND_GRACE_S
     clock: Callable[[], float] = time.time
     _failures: dict[tuple[str, str], _Failure] = field(default_factory=dict)
+    # (model, alloc id) -> adapter -> when this applier first saw the replica hold it;
+    # what a replica held when first read counts as old (-inf).
+    _appeared: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
     # The documents of the last pass, said again for a model whose key could not be read.
     _last: dict[str, ModelAdapters] = field(default_factory=dict)
 
@@ -391,6 +406,7 @@ class LoraApplier:
             basis, placeable, sticky(wanted, placed_now), limits.max_loras - reserved
         )
         loaded = {alloc_id: set(held[alloc_id]) for alloc_id in by_id}
+        recent = self._recently_appeared(name, held, now)
         semaphore = asyncio.Semaphore(APPLY_CONCURRENCY)
 
         async def apply_replica(target: AdapterTarget) -> None:
@@ -403,15 +419,20 @@ class LoraApplier:
                 reserved,
                 wanted,
             )
+            mine = loaded[target.alloc_id]
             stale = [
                 n
                 for n in sorted(have)
-                if (n not in want and n not in keep) or sources.get(n) != have[n]
+                if sources.get(n) != have[n]
+                or (n not in want and n not in keep and n not in recent[target.alloc_id])
             ]
             for adapter in stale:
                 async with semaphore:
                     await self._unload(api, target, adapter, loaded)
             for adapter in sorted(want - current[target.alloc_id]):
+                if len(mine) >= limits.max_loras:
+                    # A slot is still held by a recent on-demand load: the next pass.
+                    break
                 async with semaphore:
                     await self._load(api, target, adapter, sources[adapter], loaded)
 
@@ -439,6 +460,26 @@ class LoraApplier:
             load_path=facts.api.load_path,
             unload_path=facts.api.unload_path,
         )
+
+    def _recently_appeared(
+        self, model: str, held: Mapping[str, Mapping[str, str]], now: float
+    ) -> dict[str, frozenset[str]]:
+        """Per replica read this pass, the adapters that appeared on it less than
+        `appeared_grace_s` ago (since an earlier pass); remembers what each holds."""
+        recent: dict[str, frozenset[str]] = {}
+        for alloc_id, names in held.items():
+            before = self._appeared.get((model, alloc_id))
+            since = {
+                n: (before.get(n, now) if before is not None else -math.inf) for n in names
+            }
+            self._appeared[(model, alloc_id)] = since
+            recent[alloc_id] = frozenset(
+                n for n, at in since.items() if now - at < self.appeared_grace_s
+            )
+        for key in [k for k in self._appeared if k[0] == model and k[1] not in held]:
+            # A replica not read this pass (gone, or its list failed) starts again.
+            del self._appeared[key]
+        return recent
 
     async def _read_held(
         self, api: AdapterApi, targets: list[AdapterTarget]

@@ -139,7 +139,10 @@ async def test_demo_json_prints_one_object_with_the_exports_and_narrates_on_stde
     assert ready["caravan_api_token"]
     assert "tiny-chat: 3/3 ready" in err.decode()
     logged = [json.loads(entry) for entry in request_log.read_text().splitlines()]
-    assert ["qwen2.5-7b-instruct", "tiny-chat"] == sorted(entry["model"] for entry in logged)
+    # The demo's completions: each model's and each adapter's.
+    assert sorted(["qwen2.5-7b-instruct", "tiny-chat", *adapters]) == sorted(
+        entry["model"] for entry in logged
+    )
     assert {200} == {entry["status"] for entry in logged}
     assert all("prefix_source" in entry for entry in logged)
     assert "say hello" not in request_log.read_text().lower()  # the demo's prompt

@@ -263,3 +263,35 @@ async def test_vllms_already_loaded_and_not_found_answers_count_as_done() -> Non
                 await api.unload(target, "")
     finally:
         await server.close()
+
+
+async def test_an_adapter_a_router_just_loaded_is_not_unloaded_under_its_request() -> None:
+    """With every slot planned (max_loras 1, no slot left to routers), an adapter that
+    appeared on a replica since the last pass stays for the grace time, and the planned
+    one waits for its slot; after the grace the plan has its way, never above max_loras."""
+    profile = make_vllm(adapters=[SQL, CHAT], lora={"max_loras": 1})
+    engines, clock = FakeEngines(), [NOW]
+    applier = applier_with(engines, clock)
+    seen = two_ready_replicas(profile)
+    await run(applier, profile, seen)
+    assert {A0: {"chat": "/m/chat"}, A1: {"sql": "/m/sql"}} == engines.held
+    # A router swaps A0's chat for sql (its on-demand load), just before this pass.
+    engines.held[A0] = {"sql": "/m/sql"}
+    clock[0] = NOW + 1
+    await run(applier, profile, seen)
+    assert {"sql": "/m/sql"} == engines.held[A0]
+    assert {"sql": "/m/sql"} == engines.held[A1]
+    clock[0] = NOW + 1 + applier.appeared_grace_s
+    await run(applier, profile, seen)
+    assert [1, 1] == [len(held) for held in engines.held.values()]
+    assert {"chat", "sql"} == {name for held in engines.held.values() for name in held}
+
+
+async def test_what_a_replica_held_when_first_read_gets_no_grace() -> None:
+    """A scheduler that starts (or takes over) applies its plan at once: only adapters that
+    appear between its own passes are recent."""
+    profile = make_vllm(adapters=[SQL, CHAT], lora={"max_loras": 1})
+    engines, clock = FakeEngines(held={A0: {"sql": "/m/sql"}, A1: {"sql": "/m/sql"}}), [NOW]
+    await run(applier_with(engines, clock), profile, two_ready_replicas(profile))
+    assert [1, 1] == [len(held) for held in engines.held.values()]
+    assert {"chat", "sql"} == {name for held in engines.held.values() for name in held}
