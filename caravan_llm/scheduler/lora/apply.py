@@ -469,9 +469,7 @@ class LoraApplier:
         recent: dict[str, frozenset[str]] = {}
         for alloc_id, names in held.items():
             before = self._appeared.get((model, alloc_id))
-            since = {
-                n: (before.get(n, now) if before is not None else -math.inf) for n in names
-            }
+            since = {n: (before.get(n, now) if before is not None else -math.inf) for n in names}
             self._appeared[(model, alloc_id)] = since
             recent[alloc_id] = frozenset(
                 n for n, at in since.items() if now - at < self.appeared_grace_s
