@@ -16,9 +16,11 @@ implements), overriding only the asyncio protocol callbacks and
 1. A connection waits for its headers at most `header_read_timeout_s` from
    its opening, or from the first byte of a later request on a keep-alive
    connection (Go's ReadHeaderTimeout). Bytes arriving do not extend it, so a
-   trickle cannot. On expiry it gets a 408 and is closed, counted as
-   `header_timeout`. The body's own timeout is the request middleware's
-   (`caravan_llm.router.edge.request_guard`), because only a handler knows a body is expected.
+   trickle cannot. On expiry it gets a 408 and a lingering close (as a
+   refusal's, rule 3: a client still sending would otherwise read a reset
+   instead of the 408), counted as `header_timeout`. The body's own timeout
+   is the request middleware's (`caravan_llm.router.edge.request_guard`),
+   because only a handler knows a body is expected.
 2. An IDLE connection is closed by aiohttp's keep-alive timer
    (`keepalive_timeout_s`).
 3. At most `max_connections` are open. A connection over the cap evicts the
@@ -305,6 +307,11 @@ class GuardedRequestHandler(RequestHandler):
         """The 503 over the cap, then a lingering close (module docstring, rule 3)."""
         # A stream transport (uvloop's are not asyncio.Transport subclasses).
         stream.write(raw_error_response(TooManyConnections(self.guard.limit)))
+        self._linger(stream)
+
+    def _linger(self, stream: asyncio.Transport) -> None:
+        """End the router's side (FIN), discard what arrives, close once the client has
+        closed its side or `_REFUSED_LINGER_S` has passed (at once beyond `_MAX_LINGERING`)."""
         if self.guard.lingering >= _MAX_LINGERING or not stream.can_write_eof():
             stream.close()
             return
@@ -315,16 +322,18 @@ class GuardedRequestHandler(RequestHandler):
         self._deadline = loop.call_later(_REFUSED_LINGER_S, stream.close)
 
     def eof_received(self) -> None:
+        if self._lingering is not None:
+            # The client closed its side after reading the answer: close now.
+            self._lingering.close()
+            return
         if self._refused:
-            # The client closed its side after reading the 503: close now.
-            if self._lingering is not None:
-                self._lingering.close()
             return
         super().eof_received()
 
     def data_received(self, data: bytes) -> None:
-        if self._refused:
-            # The refused client's request: read and dropped, so that closing sends no reset.
+        if self._refused or self._lingering is not None:
+            # The refused (or timed-out) client's bytes: read and dropped, so that closing
+            # sends no reset.
             return
         if self.phase is Phase.IDLE and data:
             # The first byte of the next request starts its header deadline.
@@ -334,10 +343,10 @@ class GuardedRequestHandler(RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
+        if self._lingering is not None:
+            self._lingering = None
+            self.guard.lingering -= 1
         if self._refused:
-            if self._lingering is not None:
-                self._lingering = None
-                self.guard.lingering -= 1
             return
         self.guard.forget(self)
         super().connection_lost(exc)
@@ -384,8 +393,9 @@ class GuardedRequestHandler(RequestHandler):
             return
         self.guard.count_closed("header_timeout")
         error = RequestTimeout("headers", self.guard.header_timeout_s)
-        self.transport.write(raw_error_response(error))
-        self.force_close()
+        stream = self.transport
+        stream.write(raw_error_response(error))
+        self._linger(stream)
 
     # -- aiohttp's answer to requests it could not parse -----------------------------------
 
