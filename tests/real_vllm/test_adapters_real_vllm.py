@@ -11,7 +11,8 @@ the real engine reads as a node would). The tests run in order on it:
    `openai` client with text other than the base model's at temperature 0,
    the bad one is reported with vLLM's reason and answers an OpenAI-shaped 503;
 2. one removed from the profile is unloaded from every replica by one reconcile;
-3. five adapters for four slots: one is held nowhere, and a request for it is
+3. five adapters for four slots: the plan places one per replica and leaves the
+   other slot to routers, so some are held nowhere, and a request for one is
    answered (the router loads it on demand) with the load time in the request log;
 4. a simulated vLLM with the same LoRA flags answers the adapter routes, model
    cards and `vllm:lora_requests_info` as a real replica does.
@@ -256,8 +257,9 @@ async def test_an_adapter_removed_from_the_profile_is_unloaded_everywhere_in_one
 async def test_an_adapter_held_nowhere_is_loaded_on_demand_with_the_time_logged(
     fleet: Fleet,
 ) -> None:
-    """Five adapters for four slots leave one held nowhere; a request for it is answered with
-    no error, and its line in the request log carries the load time."""
+    """Five adapters for four slots leave some held nowhere (the plan keeps a slot per
+    replica for routers' loads); a request for one is answered with no error, and its line
+    in the request log carries the load time."""
     names = (*GOOD[:-1], *LATER)
     await fleet.submit(names, bad=False)
 
@@ -266,7 +268,8 @@ async def test_an_adapter_held_nowhere_is_loaded_on_demand_with_the_time_logged(
         replicas = [r for r in status["replicas"] if r["state"] == "ready"]
         loaded = [set(r.get("adapters_loaded") or ()) for r in replicas]
         desired = [set(r.get("adapters_desired") or ()) for r in replicas]
-        if len(replicas) != 2 or loaded != desired or any(len(held) != 2 for held in loaded):
+        applied = all(want <= held for want, held in zip(desired, loaded, strict=True))
+        if len(replicas) != 2 or not applied:
             return None
         nowhere = sorted(set(names) - set().union(*loaded) - set().union(*await fleet.listed()))
         return nowhere[0] if nowhere else None
