@@ -372,11 +372,40 @@ class OracleTokens(EngineTokens):
         return ids
 
 
-def oracle_index(tokens: OracleTokens) -> Any:
-    """A KvIndex whose answers are the engines' caches as read for this very prompt."""
+def streamless_index() -> Any:
+    """A KvIndex class whose stream calls (the router's KV feed reading the relays) do
+    nothing: an oracle built on it is told the engines' caches some other way."""
     from caravan_llm.router.core.kv_index import KvIndex  # noqa: PLC0415
 
-    class OracleIndex(KvIndex):
+    class StreamlessIndex(KvIndex):
+        __slots__ = ()
+
+        def apply_snapshot(self, replica: str, snapshot: Any, now: float) -> Any:
+            del replica, snapshot, now
+            return "ignored"
+
+        def apply_delta(self, replica: str, delta: Any, now: float) -> Any:
+            del replica, delta, now
+            return "ignored"
+
+        def heartbeat(self, replica: str, position: Any, now: float) -> Any:
+            del replica, position, now
+            return "ignored"
+
+        def forget(self, replica: str) -> None:
+            del replica
+
+        def retain(self, replicas: Any) -> None:
+            del replicas
+
+    return StreamlessIndex
+
+
+def oracle_index(tokens: OracleTokens) -> Any:
+    """A KvIndex whose answers are the engines' caches as read for this very prompt (the
+    relays' streams are not followed)."""
+
+    class OracleIndex(streamless_index()):
         __slots__ = ()
 
         def state(self, replica: str, now: float) -> Any:
@@ -397,25 +426,6 @@ def oracle_index(tokens: OracleTokens) -> Any:
                 return 0
             counts = tokens.counts.get(digests[-1])
             return None if counts is None else counts.get(replica)
-
-        # The relays' streams are not followed: the engines' caches are read directly.
-        def apply_snapshot(self, replica: str, snapshot: Any, now: float) -> Any:
-            del replica, snapshot, now
-            return "ignored"
-
-        def apply_delta(self, replica: str, delta: Any, now: float) -> Any:
-            del replica, delta, now
-            return "ignored"
-
-        def heartbeat(self, replica: str, position: Any, now: float) -> Any:
-            del replica, position, now
-            return "ignored"
-
-        def forget(self, replica: str) -> None:
-            del replica
-
-        def retain(self, replicas: Any) -> None:
-            del replicas
 
     return OracleIndex()
 

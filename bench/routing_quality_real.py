@@ -76,7 +76,14 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 # ruff: noqa: E402 - the imports below need the repository on sys.path
-from bench.prefix_routing import KEY, Placed, place_fleet, prefix_sources, router_figures
+from bench.prefix_routing import (
+    KEY,
+    Placed,
+    place_fleet,
+    prefix_sources,
+    router_figures,
+    streamless_index,
+)
 from bench.processes import Proc, started
 from bench.routing_quality import (
     ENGINE_BASES,
@@ -528,7 +535,7 @@ def oracle_index() -> Any:
     """
     from caravan_llm.router.core.kv_index import KvIndex  # noqa: PLC0415
 
-    class OracleIndex(KvIndex):
+    class OracleIndex(streamless_index()):
         __slots__ = ("fed",)
 
         def __init__(self) -> None:
@@ -546,24 +553,6 @@ def oracle_index() -> Any:
             if replica in self.fed and not self.needs_snapshot(replica):
                 return "live"
             return super().state(replica, now)
-
-        def apply_snapshot(self, replica: str, snapshot: Any, now: float) -> Any:
-            del replica, snapshot, now
-            return "ignored"
-
-        def apply_delta(self, replica: str, delta: Any, now: float) -> Any:
-            del replica, delta, now
-            return "ignored"
-
-        def heartbeat(self, replica: str, position: Any, now: float) -> Any:
-            del replica, position, now
-            return "ignored"
-
-        def forget(self, replica: str) -> None:
-            del replica
-
-        def retain(self, replicas: Any) -> None:
-            del replicas
 
     return OracleIndex()
 
