@@ -389,12 +389,24 @@ async def start_process(spec: LaunchSpec, *, cwd: Path, stdout: Path, stderr: Pa
                 f"failed to launch command with executor: rpc error: code = Unknown desc = {exc}"
             ) from None
     if spec.nice > 0:
-        # Set before the new program has started any thread or child (both inherit it);
-        # relative to the agent's own niceness, at most the lowest priority.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            own = os.getpriority(os.PRIO_PROCESS, 0)
-            os.setpriority(os.PRIO_PROCESS, process.pid, min(own + spec.nice, MAX_NICE))
+        _lower_priority(process.pid, spec.nice)
     return TaskProcess(process, spec.scratch)
+
+
+def _lower_priority(pid: int, nice: int) -> None:
+    """The started program at `nice` below the agent (at most the lowest priority).
+
+    Set before the program has started any thread or child (both inherit it).
+    With the kernel's autogroup scheduling (`/proc/sys/kernel/sched_autogroup_enabled`),
+    CPU time is first shared between sessions, and the task runs in a session of its
+    own (`start_new_session`): its niceness alone would not lower it against the
+    agent's session, so its session's autogroup gets the same niceness.
+    """
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        os.setpriority(os.PRIO_PROCESS, pid, min(own + nice, MAX_NICE))
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/autogroup").write_text(f"{min(nice, MAX_NICE)}\n", encoding="ascii")
 
 
 def parse_signal(name: str) -> int:

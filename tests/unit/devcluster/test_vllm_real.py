@@ -120,18 +120,30 @@ def test_a_real_replica_runs_below_the_agents_priority() -> None:
     assert 0 == RealVllmOptions(build=BUILD, nice=0).nice
 
 
-# Prints its niceness once it differs from the agent's (set just after exec), or after 10 s.
+# Prints its niceness and its autogroup's ("none" where the kernel has none) once both
+# differ from the agent's (set just after exec), or after 10 s.
 WATCH_OWN_PRIORITY = """
 import os, sys, time
+
+def group():
+    try:
+        with open("/proc/self/autogroup") as found:
+            return found.read().split()[-1]
+    except OSError:
+        return "none"
+
 deadline = time.monotonic() + 10
-while os.getpriority(os.PRIO_PROCESS, 0) == int(sys.argv[1]) and time.monotonic() < deadline:
+while time.monotonic() < deadline:
+    if os.getpriority(os.PRIO_PROCESS, 0) != int(sys.argv[1]) and group() != "0":
+        break
     time.sleep(0.01)
-print(os.getpriority(os.PRIO_PROCESS, 0))
+print(os.getpriority(os.PRIO_PROCESS, 0), group())
 """
 
 
 async def test_start_process_applies_the_niceness_to_the_started_program(tmp_path: Path) -> None:
-    """The started program (and what it starts later) runs at the agent's niceness + nice."""
+    """The started program (and what it starts later) runs at the agent's niceness + nice,
+    and so does its session's autogroup where the kernel schedules by session."""
     own = os.getpriority(os.PRIO_PROCESS, 0)
     spec = LaunchSpec(
         (sys.executable, "-c", WATCH_OWN_PRIORITY, str(own)),
@@ -141,4 +153,7 @@ async def test_start_process_applies_the_niceness_to_the_started_program(tmp_pat
     out = tmp_path / "out"
     task = await start_process(spec, cwd=tmp_path, stdout=out, stderr=tmp_path / "err")
     assert (await task.wait()).successful
-    assert min(own + 3, MAX_NICE) == int(out.read_text())
+    priority, group = out.read_text().split()
+    assert min(own + 3, MAX_NICE) == int(priority)
+    # Under autogroup scheduling the task's own session is lowered too (drivers.py).
+    assert group in {"3", "none"}
