@@ -26,7 +26,8 @@ process exits, so vLLM's `vllm_dist_*` files and ipc sockets go with it.
 Paths under the container's `/alloc`, `/local` and `/secrets` point into the
 task's folders, as Docker's mounts make them.
 
-The process runs at niceness `nice` (10 by default): on a real cluster an engine
+The process (and its session's autogroup, drivers.py) runs at niceness `nice`
+(10 by default): on a real cluster an engine
 has a host of its own, here its spinning OpenMP threads share two cores with
 the stand-in agents and caravan's processes, which must not be starved (a
 saturated pair of replicas once made the scheduler lose its Consul session).
