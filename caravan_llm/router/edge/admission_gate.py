@@ -300,11 +300,11 @@ class AdmissionGate:
         state = self._state
         if not state.synced:
             raise NoHealthyEndpoint(model, "discovery_not_synced", self._admission.retry_after_s)
-        if self._queues.depth(model):
-            self._drain(model, now)
+        # Waiters that could go anywhere but found no room: a newcomer waits behind them.
+        blocked = self._drain(model, now) if self._queues.depth(model) else False
         result: PickResult = self._pick(features, now)
         if isinstance(result, Picked):
-            if not self._queues.depth(model):
+            if not blocked:
                 self._metrics.for_model(model).wait.observe(0.0)
                 return self._lease(result.endpoint, features, now)
             # Capacity exists but others were first: wait behind them.
@@ -639,11 +639,30 @@ class AdmissionGate:
         self._queues.cancel(ticket)
         future.cancel()
 
-    def _drain(self, model: str, now: float) -> None:
+    def _drain(self, model: str, now: float) -> bool:
+        """Hand free capacity to the model's waiters in order; True when one found none.
+
+        A waiter that excludes endpoints (a retry, or a request held for a
+        replacement after trying every replica) may find nothing where the
+        others would: it keeps its place and the drain goes on past it, so one
+        such request never holds the queue up behind it (in the soak, a retry
+        held for a replacement stopped a router from admitting anything for
+        half a minute while both replicas stood idle). A waiter with no
+        exclusions that finds no room stops the drain: the ones after it
+        would find none either, and they keep their order.
+        """
+        passed: list[Ticket] = []
+        try:
+            return self._drain_past(model, now, passed)
+        finally:
+            for ticket in passed:
+                self._queues.requeue(ticket)
+
+    def _drain_past(self, model: str, now: float, passed: list[Ticket]) -> bool:
         while True:
             ticket = self._queues.pop_ready(model, now)
             if ticket is None:
-                return
+                return False
             waiter = self._waiters.get(ticket.seq)
             if waiter is None or waiter.future.done():
                 continue
@@ -664,8 +683,11 @@ class AdmissionGate:
                     NoHealthyEndpoint(model, result.reason.value, self._admission.retry_after_s)
                 )
                 continue
+            if waiter.features.exclude:
+                passed.append(ticket)
+                continue
             self._queues.requeue(ticket)
-            return
+            return True
 
 
 def model_label(state: RoutingState, model: str) -> str:

@@ -267,3 +267,25 @@ async def test_no_replacement_before_the_deadline_is_a_replacement_timeout() -> 
     )
     assert MODEL in body["message"]
     assert {} == gate.queue_depths()
+
+
+async def test_a_held_request_never_holds_up_the_queue_behind_it() -> None:
+    """Held for a replacement after trying `a` and `b`, one request waits; the others go on.
+
+    Found by the soak: such a request at the head of the queue stopped a router
+    from admitting anything for half a minute while both replicas stood idle
+    (its queue filled and every newcomer got 429).
+    """
+    gate, _ = make_gate(endpoint_entry("a"), endpoint_entry("b", port=2))
+    tried_both = RequestFeatures(MODEL, exclude=frozenset({"a", "b"}))
+    task = await held(gate, tried_both)
+
+    newcomer = await asyncio.wait_for(gate.admit(RequestFeatures(MODEL), priority=0), 2)
+    later = await asyncio.wait_for(gate.admit(RequestFeatures(MODEL), priority=0), 2)
+
+    assert {newcomer.endpoint.id, later.endpoint.id} <= {"a", "b"}
+    assert not task.done()  # still held, in its place
+    assert {MODEL: 1} == gate.queue_depths()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
