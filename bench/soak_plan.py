@@ -443,9 +443,11 @@ def trend(points: Sequence[tuple[float, float]]) -> Trend | None:
 
 # RSS may grow by less than this over the judged window (issue 26's acceptance).
 RSS_GROWTH_LIMIT = 0.05
-# Descriptors and tasks are "flat" when their trend changes by at most this
+# Descriptors and tasks are "flat" when their level rises by at most this
 # much across the window: the larger of an absolute and a relative allowance
-# (both move with the requests in flight at a sampling instant).
+# (both move with the requests in flight at a sampling instant). A fall is no
+# leak: a window that opens on a backlog (requests queued after a fault) starts
+# high and ends at the floor.
 FLAT_ABSOLUTE = 5.0
 FLAT_RELATIVE = 0.10
 
@@ -484,7 +486,7 @@ class ProcessVerdict:
 def flat(line: Trend | None) -> bool | None:
     if line is None:
         return None
-    return abs(line.change) <= max(FLAT_ABSOLUTE, FLAT_RELATIVE * abs(line.first))
+    return line.change <= max(FLAT_ABSOLUTE, FLAT_RELATIVE * abs(line.first))
 
 
 def judge_processes(

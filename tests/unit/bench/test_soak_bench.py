@@ -300,6 +300,20 @@ class TestProcesses:
         (verdict,) = judge_processes(climbing, 600, 3600, 1500)
         assert (False, True) == (verdict.fds_flat, verdict.tasks_flat)
 
+    def test_a_backlog_draining_after_warm_up_is_no_leak(self) -> None:
+        """Tasks high when the window opens (a queue after a fault), at their floor later: flat."""
+        samples = series("router-a", 0, 0, 3600, lambda t: 1e8)
+        draining = [
+            ProcessSample(
+                s.at_s, s.process, 0, s.rss_bytes, s.fds, 300.0 if s.at_s < 1500 else 30.0
+            )
+            for s in samples
+        ]
+        (verdict,) = judge_processes(draining, 600, 3600, 1500)
+        assert verdict.tasks is not None
+        assert verdict.tasks.change < -200
+        assert verdict.tasks_flat
+
 
 class TestJudge:
     def test_a_failure_with_two_ready_replicas_fails_the_run(self) -> None:
