@@ -209,7 +209,7 @@ class EngineTokens:
         route: Any,
         payload: Mapping[str, Any],
         *,
-        on_prefix: Callable[[Sequence[int]], None] | None = None,
+        on_prefix: Callable[[Sequence[int], int], None] | None = None,
     ) -> Sequence[int] | None:
         del view, route, on_prefix
         messages = self.messages(payload)
@@ -353,7 +353,7 @@ class OracleTokens(EngineTokens):
         route: Any,
         payload: Mapping[str, Any],
         *,
-        on_prefix: Callable[[Sequence[int]], None] | None = None,
+        on_prefix: Callable[[Sequence[int], int], None] | None = None,
     ) -> Sequence[int] | None:
         del view, route, on_prefix
         messages = self.messages(payload)

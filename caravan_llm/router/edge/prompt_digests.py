@@ -27,7 +27,9 @@ tokenizer hands over the leading ids its segment cache held before it starts
 on the first piece it has not seen (`PromptTokens.prompt_token_ids`'s
 `on_prefix`), and past the budget the request is routed on their digests
 (`cached_prefix`): the system prompt and the history, all of the prompt a
-replica can hold from this router's traffic. Without a full block of them
+replica can hold from this router's traffic. The whole prompt's token count
+is then the tokenizer's prediction from those ids (their tokens per
+character), so the new text still weighs its prefill. Without a full block of them
 it is routed on the approximate index (`prefix_source: approximate`,
 `over_budget`). Either way the tokenizing goes on in the background, so the
 segment cache holds the pieces for the conversation's next turn. At most
@@ -79,14 +81,15 @@ class PromptTokens(Protocol):
         route: EngineRoute,
         payload: Mapping[str, Any],
         *,
-        on_prefix: Callable[[Sequence[int]], None] | None = None,
+        on_prefix: Callable[[Sequence[int], int], None] | None = None,
     ) -> Sequence[int] | None:
         """The prompt's token ids exactly as the engine will compute them, or None.
 
         `on_prefix`, when given, may be called once on the event loop, before
         the result, with the prompt's leading ids that were at hand at once
         (a shared system prompt and the history the tokenizer saw before),
-        while the rest (the new text) is still being tokenized.
+        while the rest (the new text) is still being tokenized; and with the
+        whole prompt's token count as the tokenizer predicts it from them.
 
         `view` is the request's model as its profile declares it (where its
         tokenizer is); `route` which OpenAI route the request came on (chat:
@@ -135,14 +138,13 @@ class PromptDigester:
         payload: Mapping[str, Any],
         *,
         route: EngineRoute,
-        estimated_tokens: int | None = None,
     ) -> ExactPrompt | None:
         """The prompt's digests per (service, block size); None when no replica can use them.
 
         Waits at most the budget for the token ids (module docstring). Past
         it, the digests of the prompt's leading ids the tokenizer had at hand,
-        if any; their `tokens` is then `estimated_tokens` (the approximate
-        count of the whole prompt) when that is more.
+        if any; their `tokens` is then the whole prompt's count as the
+        tokenizer predicted it from them.
         """
         known = self._state.view.profiles.get(model)
         if known is None or known.view is None:
@@ -155,9 +157,13 @@ class PromptDigester:
         if len(pending) >= self._max_pending:
             self._count("busy")
             return None
-        leading: list[Sequence[int]] = []
+        leading: list[tuple[Sequence[int], int]] = []
+
+        def on_prefix(ids: Sequence[int], tokens: int) -> None:
+            leading.append((ids, tokens))
+
         task = asyncio.ensure_future(
-            self._tokens.prompt_token_ids(known.view, route, payload, on_prefix=leading.append)
+            self._tokens.prompt_token_ids(known.view, route, payload, on_prefix=on_prefix)
         )
         pending.add(task)
         task.add_done_callback(lambda done: self._finished(model, done))
@@ -166,7 +172,7 @@ class PromptDigester:
             return None
         done, _ = await asyncio.wait((task,), timeout=self._budget_s)
         if not done:
-            return self._from_leading(model, leading, keys, kinds, estimated_tokens)
+            return self._from_leading(model, leading, keys, kinds)
         token_ids = _result(task, log_failure=False)  # `_finished` logged a failure
         if token_ids is None:
             self._count("not_exact")
@@ -178,22 +184,25 @@ class PromptDigester:
     def _from_leading(
         self,
         model: str,
-        leading: Sequence[Sequence[int]],
+        leading: Sequence[tuple[Sequence[int], int]],
         keys: Mapping[str, DigestKey],
         kinds: set[DigestKind],
-        estimated_tokens: int | None,
     ) -> ExactPrompt | None:
         """Past the budget: the digests of the leading ids at hand, if they fill a block.
 
         The rest of the prompt is text the tokenizer had not seen, so no
         replica can hold a block of it that this router sent; blocks past the
-        leading ids count as not cached.
+        leading ids count as not cached. The prompt's `tokens` is the whole
+        prompt's count the tokenizer predicted: were it the leading ids'
+        count, a replica holding them would look as if it held all of the
+        prompt, and its prefill of the new text would cost nothing.
         """
         smallest = min((block_size for _, block_size in kinds), default=None)
-        if not leading or smallest is None or len(leading[0]) < smallest:
+        if not leading or smallest is None or len(leading[0][0]) < smallest:
             self._count("over_budget")
             return None
-        prompt = self._digests(model, leading[0], keys, kinds, estimated_tokens)
+        ids, estimated_tokens = leading[0]
+        prompt = self._digests(model, ids, keys, kinds, estimated_tokens)
         self._count("over_budget" if prompt is None else "cached_prefix")
         return prompt
 

@@ -472,7 +472,6 @@ class Proxy:
             exchange.parsed.model,
             exchange.parsed.payload,
             route=exchange.spec.route,
-            estimated_tokens=features.prompt.tokens,
         )
         if exact is None:
             return exchange

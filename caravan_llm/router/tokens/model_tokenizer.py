@@ -35,6 +35,7 @@ worker thread.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -69,8 +70,9 @@ MIN_CACHED_SEGMENT_CHARS = 16
 GIL_RELEASE_CHARS = 1024
 
 
-# Called with a prompt's leading token ids before the rest is tokenized (`encode`).
-PrefixCallback = Callable[[tuple[int, ...]], None]
+# Called with a prompt's leading token ids before the rest is tokenized (`encode`),
+# and the whole prompt's token count as they predict it (`estimated_tokens`).
+PrefixCallback = Callable[[tuple[int, ...], int], None]
 
 
 class TokenizerUnavailable(Exception):
@@ -133,8 +135,9 @@ class ModelTokenizer:
         `on_prefix`, with the segment cache in use, is called at most once:
         with the ids found so far, just before the first piece that must be
         tokenized after some ids (a new turn after a cached system prompt and
-        history). Never when the cache held every piece: the whole result
-        comes as fast then.
+        history), and with the whole prompt's token count estimated from them
+        (`estimated_tokens`). Never when the cache held every piece: the whole
+        result comes as fast then.
         """
         if not (use_cache and self.segmentable) or (add_special_tokens and self._prefix is None):
             return self._encode(text, add_special_tokens=add_special_tokens)
@@ -207,7 +210,8 @@ class ModelTokenizer:
             if match.start() > start:
                 piece = text[start : match.start()]
                 if on_prefix is not None and ids and self._is_miss(piece):
-                    on_prefix((*prefix, *ids))
+                    leading = (*prefix, *ids)
+                    on_prefix(leading, estimated_tokens(len(leading), start, len(text)))
                     on_prefix = None
                 ids.extend(self._piece(piece))
             ids.append(self._added_ids[match.group()])
@@ -215,7 +219,8 @@ class ModelTokenizer:
         if start < len(text):
             piece = text[start:]
             if on_prefix is not None and ids and self._is_miss(piece):
-                on_prefix((*prefix, *ids))
+                leading = (*prefix, *ids)
+                on_prefix(leading, estimated_tokens(len(leading), start, len(text)))
             ids.extend(self._piece(piece))
         return tuple(ids)
 
@@ -240,6 +245,21 @@ class ModelTokenizer:
                 dropped, _ = self._cache.popitem(last=False)
                 self._cached_chars -= len(dropped)
         return ids
+
+
+def estimated_tokens(leading_tokens: int, leading_chars: int, chars: int) -> int:
+    """A text's token count, predicted from its first `leading_chars` giving `leading_tokens`.
+
+    The rest of the text is taken to tokenize at the leading part's rate:
+    the same model's tokenizer on the same conversation. The router's
+    character estimate (`prefix_index.ShapeConfig.chars_per_token`, 4) is
+    far off for tokenizers that are not an English BPE (the tiny models' is
+    about 1.5 characters a token), and a too small count would make the
+    replica holding the leading ids look as if it held the whole prompt.
+    """
+    if leading_chars <= 0 or chars <= leading_chars:
+        return leading_tokens
+    return leading_tokens + math.ceil((chars - leading_chars) * leading_tokens / leading_chars)
 
 
 def _added_token_splitter(spec: Mapping[str, Any]) -> tuple[re.Pattern[str] | None, dict[str, int]]:

@@ -90,15 +90,15 @@ class Tokenizers:
         route: EngineRoute,
         payload: Mapping[str, Any],
         *,
-        on_prefix: Callable[[Sequence[int]], None] | None = None,
+        on_prefix: Callable[[Sequence[int], int], None] | None = None,
     ) -> tuple[int, ...] | None:
         """The ids the engine will see for this request's prompt; None when not exact.
 
         `view` is the request's model, `route` the engine route it goes to,
         `payload` its parsed JSON body (`ParsedRequest.payload`). `on_prefix`
         is called on the event loop with the prompt's leading ids when the
-        segment cache held them and the rest must still be tokenized
-        (`ModelTokenizer.encode`).
+        segment cache held them and the rest must still be tokenized, and the
+        whole prompt's token count they predict (`ModelTokenizer.encode`).
         """
         if route not in TOKENIZED_ROUTES:
             return None
@@ -111,10 +111,10 @@ class Tokenizers:
         if on_prefix is not None:
             callback = on_prefix
 
-            def from_thread(ids: tuple[int, ...]) -> None:
+            def from_thread(ids: tuple[int, ...], tokens: int) -> None:
                 # A loop already closed (the router stopping) has no one left to tell.
                 with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(callback, ids)
+                    loop.call_soon_threadsafe(callback, ids, tokens)
 
         work = partial(prompt_token_ids, tokenizer, route, payload, on_prefix=from_thread)
         return await loop.run_in_executor(entry.executor, work)

@@ -69,7 +69,7 @@ class SimulatedEngineTokens:
         route: EngineRoute,
         payload: Mapping[str, Any],
         *,
-        on_prefix: Callable[[Sequence[int]], None] | None = None,
+        on_prefix: Callable[[Sequence[int], int], None] | None = None,
     ) -> Sequence[int] | None:
         del view, on_prefix
         return self.ids(route, payload)

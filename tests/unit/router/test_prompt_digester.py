@@ -40,10 +40,13 @@ class Tokens:
         *,
         held: bool = False,
         leading: Sequence[int] | None = None,
+        estimated_tokens: int = 900,
     ) -> None:
         self.ids = ids
-        # Handed to `on_prefix` at once, as the tokenizer does with the ids its cache held.
+        # Handed to `on_prefix` at once, as the tokenizer does with the ids its cache held,
+        # with the whole prompt's count it predicts from them.
         self.leading = leading
+        self.estimated_tokens = estimated_tokens
         self.calls = 0
         self.views: list[ModelView] = []
         self.release = asyncio.Event()
@@ -57,11 +60,11 @@ class Tokens:
         route: EngineRoute,
         payload: Mapping[str, Any],
         *,
-        on_prefix: Callable[[Sequence[int]], None] | None = None,
+        on_prefix: Callable[[Sequence[int], int], None] | None = None,
     ) -> Sequence[int] | None:
         del route, payload
         if on_prefix is not None and self.leading is not None:
-            on_prefix(self.leading)
+            on_prefix(self.leading, self.estimated_tokens)
         self.calls += 1
         self.views.append(view)
         await self.release.wait()
@@ -216,7 +219,7 @@ async def test_a_failing_tokenizer_costs_the_request_its_exact_prompt_only() -> 
             route: EngineRoute,
             payload: Mapping[str, Any],
             *,
-            on_prefix: Callable[[Sequence[int]], None] | None = None,
+            on_prefix: Callable[[Sequence[int], int], None] | None = None,
         ) -> Sequence[int] | None:
             del view, route, payload, on_prefix
             raise RuntimeError("cannot schedule new futures after shutdown")
@@ -238,7 +241,7 @@ async def test_past_the_budget_the_leading_ids_at_hand_name_the_prompts_first_bl
         tokens, state_with(relayed("e0"), {"e0": 16}), Keys(), budget_s=0.05, metrics=metrics
     )
 
-    prompt = await digester.exact_prompt(MODEL, PAYLOAD, route=CHAT, estimated_tokens=900)
+    prompt = await digester.exact_prompt(MODEL, PAYLOAD, route=CHAT)
     tokens.release.set()
     await eventually(
         lambda: digester.pending(MODEL) == 0, 5.0, "the background tokenizing done", interval_s=0.01
@@ -248,7 +251,7 @@ async def test_past_the_budget_the_leading_ids_at_hand_name_the_prompts_first_bl
     key = DigestKey.from_secret(KEY)
     assert {(SERVICE, 16): block_digests(leading, block_size=16, key=key)} == dict(prompt.digests)
     assert 2 == len(prompt.digests[SERVICE, 16])
-    assert 900 == prompt.tokens
+    assert 900 == prompt.tokens  # the tokenizer's prediction for the whole prompt
     assert {"cached_prefix": 1.0} == outcomes(metrics)
 
 
@@ -260,7 +263,7 @@ async def test_leading_ids_shorter_than_a_block_leave_the_request_approximate() 
         tokens, state_with(relayed("e0"), {"e0": 16}), Keys(), budget_s=0.05, metrics=metrics
     )
 
-    prompt = await digester.exact_prompt(MODEL, PAYLOAD, route=CHAT, estimated_tokens=900)
+    prompt = await digester.exact_prompt(MODEL, PAYLOAD, route=CHAT)
     tokens.release.set()
     await eventually(
         lambda: digester.pending(MODEL) == 0, 5.0, "the background tokenizing done", interval_s=0.01
@@ -277,7 +280,7 @@ async def test_a_prompt_tokenized_in_time_counts_its_own_tokens_not_the_estimate
         tokens, state_with(relayed("e0"), {"e0": 16}), Keys(), budget_s=BUDGET_S
     )
 
-    prompt = await digester.exact_prompt(MODEL, PAYLOAD, route=CHAT, estimated_tokens=900)
+    prompt = await digester.exact_prompt(MODEL, PAYLOAD, route=CHAT)
 
     assert prompt is not None
     assert len(TOKENS) == prompt.tokens

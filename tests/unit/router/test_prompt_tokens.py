@@ -18,6 +18,7 @@ from caravan_llm.router.tokens.model_tokenizer import (
     GIL_RELEASE_CHARS,
     ModelTokenizer,
     TokenizerUnavailable,
+    estimated_tokens,
     load_model_tokenizer,
 )
 from caravan_llm.router.tokens.prompt import prompt_token_ids
@@ -239,19 +240,31 @@ def test_a_new_turn_hands_over_the_cached_historys_ids_before_tokenizing_it(
     next_turn = ChatPrompt(
         messages=(*history, {"role": "user", "content": "a question nobody asked before " * 5})
     )
-    handed: list[tuple[int, ...]] = []
+    handed: list[tuple[tuple[int, ...], int]] = []
 
-    ids = tokenizer.chat_ids(next_turn, on_prefix=handed.append)
-    again: list[tuple[int, ...]] = []
-    tokenizer.chat_ids(next_turn, on_prefix=again.append)
+    ids = tokenizer.chat_ids(next_turn, on_prefix=lambda *args: handed.append(args))
+    again: list[tuple[tuple[int, ...], int]] = []
+    tokenizer.chat_ids(next_turn, on_prefix=lambda *args: again.append(args))
 
     # Everything before the new turn's first piece: the system turn and the user's marker.
     text = tokenizer.render_chat(next_turn)
     cut = text.index("<|im_start|>user") + len("<|im_start|>")
     expected = tokenizer.encode(text[:cut], add_special_tokens=False, use_cache=False)
-    assert [expected] == handed
+    assert [expected] == [leading for leading, _ in handed]
     assert expected == ids[: len(expected)]
+    # The whole prompt's count, predicted at the leading part's tokens per character.
+    ((_, predicted),) = handed
+    assert predicted == estimated_tokens(len(expected), cut, len(text))
+    assert 0.8 * len(ids) <= predicted <= 1.25 * len(ids)
     assert [] == again  # every piece cached: the whole answer comes as fast
+
+
+def test_the_whole_prompts_count_is_predicted_at_the_leading_parts_rate() -> None:
+    """3 tokens in 6 characters: 6 more characters are 3 more tokens (rounded up)."""
+    assert 6 == estimated_tokens(3, 6, 12)
+    assert 4 == estimated_tokens(3, 6, 7)  # one more character: half a token, rounded up
+    assert 3 == estimated_tokens(3, 6, 6)  # nothing past the leading part
+    assert 3 == estimated_tokens(3, 0, 10)  # no characters to take a rate from
 
 
 @given(text=st.text(min_size=GIL_RELEASE_CHARS, max_size=3 * GIL_RELEASE_CHARS))
