@@ -111,6 +111,7 @@ CPU_NODES = 4
 GPU_NODES = 3
 GPUS_PER_NODE = 2
 NODE_TMPFS = "256m"
+NODE_TMPFS_BYTES = 256 * 1024 * 1024
 NETEM = ("delay", "200ms", "50ms")
 IN_FLIGHT_CAP = 1000
 # The load balancer's health check interval, and how long a router is out of
@@ -343,19 +344,31 @@ async def unmount(folders: list[Path]) -> None:
         await run_command("umount", "-l", str(folder))
 
 
-def fill(folder: Path) -> Path:
-    """A file taking every free byte of `folder`'s file system; its path."""
+def fill(folder: Path, *, limit_bytes: int = NODE_TMPFS_BYTES) -> Path:
+    """A file taking every free byte of `folder`'s file system, the soak's own tmpfs; its path.
+
+    Refuses (RuntimeError) a file system larger than `limit_bytes`: once a
+    node's tmpfs is gone (unmounted at the end of a run, or never mounted),
+    the folder is on the machine's own disk, which must never be filled.
+    """
+    stats = os.statvfs(folder)
+    size = stats.f_blocks * stats.f_frsize
+    if size > limit_bytes:
+        msg = f"{folder} is not on a node tmpfs of {NODE_TMPFS} ({size} bytes): not filled"
+        raise RuntimeError(msg)
     filler = folder / ".soak-filler"
     with filler.open("wb") as out:
-        free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+        free = stats.f_bavail * stats.f_frsize
         if free > 0:
             with contextlib.suppress(OSError):
                 os.posix_fallocate(out.fileno(), 0, free)
         chunk = b"\0" * 65536
+        written = 0
         with contextlib.suppress(OSError):
-            while True:
+            while written <= size:
                 out.write(chunk)
                 out.flush()
+                written += len(chunk)
     return filler
 
 

@@ -338,3 +338,18 @@ class TestJudge:
         samples = series("router-a", 0, 0, 100, lambda t: 1e8)
         verdicts = judge([], judge_processes(samples, 600, 100, 60))
         assert [None, None, None] == [v.passed for v in verdicts[2:]]
+
+
+def test_disk_full_never_fills_a_file_system_bigger_than_a_node_tmpfs(tmp_path: Path) -> None:
+    # tmp_path is on the machine's own disk (as a node folder is once its tmpfs is
+    # unmounted): the fault refuses it, and leaves no file behind.
+    path = Path(__file__).resolve().parents[3] / "bench" / "soak.py"
+    spec = importlib.util.spec_from_file_location("soak_bench_script", path)
+    assert spec is not None
+    assert spec.loader is not None
+    soak = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("soak_bench_script", soak)  # its dataclasses look their module up
+    spec.loader.exec_module(soak)
+    with pytest.raises(RuntimeError, match="not on a node tmpfs"):
+        soak.fill(tmp_path, limit_bytes=1024 * 1024)
+    assert list(tmp_path.iterdir()) == []
