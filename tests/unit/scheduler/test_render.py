@@ -128,9 +128,22 @@ def test_llamacpp_raw_exec_binds_the_nomad_port_without_to():
         "tiny-chat",
         "-t",
         "1",
+        "--cache-ram",
+        "0",
     ]
     assert group_of(body)["Networks"][0]["DynamicPorts"] == [{"Label": "http"}]
     assert "Devices" not in task["Resources"]
+
+
+@pytest.mark.parametrize("flag", ["--cache-ram", "-cram", "--cache-ram=512"])
+def test_llamacpp_prompt_cache_is_off_unless_the_profile_sets_it(flag: str) -> None:
+    """llama-server's host-memory prompt cache is off by default; engine_args can turn it on."""
+    off = task_of(render(make_llamacpp(), 0))["Config"]["args"]
+    assert off[off.index("--cache-ram") + 1] == "0"
+    value = [] if "=" in flag else ["512"]
+    args = task_of(render(make_llamacpp(engine_args=[flag, *value]), 0))["Config"]["args"]
+    assert "0" not in [args[i + 1] for i, arg in enumerate(args) if arg in {"--cache-ram", "-cram"}]
+    assert args[-1 - len(value) :] == [flag, *value]
 
 
 def test_llamacpp_gpu_on_docker_offloads_layers():
