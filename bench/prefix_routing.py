@@ -25,14 +25,20 @@ Targets, every one on the same trace, interleaved and rotated per repetition:
 - `approx`: caravan's router (default policy, `predicted_ttft`) with the
   exact index off (`KV_EVENTS=false`): the approximate index only;
 - `precise`: the same router reading every replica's relay stream, every
-  setting at its default (`EXACT_PREFIX_BUDGET_MS` 1.5);
+  setting at its default (`EXACT_PREFIX_BUDGET_MS` 1; live runs 1-4 in
+  docs/benchmarks.md ran it at 1.5);
 - `precise-wait`: the same with a 50 ms budget (every prompt's digests);
 - `oracle`: the same router whose exact index is, per request, a reading of
   every engine's actual state just before the pick (its prefix cache and the
   prompts it is running or queueing, `engine_holds`);
 - `-x3`: three routers of that kind, the client dealing requests in turn;
 - `precise-events-only[-x3]` (offline only): the events without the
-  router's own requests in flight (`KvIndex.hold`).
+  router's own requests in flight (`KvIndex.hold`);
+- `precise-leading[-x3]` (offline only): every request routed as the
+  default budget routes one whose tokenizing is not done in time
+  (`cached_prefix`): on the digests of its leading ids the router's
+  tokenizer had seen before (the chat up to the previous answer, which the
+  router never tokenized), its token count the whole prompt's.
 
 Reported per cell: routing_quality's TTFT percentiles, fleet prefix-cache
 hit rate (the engines' `vllm:prefix_cache_hits/queries`), prefix missed,
@@ -97,8 +103,16 @@ TARGETS = (
     # Offline only: precise routing without the in-flight blocks (events alone).
     "precise-events-only",
     "precise-events-only-x3",
+    # Offline only: every request routed on its leading ids only (`cached_prefix`).
+    "precise-leading",
+    "precise-leading-x3",
 )
-OFFLINE_ONLY = ("precise-events-only", "precise-events-only-x3")
+OFFLINE_ONLY = (
+    "precise-events-only",
+    "precise-events-only-x3",
+    "precise-leading",
+    "precise-leading-x3",
+)
 
 
 # -- the fleet and its working set ----------------------------------------------------------
@@ -164,7 +178,9 @@ class EngineTokens:
         self._vocabulary = Vocabulary()
         self._ids: dict[str, int] = {}
 
-    def engine_tokens(self, messages: Sequence[tuple[str, str]]) -> list[str] | list[int]:
+    def engine_tokens(
+        self, messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool = True
+    ) -> list[str] | list[int]:
         from caravan_llm.devcluster.engine.text import (  # noqa: PLC0415
             ChatMessage,
             render_chatml,
@@ -173,9 +189,30 @@ class EngineTokens:
 
         chat = [ChatMessage(role, content) for role, content in messages]
         if self._hf is not None:
-            rendered = self._hf.render_chat(chat, add_generation_prompt=True)
+            rendered = self._hf.render_chat(chat, add_generation_prompt=add_generation_prompt)
             return self._hf.encode(rendered, add_special_tokens=False)
-        return tokenize(render_chatml(chat, add_generation_prompt=True))
+        return tokenize(render_chatml(chat, add_generation_prompt=add_generation_prompt))
+
+    def leading_ids(
+        self, messages: Sequence[tuple[str, str]], token_ids: Sequence[int]
+    ) -> list[int]:
+        """The ids of the chat up to its last answer: what a router tokenized before.
+
+        The router's tokenizer has seen each earlier request of the
+        conversation, so its segment cache holds the chat up to the previous
+        turn's question; the previous answer and the new question are new
+        text. Cut at the common prefix with the whole prompt's ids.
+        """
+        earlier = list(messages[:-1])
+        if earlier and earlier[-1][0] == "assistant":
+            earlier.pop()
+        rendered = self.ids(self.engine_tokens(earlier, add_generation_prompt=False))
+        same = 0
+        for ours, whole in zip(rendered, token_ids, strict=False):
+            if ours != whole:
+                break
+            same += 1
+        return list(token_ids[:same])
 
     def count(self, text: str) -> int:
         from caravan_llm.devcluster.engine.text import count_tokens  # noqa: PLC0415
@@ -465,7 +502,7 @@ async def serving_router(
     precise: bool,
     tokens: EngineTokens | None,
     kv: Any = None,
-    budget_ms: float = 1.5,
+    budget_ms: float | None = None,
 ) -> Any:
     """A caravan router on this loop (port yielded), with `/bench/stats` for the orchestrator."""
     from aiohttp import web  # noqa: PLC0415
@@ -480,7 +517,8 @@ async def serving_router(
         register_service=False,
         kv_events=precise,
         log_level="warning",
-        exact_prefix_budget_ms=budget_ms,
+        # None: the router's default budget.
+        **({} if budget_ms is None else {"exact_prefix_budget_ms": budget_ms}),
     )
     sources: dict[str, int] = {}
     # The canonical request line is built only when its logger is at info.
@@ -832,13 +870,15 @@ async def run_cell(
                     "CARAVAN_ROUTER_PORT": "0",
                     "CARAVAN_ROUTER_REGISTER_SERVICE": "false",
                     "CARAVAN_ROUTER_KV_EVENTS": "true" if kind.startswith("precise") else "false",
-                    # precise-wait: long enough for every prompt's tokens on this machine.
-                    "CARAVAN_ROUTER_EXACT_PREFIX_BUDGET_MS": "50"
-                    if kind == "precise-wait"
-                    else "1.5",
                     # Info: the request lines, whose prefix_source is counted.
                     "CARAVAN_ROUTER_LOG_LEVEL": "info",
                 }
+                if kind == "precise-wait":
+                    # Long enough for every prompt's tokens on this machine; the
+                    # others run at the router's default budget.
+                    env["CARAVAN_ROUTER_EXACT_PREFIX_BUDGET_MS"] = "50"
+                else:
+                    env.pop("CARAVAN_ROUTER_EXACT_PREFIX_BUDGET_MS", None)
                 proc, found = stack.enter_context(started(argv, pattern, env=env))
                 processes[f"router{n}"] = proc.process.pid
                 router_bases.append(found.group(1))
@@ -1117,7 +1157,14 @@ def offline_cell(
                 shape = prompt_shape({"messages": messages}, config.cost.shape)
                 exact = None
                 view: Any = None
-                if kind != "approx":
+                if kind == "precise-leading":
+                    leading = tokens_of.leading_ids(request.messages, token_ids)
+                    exact = dataclasses.replace(
+                        exact_prompt(leading, keys={SERVICE: key}, kinds=[(SERVICE, block)]),
+                        tokens=len(token_ids),
+                    )
+                    view = router.kv
+                elif kind != "approx":
                     exact = exact_prompt(token_ids, keys={SERVICE: key}, kinds=[(SERVICE, block)])
                     view = router.kv if kind.startswith("precise") else Oracle()
                     if kind == "oracle":
@@ -1149,7 +1196,7 @@ def offline_cell(
                         max_age_s=config.load_max_age_s,
                         peer=peer_rate_of(snapshot, router.live, MODEL), events=events_now,
                     )  # fmt: skip
-                if kind in ("precise", "precise-wait"):
+                if kind in ("precise", "precise-wait", "precise-leading"):
                     held = endpoint_digests(router.kv, endpoint, exact)
                     router.kv.hold(endpoint.id, held)
             started_at[data] = now
