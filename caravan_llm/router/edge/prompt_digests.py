@@ -29,9 +29,9 @@ on the first piece it has not seen (`PromptTokens.prompt_token_ids`'s
 (`cached_prefix`): the system prompt and the history, all of the prompt a
 replica can hold from this router's traffic. The whole prompt's token count
 is then the tokenizer's prediction from those ids (their tokens per
-character), so the new text still weighs its prefill. Without a full block of them
-it is routed on the approximate index (`prefix_source: approximate`,
-`over_budget`). Either way the tokenizing goes on in the background, so the
+character), so the new text still weighs its prefill. Without a full block
+of them it is routed on the approximate index (`prefix_source:
+approximate`, `over_budget`). Either way the tokenizing goes on in the background, so the
 segment cache holds the pieces for the conversation's next turn. At most
 `max_pending` prompts of one model are being tokenized at once; a request
 beyond that is not tokenized at all (its model's worker thread is behind:
@@ -177,7 +177,7 @@ class PromptDigester:
         if token_ids is None:
             self._count("not_exact")
             return None
-        prompt = self._digests(model, token_ids, keys, kinds, None)
+        prompt = self._digests(model, token_ids, keys, kinds)
         self._count("not_exact" if prompt is None else "exact")
         return prompt
 
@@ -202,9 +202,12 @@ class PromptDigester:
             self._count("over_budget")
             return None
         ids, estimated_tokens = leading[0]
-        prompt = self._digests(model, ids, keys, kinds, estimated_tokens)
-        self._count("over_budget" if prompt is None else "cached_prefix")
-        return prompt
+        prompt = self._digests(model, ids, keys, kinds)
+        if prompt is None:
+            self._count("over_budget")
+            return None
+        self._count("cached_prefix")
+        return replace(prompt, tokens=max(prompt.tokens, estimated_tokens))
 
     def _digests(
         self,
@@ -212,7 +215,6 @@ class PromptDigester:
         token_ids: Sequence[int],
         keys: Mapping[str, DigestKey],
         kinds: set[DigestKind],
-        estimated_tokens: int | None,
     ) -> ExactPrompt | None:
         """`exact_prompt` of the ids; None (logged once per model) when the ids are invalid."""
         try:
@@ -223,8 +225,6 @@ class PromptDigester:
                 self._invalid_logged.add(model)
                 log.warning("prompt_token_ids_invalid", extra={"model": model})
             return None
-        if estimated_tokens is not None and estimated_tokens > prompt.tokens:
-            return replace(prompt, tokens=estimated_tokens)
         return prompt
 
     def pending(self, model: str) -> int:

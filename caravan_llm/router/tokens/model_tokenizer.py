@@ -206,22 +206,23 @@ class ModelTokenizer:
             return self._encode(text, add_special_tokens=False)
         ids: list[int] = []
         start = 0
-        for match in splitter.finditer(text):
-            if match.start() > start:
-                piece = text[start : match.start()]
+        # Each added token's span, then the text's end: the piece before each is plain text.
+        cuts: list[tuple[int, int, str | None]] = [
+            (match.start(), match.end(), match.group()) for match in splitter.finditer(text)
+        ]
+        cuts.append((len(text), len(text), None))
+        for piece_end, token_end, token in cuts:
+            if piece_end > start:
+                piece = text[start:piece_end]
                 if on_prefix is not None and ids and self._is_miss(piece):
+                    # The first piece to tokenize after some ids: hand the ids over now.
                     leading = (*prefix, *ids)
                     on_prefix(leading, estimated_tokens(len(leading), start, len(text)))
                     on_prefix = None
                 ids.extend(self._piece(piece))
-            ids.append(self._added_ids[match.group()])
-            start = match.end()
-        if start < len(text):
-            piece = text[start:]
-            if on_prefix is not None and ids and self._is_miss(piece):
-                leading = (*prefix, *ids)
-                on_prefix(leading, estimated_tokens(len(leading), start, len(text)))
-            ids.extend(self._piece(piece))
+            if token is not None:
+                ids.append(self._added_ids[token])
+            start = token_end
         return tuple(ids)
 
     def _is_miss(self, piece: str) -> bool:

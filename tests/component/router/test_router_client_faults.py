@@ -41,6 +41,10 @@ MODEL = "tiny"
 # Malformed requests in the flood, and how many are in flight at once.
 MALFORMED_REQUESTS = 240
 CONCURRENCY = 12
+# Every request of the flood is answered within this, or counted as hung (status 0):
+# a hang fails the test naming its request instead of running into pytest's timeout.
+REQUEST_TIMEOUT_S = 30.0
+HUNG = 0
 # Tokens of context per slot: a prompt of LONG_PROMPT words is over it on every engine.
 CONTEXT_TOKENS = 256
 LONG_PROMPT = "word " * 1200
@@ -111,8 +115,15 @@ class Tally:
 
 
 async def _post(http: aiohttp.ClientSession, url: str, body: bytes) -> tuple[int, bytes]:
-    async with http.post(url, data=body, headers={"Content-Type": "application/json"}) as response:
-        return response.status, await response.read()
+    """The answer's status and body; (HUNG, b"") when none came within REQUEST_TIMEOUT_S."""
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    try:
+        async with http.post(
+            url, data=body, headers={"Content-Type": "application/json"}, timeout=timeout
+        ) as response:
+            return response.status, await response.read()
+    except TimeoutError:
+        return HUNG, b""
 
 
 async def _valid(http: aiohttp.ClientSession, url: str, index: int) -> int:
@@ -233,7 +244,7 @@ async def _flood(http: aiohttp.ClientSession, url: str, flavor: str, tally: Tall
         while not queue.empty():
             case = queue.get_nowait()
             status, data = await _post(http, url, case.body)
-            if status >= 500:
+            if status >= 500 or status == HUNG:
                 tally.malformed_5xx.append((case.name, status))
             elif flavor in case.refused_by and not 400 <= status < 500:
                 tally.malformed_not_refused.append((case.name, status))
