@@ -21,17 +21,17 @@ derived from the engine key once per model and kept while the key is the same.
 **The latency it adds is bounded.** A request waits for its token ids at
 most `budget_s` (the router's `exact_prefix_budget_ms`). A prompt whose
 pieces the model's segment cache holds (a shared system prompt, a
-conversation's earlier turns) comes back well within it; a cold one (a
-new 8k-token document: ~20 ms; a long new turn: 1-2 ms) does not. The
-tokenizer hands over the leading ids its segment cache held before it starts
-on the first piece it has not seen (`PromptTokens.prompt_token_ids`'s
-`on_prefix`), and past the budget the request is routed on their digests
+conversation's earlier turns) comes back well within it; a cold one (a new
+8k-token document: ~20 ms; a long new turn: 1-2 ms) does not. The tokenizer
+hands over the leading ids its segment cache held before it starts on the
+first piece it has not seen (`PromptTokens.prompt_token_ids`'s `on_prefix`),
+and past the budget the request is routed on their digests
 (`cached_prefix`): the system prompt and the history, all of the prompt a
 replica can hold from this router's traffic. The whole prompt's token count
 is then the tokenizer's prediction from those ids (their tokens per
 character), so the new text still weighs its prefill. Without a full block
-of them it is routed on the approximate index (`prefix_source:
-approximate`, `over_budget`). Either way the tokenizing goes on in the background, so the
+of them it is routed on the approximate index (`prefix_source: approximate`,
+`over_budget`). Either way the tokenizing goes on in the background, so the
 segment cache holds the pieces for the conversation's next turn. At most
 `max_pending` prompts of one model are being tokenized at once; a request
 beyond that is not tokenized at all (its model's worker thread is behind:
