@@ -63,6 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -407,6 +408,11 @@ class Load:
         ordered = names[first:] + names[:first]
         return [f"http://127.0.0.1:{self.ports[name]}/v1/chat/completions" for name in ordered]
 
+    def router_name(self, url: str) -> str | None:
+        """The router a URL of `router_urls` points at."""
+        port = urllib.parse.urlsplit(url).port
+        return next((name for name, p in self.ports.items() if p == port), None)
+
     async def health_checks(self) -> None:
         """As a load balancer in front of the routers does: every HEALTH_INTERVAL_S, a
         router is in rotation when its /health answers 200 (discovery synced) and it is
@@ -433,11 +439,13 @@ class Load:
             "max_tokens": self.max_tokens,
             "stream": stream,
         }
-        headers = {"Authorization": f"Bearer {self.key}"}
+        request_id = f"soak-{number}"
+        headers = {"Authorization": f"Bearer {self.key}", "x-request-id": request_id}
         start = time.monotonic()
         ttft: float | None = None
         cause: str | None = None
         urls = self.router_urls()
+        url = urls[0]
         for attempt, url in enumerate(urls):
             try:
                 async with self.session.post(url, json=body, headers=headers) as response:
@@ -469,7 +477,11 @@ class Load:
                     status=None, exception=f"{type(exc).__name__} (every router)"
                 )
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                cause = classify_failure(status=None, exception=type(exc).__name__)
+                name = type(exc).__name__
+                if type(exc) is TimeoutError:
+                    # aiohttp's connect timeout is its own class; a bare one is the total.
+                    name = f"TimeoutError (no whole answer within {REQUEST_TIMEOUT_S:.0f} s)"
+                cause = classify_failure(status=None, exception=name)
                 break
         end = time.monotonic()
         return RequestRecord(
@@ -479,6 +491,8 @@ class Load:
             round(end - self.t0, 4),
             None if ttft is None else round(ttft, 4),
             cause,
+            None if cause is None else request_id,
+            None if cause is None else self.router_name(url),
         )
 
     async def _read_stream(
@@ -1328,7 +1342,8 @@ def report(outcome: Outcome, args: argparse.Namespace) -> dict[str, Any]:
         "requests": len(outcome.records),
         "failed": sum(1 for r in outcome.records if r.failed),
         "failures_by_cause": failures,
-        # Each failed request (the first 5,000): model, stream, start, end, ttft, cause.
+        # Each failed request (the first 5,000): model, stream, start, end, ttft, cause,
+        # request id, router.
         "failed_requests": [asdict(r) for r in outcome.records if r.failed][:5000],
         "router_failovers": outcome.router_failovers,
         "empty_answers": outcome.empty_answers,

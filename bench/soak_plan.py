@@ -210,6 +210,10 @@ class RequestRecord:
     end_s: float
     ttft_s: float | None
     cause: str | None  # None: it succeeded
+    # A failed request's `x-request-id` and the router it last reached, to find it in
+    # the routers' request logs (None for a success, to keep the records small).
+    request_id: str | None = None
+    router: str | None = None
 
     @property
     def failed(self) -> bool:
