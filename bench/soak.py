@@ -1025,7 +1025,11 @@ async def _soak(
                 name,
                 [sys.executable, "-m", "caravan_llm.cli", "router", "--port", str(port)],
                 r"caravan router listening on",
-                {**base_env, "CARAVAN_ROUTER_API_KEYS": key, "CARAVAN_ROUTER_LOG_LEVEL": "warning"},
+                {
+                    **base_env,
+                    "CARAVAN_ROUTER_API_KEYS": key,
+                    "CARAVAN_ROUTER_LOG_LEVEL": args.router_log_level,
+                },
                 logs,
             )
             for name, port in router_ports.items()
@@ -1143,6 +1147,7 @@ async def _soak(
             "minutes": args.minutes,
             "warmup_minutes": args.warmup_minutes,
             "seed": args.seed,
+            "router_log_level": args.router_log_level,
             "fault_interval_s": list(args.fault_interval),
             "faults": list(args.faults),
             "load_fraction": args.load_fraction,
@@ -1458,6 +1463,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--keep-work", action="store_true", help="keep the work folder (process and engine logs)"
+    )
+    parser.add_argument(
+        "--router-log-level",
+        default="info",
+        choices=("debug", "info", "warning"),
+        help="info (default): a request line per request, the report's request ids findable",
     )
     return parser
 
