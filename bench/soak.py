@@ -931,6 +931,14 @@ class Outcome:
 
 
 async def soak(args: argparse.Namespace) -> Outcome:
+    # SIGINT and SIGTERM end the run with its cleanup (every process stopped, the node
+    # folders unmounted): a run started in the background (`nohup ... &`) ignores SIGINT,
+    # and SIGTERM's default ends the process at once, leaving all of it behind.
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, main_task.cancel)
     run_s = args.minutes * 60
     kinds = args.faults
     work = Path(tempfile.mkdtemp(prefix="caravan-soak-"))
@@ -1480,7 +1488,11 @@ def main() -> int:
             "--minutes must be > 0, --load-fraction in (0, 1], --stream-fraction in [0, 1]"
         )
     configure_logging("warning", "text", batch_lines=1)
-    outcome = asyncio.run(soak(args))
+    try:
+        outcome = asyncio.run(soak(args))
+    except asyncio.CancelledError:
+        say("\nstopped by a signal: every process stopped, the node folders unmounted")
+        return 130
     document = report(outcome, args)
     args.out.write_text(json.dumps(document, indent=1, default=str))
     say(f"\nJSON report: {args.out}")
