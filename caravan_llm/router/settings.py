@@ -77,6 +77,11 @@ class RouterSettings(BaseSettings):
     input_fault_window_s: float = Field(default=60.0, ge=0)
     # Connections the shared client pool keeps to all engines together.
     connector_limit: int = Field(default=4096, ge=1)
+    # How long an idle pooled connection to an engine is reused. Below the engines'
+    # own idle keep-alive (5 s in uvicorn, so vLLM and SGLang, and in llama-server's
+    # cpp-httplib): a request never goes out on a connection the engine is closing,
+    # which it would drop ("Server disconnected", a wasted attempt).
+    upstream_keepalive_s: float = Field(default=4.0, gt=0)
 
     # -- admission --------------------------------------------------------------
     queue_max_per_model: int = Field(default=256, ge=0)

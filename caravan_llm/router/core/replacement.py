@@ -11,10 +11,16 @@ cold-start deadline, and sends it to the replacement as soon as one passes.
    says the replica is gone (connection refused or reset, a stream cut or
    gone silent). A live engine that answered (5xx) or is hung (no first
    byte within the timeout) fails as before: no replacement is coming.
-2. `still_excluded(endpoints, exclude)`: the endpoints the held request
-   still avoids. One that Consul reports critical, or that left the
-   catalog, is forgotten, so the same service (a task restarted in place
-   keeps its Consul service id) is taken again once it passes.
+2. `still_excluded(endpoints, exclude, live, since=)`: the endpoints the
+   held request still avoids. One that Consul reports critical, or that
+   left the catalog, is forgotten, so the same service (a task restarted in
+   place keeps its Consul service id) is taken again once it passes. So is
+   one that showed it is alive since the hold began (a request there
+   succeeded, or the router scraped its metrics): its failure was passing
+   (a connection the engine closed as the request went out), and no
+   replacement is coming for a live replica. Found by the soak: a request
+   that met such failures on both replicas of a model was held until the
+   rebuild deadline (300 s) while both served everyone else.
 3. `replacement_outcome(...)`: how a held request ended, for the metric.
 """
 
@@ -32,7 +38,10 @@ from caravan_llm.router.core.errors import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from caravan_llm.router.core.endpoints import ModelEndpoints
+    from caravan_llm.router.core.live_state import EndpointLiveState
 
 
 class ReplacementOutcome(StrEnum):
@@ -59,18 +68,39 @@ def waits_for_replacement(error: UpstreamError, *, mid_stream: bool) -> bool:
     return isinstance(error, UpstreamConnectError)
 
 
-def still_excluded(endpoints: ModelEndpoints | None, exclude: frozenset[str]) -> frozenset[str]:
-    """The tried endpoints a held request keeps avoiding: those still listed and not critical."""
+def still_excluded(
+    endpoints: ModelEndpoints | None,
+    exclude: frozenset[str],
+    live: Mapping[str, EndpointLiveState] | None = None,
+    *,
+    since: float | None = None,
+) -> frozenset[str]:
+    """The tried endpoints a held request keeps avoiding.
+
+    Those still listed, not critical, and (with `live` and `since`, when the
+    hold began) not seen alive since: no request there succeeded and no
+    scrape of its metrics came back after `since`.
+    """
     if not exclude:
         return exclude
     if endpoints is None:
         return frozenset()
-    alive = {
+    kept = {
         endpoint.id
         for endpoint in endpoints.endpoints
-        if endpoint.id in exclude and endpoint.status is not CheckStatus.CRITICAL
+        if endpoint.id in exclude
+        and endpoint.status is not CheckStatus.CRITICAL
+        and not _alive_since(None if live is None else live.get(endpoint.id), since)
     }
-    return exclude if len(alive) == len(exclude) else frozenset(alive)
+    return exclude if len(kept) == len(exclude) else frozenset(kept)
+
+
+def _alive_since(state: EndpointLiveState | None, since: float | None) -> bool:
+    if state is None or since is None:
+        return False
+    return any(
+        at is not None and at > since for at in (state.last_success_at, state.load_scraped_at)
+    )
 
 
 def replacement_outcome(*, ok: bool, timed_out: bool, client_closed: bool) -> ReplacementOutcome:

@@ -151,6 +151,8 @@ class _Waiter:
     hold: Hold | None = None
     # Counted in caravan_router_rebuild_held_requests now.
     rebuild_counted: bool = False
+    # When it began to wait (router clock): a tried endpoint seen alive since is tried again.
+    since: float | None = None
 
 
 class DemandStore(Protocol):
@@ -561,7 +563,7 @@ class AdmissionGate:
             rebuild=rebuild,
         )
         future: asyncio.Future[Admitted] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(ticket, features, future, replacement, hold)
+        waiter = _Waiter(ticket, features, future, replacement, hold, since=now)
         self._waiters[ticket.seq] = waiter
         if rebuild or (replacement and cold_start):
             self._count_rebuild_hold(waiter)
@@ -668,7 +670,10 @@ class AdmissionGate:
                 continue
             if waiter.replacement and waiter.features.exclude:
                 exclude = still_excluded(
-                    self._state.view.snapshot.for_model(model), waiter.features.exclude
+                    self._state.view.snapshot.for_model(model),
+                    waiter.features.exclude,
+                    self._state.live,
+                    since=waiter.since,
                 )
                 if exclude is not waiter.features.exclude:
                     waiter.features = replace(waiter.features, exclude=exclude)

@@ -1162,6 +1162,7 @@ class Proxy:
                 "model": exchange.parsed.model,
                 "endpoint": admitted.endpoint.id,
                 "error": str(error),
+                "request_id": exchange.parsed.request_id,
             },
         )
 

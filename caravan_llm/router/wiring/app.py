@@ -301,7 +301,10 @@ class RouterRuntime:
     async def lifecycle(self, _app: web.Application) -> AsyncIterator[None]:
         """cleanup_ctx: open the client pool and start the background tasks; undo both."""
         connector = aiohttp.TCPConnector(
-            limit=self.settings.connector_limit, limit_per_host=0, enable_cleanup_closed=True
+            limit=self.settings.connector_limit,
+            limit_per_host=0,
+            enable_cleanup_closed=True,
+            keepalive_timeout=self.settings.upstream_keepalive_s,
         )
         self._session = aiohttp.ClientSession(connector=connector, raise_for_status=False)
         self._supervisor = asyncio.create_task(self._supervise(), name="router-supervisor")

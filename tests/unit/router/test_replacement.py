@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from types import MappingProxyType
 
 import pytest
@@ -249,6 +250,46 @@ async def test_a_tried_replica_that_stays_passing_is_not_taken_again() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert {} == gate.queue_depths()
+
+
+@pytest.mark.parametrize("evidence", ["last_success_at", "load_scraped_at"])
+async def test_a_tried_replica_seen_alive_since_the_hold_began_is_taken_again(
+    evidence: str,
+) -> None:
+    """Both replicas tried, both still serving others: no replacement is coming, retry one.
+
+    Found by the soak: a request whose attempts on both replicas met connections
+    the engines were closing was held for the rebuild deadline (300 s) while both
+    replicas served everyone else.
+    """
+    gate, state = make_gate(endpoint_entry("a"), endpoint_entry("b", port=2))
+    tried_both = RequestFeatures(MODEL, exclude=frozenset({"a", "b"}))
+    task = await held(gate, tried_both)
+    gate.tick()
+    still_held = not task.done()
+
+    # A request on `b` succeeds (or its metrics are scraped) after the hold began.
+    setattr(state.live["b"], evidence, time.monotonic())
+    gate.tick()
+    admitted = await asyncio.wait_for(task, 2)
+
+    assert still_held
+    assert "b" == admitted.endpoint.id
+    assert {} == gate.queue_depths()
+
+
+def test_evidence_from_before_the_hold_does_not_count() -> None:
+    """A success or scrape older than the hold says nothing about the failure after it."""
+    snapshot = snapshot_of(endpoint_entry("a"), endpoint_entry("b", port=2))
+    live = reconcile_live_state({}, snapshot)
+    live["a"].last_success_at = 99.0
+    live["b"].load_scraped_at = 100.0
+    endpoints = snapshot.for_model(MODEL)
+    exclude = frozenset({"a", "b"})
+
+    assert exclude == still_excluded(endpoints, exclude, live, since=100.0)
+    assert frozenset({"a"}) == still_excluded(endpoints, exclude, live, since=99.5)
+    assert exclude == still_excluded(endpoints, exclude, live)  # no hold time: no evidence
 
 
 async def test_no_replacement_before_the_deadline_is_a_replacement_timeout() -> None:
