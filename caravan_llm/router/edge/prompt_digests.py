@@ -23,9 +23,12 @@ most `budget_s` (the router's `exact_prefix_budget_ms`). A prompt whose
 pieces the model's segment cache holds (a shared system prompt, a
 conversation's earlier turns) comes back well within it; a cold one (a new
 8k-token document: ~20 ms; a long new turn: 1-2 ms) does not. The tokenizer
-hands over the leading ids its segment cache held before it starts on the
-first piece it has not seen (`PromptTokens.prompt_token_ids`'s `on_prefix`),
-and past the budget the request is routed on their digests
+hands over the leading ids it has at hand (`PromptTokens.prompt_token_ids`'s
+`on_prefix`): at once, for a chat whose first messages it tokenized before
+(`caravan_llm.router.tokens.conversation_prefixes`: no wait for the model's
+worker thread, which may be busy with other prompts), and from that thread
+before it starts on the first piece its segment cache has not seen. Past
+the budget the request is routed on their digests
 (`cached_prefix`): the system prompt and the history, all of the prompt a
 replica can hold from this router's traffic. The whole prompt's token count
 is then the tokenizer's prediction from those ids (their tokens per
@@ -85,11 +88,13 @@ class PromptTokens(Protocol):
     ) -> Sequence[int] | None:
         """The prompt's token ids exactly as the engine will compute them, or None.
 
-        `on_prefix`, when given, may be called once on the event loop, before
-        the result, with the prompt's leading ids that were at hand at once
-        (a shared system prompt and the history the tokenizer saw before),
-        while the rest (the new text) is still being tokenized; and with the
-        whole prompt's token count as the tokenizer predicts it from them.
+        `on_prefix`, when given, may be called on the event loop, before the
+        result, with the prompt's leading ids that were at hand at once (a
+        shared system prompt and the history the tokenizer saw before), while
+        the rest (the new text) is still being tokenized; and with the whole
+        prompt's token count as the tokenizer predicts it from them. At most
+        twice (ids found before the prompt queued for the tokenizer, then
+        those its segment cache held); the longest ids count.
 
         `view` is the request's model as its profile declares it (where its
         tokenizer is); `route` which OpenAI route the request came on (chat:
@@ -198,10 +203,11 @@ class PromptDigester:
         prompt, and its prefill of the new text would cost nothing.
         """
         smallest = min((block_size for _, block_size in kinds), default=None)
-        if not leading or smallest is None or len(leading[0][0]) < smallest:
+        longest = max((len(ids) for ids, _ in leading), default=0)
+        if smallest is None or longest < smallest:
             self._count("over_budget")
             return None
-        ids, estimated_tokens = leading[0]
+        ids, estimated_tokens = max(leading, key=lambda found: len(found[0]))
         prompt = self._digests(model, ids, keys, kinds)
         if prompt is None:
             self._count("over_budget")

@@ -34,11 +34,12 @@ worker thread.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from tokenizers import Tokenizer
 
 from caravan_llm.router.tokens.chat_template import ChatTemplate, ChatTemplateError
 from caravan_llm.router.tokens.conversation import ChatPrompt, NotExact, template_messages
+from caravan_llm.router.tokens.conversation_prefixes import Checkpoint
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -158,6 +160,52 @@ class ModelTokenizer:
         text = self.render_chat(prompt)
         return self.encode(text, add_special_tokens=False, use_cache=use_cache, on_prefix=on_prefix)
 
+    def chat_checkpoints(
+        self, prompt: ChatPrompt, *, on_prefix: PrefixCallback | None = None
+    ) -> tuple[tuple[int, ...], tuple[Checkpoint, ...]]:
+        """`chat_ids` with the segment cache, and how many of the ids the first messages fill.
+
+        Checkpoints (`caravan_llm.router.tokens.conversation_prefixes`) for the
+        whole chat and, when it opens with a system prompt, for that alone:
+        each is the chat's first k messages rendered without the generation
+        prompt, when that text begins the chat's own text, cut after its last
+        added token (the ids up to there are the same in any chat that begins
+        with the same text). None without the segment cache (it has no cut points).
+        """
+        text = self.render_chat(prompt)
+        if not self.segmentable:
+            ids = self.encode(text, add_special_tokens=False, on_prefix=on_prefix)
+            return ids, ()
+        marks: list[tuple[int, int]] = []
+        ids = self._segmented(text, (), on_prefix, marks)
+        return ids, self._checkpoints(prompt, text, marks)
+
+    def _checkpoints(
+        self, prompt: ChatPrompt, text: str, marks: Sequence[tuple[int, int]]
+    ) -> tuple[Checkpoint, ...]:
+        messages = prompt.messages
+        counts = {len(messages)}
+        if len(messages) > 1 and messages[0].get("role") in {"system", "developer"}:
+            counts.add(1)
+        ends = [end for end, _ in marks]
+        checkpoints: list[Checkpoint] = []
+        for count in sorted(counts):
+            head_prompt = ChatPrompt(
+                messages=messages[:count],
+                add_generation_prompt=False,
+                reasoning_effort=prompt.reasoning_effort,
+            )
+            try:
+                head = self.render_chat(head_prompt)
+            except NotExact:
+                continue
+            if not head or not text.startswith(head):
+                continue
+            at = bisect.bisect_right(ends, len(head)) - 1
+            if at >= 0 and marks[at][1] > 0:
+                checkpoints.append(Checkpoint(count, ids=marks[at][1], chars=marks[at][0]))
+        return tuple(checkpoints)
+
     def render_chat(self, prompt: ChatPrompt) -> str:
         """The chat's prompt text; NotExact when it cannot be rendered as the engine would."""
         template = self.template
@@ -198,9 +246,17 @@ class ModelTokenizer:
         return tuple(encoding.ids)
 
     def _segmented(
-        self, text: str, prefix: tuple[int, ...], on_prefix: PrefixCallback | None
+        self,
+        text: str,
+        prefix: tuple[int, ...],
+        on_prefix: PrefixCallback | None,
+        marks: list[tuple[int, int]] | None = None,
     ) -> tuple[int, ...]:
-        """The text's ids, piece by piece; `on_prefix` gets `prefix` + the cached leading ids."""
+        """The text's ids, piece by piece; `on_prefix` gets `prefix` + the cached leading ids.
+
+        `marks`, when given, gets (the end of an added token in the text, the
+        ids up to and with it) for every added token, in order.
+        """
         splitter = self._splitter
         if splitter is None:  # pragma: no cover - segmentable implies a splitter
             return self._encode(text, add_special_tokens=False)
@@ -222,6 +278,8 @@ class ModelTokenizer:
                 ids.extend(self._piece(piece))
             if token is not None:
                 ids.append(self._added_ids[token])
+                if marks is not None:
+                    marks.append((token_end, len(ids)))
             start = token_end
         return tuple(ids)
 

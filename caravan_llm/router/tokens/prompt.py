@@ -30,6 +30,7 @@ from caravan_llm.router.tokens.conversation import (
     chat_completions_prompt,
     responses_prompt,
 )
+from caravan_llm.router.tokens.conversation_prefixes import Checkpoint
 from caravan_llm.router.tokens.model_tokenizer import ModelTokenizer, PrefixCallback
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,17 @@ def prompt_token_ids(
     except NotExact as exc:
         # The reason only (never the prompt): why this request is routed approximately.
         log.debug("prompt_not_exact", extra={"route": route.value, "reason": str(exc)})
+        return None
+
+
+def chat_token_ids(
+    tokenizer: ModelTokenizer, chat: ChatPrompt, *, on_prefix: PrefixCallback | None = None
+) -> tuple[tuple[int, ...], tuple[Checkpoint, ...]] | None:
+    """A chat's ids and checkpoints (`ModelTokenizer.chat_checkpoints`); None when not exact."""
+    try:
+        return tokenizer.chat_checkpoints(chat, on_prefix=on_prefix)
+    except NotExact as exc:
+        log.debug("prompt_not_exact", extra={"route": "chat", "reason": str(exc)})
         return None
 
 

@@ -26,19 +26,27 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from caravan_llm.common.contract import EngineRoute, ModelView
+from caravan_llm.router.tokens.conversation import NotExact
+from caravan_llm.router.tokens.conversation_prefixes import ConversationPrefixes, message_chain
 from caravan_llm.router.tokens.model_tokenizer import (
     ModelTokenizer,
     PrefixCallback,
     TokenizerUnavailable,
+    estimated_tokens,
     load_model_tokenizer,
 )
-from caravan_llm.router.tokens.prompt import TOKENIZED_ROUTES, prompt_token_ids
+from caravan_llm.router.tokens.prompt import (
+    TOKENIZED_ROUTES,
+    chat_prompt,
+    chat_token_ids,
+    prompt_token_ids,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +67,8 @@ class _Entry:
     # The profile's fields the directory is chosen from: another pair is another load.
     source: tuple[str | None, str | None]
     executor: ThreadPoolExecutor
+    # Chats' leading ids by their first messages (read and written on the event loop).
+    prefixes: ConversationPrefixes = field(default_factory=ConversationPrefixes)
     load: asyncio.Future[ModelTokenizer | None] | None = None
     tokenizer: ModelTokenizer | None = None
     loaded: bool = False
@@ -96,9 +106,12 @@ class Tokenizers:
 
         `view` is the request's model, `route` the engine route it goes to,
         `payload` its parsed JSON body (`ParsedRequest.payload`). `on_prefix`
-        is called on the event loop with the prompt's leading ids when the
-        segment cache held them and the rest must still be tokenized, and the
-        whole prompt's token count they predict (`ModelTokenizer.encode`).
+        is called on the event loop with the prompt's leading ids and the
+        whole prompt's token count they predict: at once, before the prompt
+        queues for the model's worker thread, when the chat's first messages
+        were tokenized before (`conversation_prefixes`); and from the thread
+        when its segment cache held leading ids and the rest must still be
+        tokenized (`ModelTokenizer.encode`).
         """
         if route not in TOKENIZED_ROUTES:
             return None
@@ -106,18 +119,51 @@ class Tokenizers:
         if tokenizer is None and route is not EngineRoute.COMPLETIONS:
             return None
         entry = self._entry(view)
-        loop = asyncio.get_running_loop()
-        from_thread: PrefixCallback | None = None
-        if on_prefix is not None:
-            callback = on_prefix
+        if tokenizer is None or not tokenizer.segmentable or route is EngineRoute.COMPLETIONS:
+            work = partial(
+                prompt_token_ids, tokenizer, route, payload, on_prefix=_from_thread(on_prefix)
+            )
+            return await asyncio.get_running_loop().run_in_executor(entry.executor, work)
+        return await self._chat_ids(
+            view.name, entry, tokenizer, route=route, payload=payload, on_prefix=on_prefix
+        )
 
-            def from_thread(ids: tuple[int, ...], tokens: int) -> None:
-                # A loop already closed (the router stopping) has no one left to tell.
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(callback, ids, tokens)
-
-        work = partial(prompt_token_ids, tokenizer, route, payload, on_prefix=from_thread)
-        return await loop.run_in_executor(entry.executor, work)
+    async def _chat_ids(
+        self,
+        model: str,
+        entry: _Entry,
+        tokenizer: ModelTokenizer,
+        *,
+        route: EngineRoute,
+        payload: Mapping[str, Any],
+        on_prefix: Callable[[Sequence[int], int], None] | None,
+    ) -> tuple[int, ...] | None:
+        """A chat's ids; its earlier messages' ids handed over at once when recorded before."""
+        try:
+            chat = chat_prompt(route, payload)
+        except NotExact as exc:
+            log.debug("prompt_not_exact", extra={"route": route.value, "reason": str(exc)})
+            return None
+        if chat is None:
+            return None
+        prefixes = entry.prefixes
+        chain = message_chain(chat) if prefixes.enabled else None
+        early = None if chain is None or on_prefix is None else prefixes.longest(chain)
+        if early is not None and on_prefix is not None:
+            chars = early.chars + early.rest_chars
+            on_prefix(early.ids, estimated_tokens(len(early.ids), early.chars, chars))
+        work = partial(chat_token_ids, tokenizer, chat, on_prefix=_from_thread(on_prefix))
+        result = await asyncio.get_running_loop().run_in_executor(entry.executor, work)
+        if result is None:
+            return None
+        ids, checkpoints = result
+        if early is not None and ids[: len(early.ids)] != tuple(early.ids):
+            prefixes.disable()
+            # The model's template, not a client's input: said once, no prompt in it.
+            log.warning("chat_prefix_mismatch", extra={"model": model})
+        elif chain is not None:
+            prefixes.record(chain, ids, checkpoints)
+        return ids
 
     def close(self) -> None:
         """Stop the worker threads (pending work is dropped)."""
@@ -170,3 +216,20 @@ class Tokenizers:
             },
         )
         return tokenizer
+
+
+def _from_thread(
+    on_prefix: Callable[[Sequence[int], int], None] | None,
+) -> PrefixCallback | None:
+    """`on_prefix` as the worker thread calls it: passed to the event loop to run there."""
+    if on_prefix is None:
+        return None
+    loop = asyncio.get_running_loop()
+    callback = on_prefix
+
+    def from_thread(ids: tuple[int, ...], tokens: int) -> None:
+        # A loop already closed (the router stopping) has no one left to tell.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(callback, ids, tokens)
+
+    return from_thread

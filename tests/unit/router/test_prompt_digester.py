@@ -255,6 +255,37 @@ async def test_past_the_budget_the_leading_ids_at_hand_name_the_prompts_first_bl
     assert {"cached_prefix": 1.0} == outcomes(metrics)
 
 
+async def test_of_two_hand_overs_the_longest_leading_ids_count() -> None:
+    """The history found on the loop, then the thread's shorter cached ids: the longest win."""
+
+    class Twice(Tokens):
+        async def prompt_token_ids(
+            self,
+            view: ModelView,
+            route: EngineRoute,
+            payload: Mapping[str, Any],
+            *,
+            on_prefix: Callable[[Sequence[int], int], None] | None = None,
+        ) -> Sequence[int] | None:
+            if on_prefix is not None:
+                on_prefix(TOKENS[:48], 700)
+            return await super().prompt_token_ids(view, route, payload, on_prefix=on_prefix)
+
+    tokens = Twice(held=True, leading=TOKENS[:20])
+    digester = PromptDigester(tokens, state_with(relayed("e0"), {"e0": 16}), Keys(), budget_s=0.05)
+
+    prompt = await digester.exact_prompt(MODEL, PAYLOAD, route=CHAT)
+    tokens.release.set()
+    await eventually(
+        lambda: digester.pending(MODEL) == 0, 5.0, "the background tokenizing done", interval_s=0.01
+    )
+
+    assert prompt is not None
+    key = DigestKey.from_secret(KEY)
+    assert block_digests(TOKENS[:48], block_size=16, key=key) == prompt.digests[SERVICE, 16]
+    assert 700 == prompt.tokens
+
+
 async def test_leading_ids_shorter_than_a_block_leave_the_request_approximate() -> None:
     """Leading ids that fill no block name nothing: over budget, None."""
     metrics = RouterMetrics(CollectorRegistry())

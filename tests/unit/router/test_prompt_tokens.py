@@ -276,3 +276,40 @@ def test_long_texts_tokenized_without_the_gil_give_encodes_ids(
     for add_special_tokens in (False, True):
         expected = tuple(raw.encode(text, add_special_tokens=add_special_tokens).ids)
         assert expected == tiny.encode(text, add_special_tokens=add_special_tokens, use_cache=False)
+
+
+def test_checkpoints_name_the_ids_a_later_turn_begins_with(tiny: ModelTokenizer) -> None:
+    """A chat's checkpoints: the ids of its first messages, the same in its next turn."""
+    system = {"role": "system", "content": "a shared system prompt " * 8}
+    turn1 = ChatPrompt(messages=(system, {"role": "user", "content": "first question " * 4}))
+    ids, checkpoints = tiny.chat_checkpoints(turn1)
+    assert ids == tiny.chat_ids(turn1, use_cache=False)
+    assert [1, 2] == [checkpoint.messages for checkpoint in checkpoints]
+    answer = {"role": "assistant", "content": "an answer"}
+    turn2 = ChatPrompt(messages=(*turn1.messages, answer, {"role": "user", "content": "more"}))
+    turn2_ids = tiny.chat_ids(turn2, use_cache=False)
+    other = ChatPrompt(messages=(system, {"role": "user", "content": "another chat"}))
+    other_ids = tiny.chat_ids(other, use_cache=False)
+    by_count = {checkpoint.messages: checkpoint for checkpoint in checkpoints}
+    # The whole first turn (to its last <|im_end|>) begins the second turn's ids...
+    whole = by_count[2]
+    assert ids[: whole.ids] == turn2_ids[: whole.ids]
+    assert tiny.render_chat(turn1)[: whole.chars].endswith("<|im_end|>")
+    assert ids[whole.ids - 1] == 2  # <|im_end|>
+    assert whole.ids > by_count[1].ids
+    # ... and the system prompt alone begins any chat opening with it.
+    assert ids[: by_count[1].ids] == other_ids[: by_count[1].ids]
+
+
+def test_a_continued_final_message_gives_no_checkpoint_for_the_whole_chat(
+    tiny: ModelTokenizer,
+) -> None:
+    """Its last message is left open: the chat rendered closed is not a prefix of it."""
+    chat = ChatPrompt(
+        messages=(*SYSTEM_USER, {"role": "assistant", "content": "ret"}),
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
+    ids, checkpoints = tiny.chat_checkpoints(chat)
+    assert CONTINUED_IDS == ids
+    assert [1] == [checkpoint.messages for checkpoint in checkpoints]
