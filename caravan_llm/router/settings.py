@@ -79,8 +79,8 @@ class RouterSettings(BaseSettings):
     connector_limit: int = Field(default=4096, ge=1)
     # How long an idle pooled connection to an engine is reused. Below the engines'
     # own idle keep-alive (5 s in uvicorn, so vLLM and SGLang, and in llama-server's
-    # cpp-httplib): a request never goes out on a connection the engine is closing,
-    # which it would drop ("Server disconnected", a wasted attempt).
+    # cpp-httplib), so that no request goes out on a connection the engine closes
+    # for idleness ("Server disconnected": a retry, an attempt spent).
     upstream_keepalive_s: float = Field(default=4.0, gt=0)
 
     # -- admission --------------------------------------------------------------
