@@ -123,6 +123,7 @@ class ServiceMetaKey:
     # on engine names.
     COMPLETION_DEFAULT_MAX_TOKENS = "completion_default_max_tokens"
     PREFILL_ECHO = "prefill_echo"
+    STREAM_KEEPALIVE = "stream_keepalive"
     # The profile's prefill throughput (tokens/s, `prefill_tokens_per_s`): the
     # router's cost model starts from it until it has measured the replica.
     PREFILL_TOKENS_PER_S = "prefill_tokens_per_s"
@@ -955,10 +956,15 @@ class StreamTraits:
     without one gets (None: no limit), so a continuation states what is left of
     it. `echoes_prefill`: the engine may repeat a partial assistant message at
     the start of its first delta, which the router then cuts.
+    `keeps_stream_connections`: the engine keeps a connection open for the next
+    request after a streamed answer, as HTTP/1.1 keep-alive says; when it
+    closes it instead (without saying so), the router closes its end after
+    every stream rather than pool a connection the next request would fail on.
     """
 
     completion_default_max_tokens: int | None = OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
     echoes_prefill: bool = False
+    keeps_stream_connections: bool = True
 
 
 # What a replica that publishes no traits is taken to do: follow the OpenAI API.
@@ -970,12 +976,20 @@ class StreamTraitsError(ValueError):
 
 
 def encode_stream_traits(traits: StreamTraits) -> dict[str, str]:
-    """The service Meta entries of `traits` (Meta values are strings; "" is no limit)."""
+    """The service Meta entries of `traits` (Meta values are strings; "" is no limit).
+
+    `stream_keepalive` is written only when false (its default is true), so that
+    the Meta, and with it the spec hash, of every engine that keeps its
+    connections stays as it was before the key existed: no replica rolls for it.
+    """
     limit = traits.completion_default_max_tokens
-    return {
+    meta = {
         ServiceMetaKey.COMPLETION_DEFAULT_MAX_TOKENS: "" if limit is None else str(limit),
         ServiceMetaKey.PREFILL_ECHO: "true" if traits.echoes_prefill else "false",
     }
+    if not traits.keeps_stream_connections:
+        meta[ServiceMetaKey.STREAM_KEEPALIVE] = "false"
+    return meta
 
 
 def decode_stream_traits(meta: Mapping[str, object]) -> StreamTraits:
@@ -998,13 +1012,25 @@ def decode_stream_traits(meta: Mapping[str, object]) -> StreamTraits:
                 raise StreamTraitsError(problem) from None
             if limit <= 0:
                 raise StreamTraitsError(problem)
-    echo = OPENAI_STREAM_TRAITS.echoes_prefill
-    if echo_key in meta:
-        raw = meta[echo_key]
-        if not isinstance(raw, str) or raw not in {"true", "false"}:
-            raise StreamTraitsError(f"Meta.{echo_key} must be true or false: {raw!r}")
-        echo = raw == "true"
-    return StreamTraits(completion_default_max_tokens=limit, echoes_prefill=echo)
+    echo = _meta_flag(meta, echo_key, default=OPENAI_STREAM_TRAITS.echoes_prefill)
+    keeps = _meta_flag(
+        meta,
+        ServiceMetaKey.STREAM_KEEPALIVE,
+        default=OPENAI_STREAM_TRAITS.keeps_stream_connections,
+    )
+    return StreamTraits(
+        completion_default_max_tokens=limit, echoes_prefill=echo, keeps_stream_connections=keeps
+    )
+
+
+def _meta_flag(meta: Mapping[str, object], key: str, *, default: bool) -> bool:
+    """A "true"/"false" Meta value; `default` when left out; StreamTraitsError otherwise."""
+    if key not in meta:
+        return default
+    raw = meta[key]
+    if not isinstance(raw, str) or raw not in {"true", "false"}:
+        raise StreamTraitsError(f"Meta.{key} must be true or false: {raw!r}")
+    return raw == "true"
 
 
 class PrefillRateError(ValueError):

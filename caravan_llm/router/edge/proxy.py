@@ -708,7 +708,7 @@ class Proxy:
                     upstream = await self._session().post(
                         endpoint.base_url + exchange.spec.engine_path,
                         data=body,
-                        headers=self._engine_headers(exchange.headers, endpoint),
+                        headers=self._stream_headers(exchange.headers, endpoint),
                         timeout=self._stream_timeout,
                     )
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
@@ -1172,6 +1172,15 @@ class Proxy:
         if key is None:
             return headers
         return [*headers, ("Authorization", f"Bearer {key}")]
+
+    def _stream_headers(self, headers: Headers, endpoint: Endpoint) -> Headers:
+        """`_engine_headers`, and `Connection: close` to an engine that drops its
+        connections after a stream anyway (its traits): aiohttp then never pools the
+        connection, so no later request goes out on one the engine is closing."""
+        headers = self._engine_headers(headers, endpoint)
+        if endpoint.traits.keeps_stream_connections:
+            return headers
+        return [*headers, ("Connection", "close")]
 
     def _upstream_headers(self, request: web.Request, request_id: str) -> Headers:
         dropped = self._not_forwarded

@@ -94,7 +94,13 @@ DENIED_FLAGS = (
 DENIED_ENV = ("LLAMA_ARG_*", "LLAMA_API_KEY")
 # llama-server has no default completion length, and a server without
 # `continue_final_message` support repeats a continued message (prefill).
-STREAM_TRAITS = StreamTraits(completion_default_max_tokens=None, echoes_prefill=True)
+# And it closes the connection after every streamed answer, though its headers
+# offer keep-alive (`Keep-Alive: timeout=5, max=100`, no `Connection: close`): a
+# client that pools it fails its next request there ("Can not write request
+# body"). Seen with the llama-server built from llama-cpp-python 0.3.36's sdist.
+STREAM_TRAITS = StreamTraits(
+    completion_default_max_tokens=None, echoes_prefill=True, keeps_stream_connections=False
+)
 # Slots per replica when the profile does not say (llama-server's own default
 # is auto; a fixed number keeps capacity known to the router).
 DEFAULT_PARALLEL = 4

@@ -445,6 +445,8 @@ class FakeEngine:
         self.requests = 0
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
+        # The client port of each chat request: one per connection the router opened.
+        self.peer_ports: list[int] = []
         self.release = asyncio.Event()
         self.in_flight = 0
         self._runner: web.AppRunner | None = None
@@ -493,6 +495,9 @@ class FakeEngine:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         self.requests += 1
         self.headers.append(dict(request.headers))
+        peer = None if request.transport is None else request.transport.get_extra_info("peername")
+        if peer is not None:
+            self.peer_ports.append(int(peer[1]))
         body = await request.json()
         self.bodies.append(body)
         if self.mode == "hang":

@@ -321,3 +321,30 @@ async def test_an_engine_abort_mid_stream_is_continued_elsewhere(
     assert 1 == stopping.requests
     assert 2 == good.requests  # the other request, and the continuation
     assert (" w0 w1 w2 w0 w1", True, False, False) in texts
+
+
+@pytest.mark.parametrize(("flavor", "reused"), [("vllm", True), ("llamacpp", False)])
+async def test_a_stream_connection_is_pooled_only_for_an_engine_that_keeps_it(
+    consul: ConsulClient, http: aiohttp.ClientSession, flavor: str, *, reused: bool
+) -> None:
+    """llama-server drops the connection after every stream (its keep-alive header notwithstanding).
+
+    The router closes its end after a llama.cpp stream (its engine's stream
+    traits: `keeps_stream_connections` false), so no later request goes out on
+    a connection the engine is closing; a vLLM one goes back to the pool.
+    """
+    async with FakeEngine(MODEL, events=2) as engine:
+        await register_replica(consul, MODEL, 0, engine.port, flavor=flavor, check="none")
+        async with running_router(consul, policy="round_robin") as router:
+            await wait_until(
+                lambda: routable_count(router, MODEL) == 1, timeout_s=5, what="replica"
+            )
+            for index in range(4):
+                body = chat_body(MODEL, f"q{index}", stream=True)
+                async with http.post(router.url + "/v1/chat/completions", json=body) as response:
+                    _, _, done = await read_stream(response)
+                    assert (200, True) == (response.status, done)
+
+    assert 4 == len(engine.peer_ports)
+    distinct = len(set(engine.peer_ports))
+    assert (distinct < 4) if reused else (distinct == 4)
