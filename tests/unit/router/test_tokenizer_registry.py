@@ -8,9 +8,9 @@ import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
+from polling import eventually
 
 from caravan_llm.common.contract import EngineRoute, ModelView
 from caravan_llm.router.tokens.conversation import ChatPrompt
@@ -94,14 +94,6 @@ TURN2 = [
 ]
 
 
-async def wait_for(condition: Any, *, what: str, timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.005)
-
-
 async def test_a_later_turn_gets_its_historys_ids_before_the_worker_thread_is_free(
     tiny_tokenizer_dir: Path,
 ) -> None:
@@ -121,7 +113,7 @@ async def test_a_later_turn_gets_its_historys_ids_before_the_worker_thread_is_fr
                 view, route, {"messages": TURN2}, on_prefix=lambda *found: handed.append(found)
             )
         )
-        await wait_for(lambda: bool(handed), what="the early hand-over")
+        await eventually(lambda: bool(handed), 10.0, "the early hand-over", interval_s=0.005)
         assert not task.done()
         assert not blocker.done()
         busy.set()
