@@ -591,12 +591,15 @@ async def test_the_autoscaler_scales_on_the_real_engines_load(fleet: Fleet) -> N
         last[:] = [answer]
         return answer if isinstance(answer, int) else None
 
-    # Four each, re-sent as they end (one wave can end before the up window has
-    # passed): 4 in flight over a target of 2 per replica asks for 4, capped at 3.
-    # With 3 each, a CI run whose saturated cores spaced the autoscaler's
-    # evaluations out saw the one reading of 3.0 replaced by 1.5 (a wave ending)
-    # before the 2 s up window had passed; 4 keeps every reading above 2.2.
-    async with saturated(replicas, key, 4):
+    # Six each, re-sent as they end (one wave can end before the up window has
+    # passed), under vLLM's batch plus queue (8), so none is refused: 6 in flight
+    # over a target of 2 per replica asks for 6, capped at 3. The autoscaler sizes
+    # for the replicas it could measure: with both cores saturated on purpose, one
+    # replica's scrape or check can miss a tick, and with 4 each that tick read
+    # "4.0 over 1 measured replica: 2 cover it" and broke the up window (CI, ac7b484).
+    # 6 over one measured replica still asks for 3, and a wave ending (5 of 6)
+    # still asks for 3. (With 3 each, spaced evaluations once saw 3.0 become 1.5.)
+    async with saturated(replicas, key, 6):
         try:
             desired = await eventually(scaled_count, 120, "a desired count above 2")
         except pytest.fail.Exception as exc:
