@@ -14,6 +14,10 @@ Per replica job:
   when there is no profile to compare with: a deleted or unrenderable model);
 - **node**: the ready node of a live allocation; None means not placed;
 - **draining**: it has a drain marker;
+- **shares_node_with**: for a CPU model, the live sibling with a lower
+  replica index whose ready node this replica's is too (Nomad rescheduled
+  one onto the other's node: the anti-affinity a replica job carries is the
+  one rendered when it was registered); None otherwise;
 - **unplaceable**: why Nomad does not place it, from its evaluations, in
   words (`scheduler/placement_explain.py`); None when it is placed or Nomad
   did not say;
@@ -29,7 +33,7 @@ placed, must the prefetch job be registered), and whether it failed for good.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from caravan_llm.common.nomad_api import Evaluation, Node
 from caravan_llm.scheduler.cluster_config import ClusterConfig
@@ -70,6 +74,9 @@ class ReplicaAssessment:
     unplaceable: str | None = None
     # Why it failed for good; None: it has not.
     failed: str | None = None
+    # CPU models: the job id of a live sibling with a lower index on the same
+    # ready node; None: it has a node to itself among its live siblings, or GPU.
+    shares_node_with: str | None = None
     # When it is not ready and its engine exited non-zero: the last stderr
     # lines of that run, or why they could not be read; None: not read.
     engine_log: EngineLogTail | None = None
@@ -215,6 +222,21 @@ def _replica(
     )
 
 
+def _crowding(judged: list[ReplicaAssessment]) -> list[ReplicaAssessment]:
+    """Mark each live replica whose node already runs a live sibling with a lower index."""
+    first_on: dict[str, str] = {}
+    marked: list[ReplicaAssessment] = []
+    for replica in sorted(judged, key=lambda r: r.replica):
+        if not replica.live or replica.node is None:
+            marked.append(replica)
+            continue
+        first = first_on.setdefault(replica.node, replica.job_id)
+        shares = None if first == replica.job_id else first
+        marked.append(replace(replica, shares_node_with=shares))
+    order = {r.job_id: i for i, r in enumerate(judged)}
+    return sorted(marked, key=lambda r: order[r.job_id])
+
+
 def _prefetch(
     profile: ModelProfile, observation: Observation, config: ClusterConfig, now: float
 ) -> PrefetchGate:
@@ -260,6 +282,8 @@ def _model(
             render_error=str(exc),
         )
         return unrenderable, judged
+    if not profile.uses_gpu:
+        judged = _crowding(judged)
     failure = model_failure([(r.replica, r.failed) for r in judged])
     if failure is None and gate.failed and not any(r.live and r.ready for r in judged):
         # The replicas wait for the prefetch, which will not succeed without a change.

@@ -31,10 +31,21 @@ are not draining:
 6. Replicas of a model with no profile are drained only after the profile's
    absence has been confirmed for a while: an empty read is suspect. Its
    prefetch job, if any, is purged after the same confirmation.
+7. Exactly D live, all ready and current, and a CPU replica shares its node
+   with a sibling (Nomad rescheduled it there after its own node died: a
+   replica job keeps the anti-affinity it was registered with) while a ready,
+   eligible node in the job's datacenters and pool runs none of the model's
+   replicas: surge one new replica, rendered away from every sibling's node;
+   rule 2 then drains the crowded one once the new one is ready, as for an
+   update, so one node's loss can no longer take two replicas. At most one
+   such move per model per `move_backoff_s`: the free node may not fit the
+   replica, and a move that lands on a sibling's node again is not retried
+   at once.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -145,6 +156,8 @@ class PlanSettings:
     sibling_wait_s: float = 15.0
     # Pass again this soon while waiting on something (placement, readiness).
     requeue_s: float = 2.0
+    # The least time between two moves of a model's crowded replica (rule 7).
+    move_backoff_s: float = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,8 +227,9 @@ def _free_indices(used: set[int], count: int) -> list[int]:
 
 
 def _victim_order(replica: ObservedReplica, outdated: bool, ready: bool) -> tuple[Any, ...]:
-    # Cheapest to lose first: outdated, then not ready, then fewest in-flight
-    # requests (unknown counts as busy), then the highest replica index.
+    # Cheapest to lose first: outdated (or crowded onto a sibling's node),
+    # then not ready, then fewest in-flight requests (unknown counts as
+    # busy), then the highest replica index.
     inflight = replica.inflight if replica.inflight is not None else math.inf
     return (not outdated, ready, inflight, -replica.replica)
 
@@ -231,9 +245,12 @@ class _ModelPlanner:
     config: ClusterConfig
     settings: PlanSettings
     now: float
+    # When this model's last crowded replica was moved (rule 7); None: not within the backoff.
+    moved_at: float | None = None
     actions: list[Action] = field(default_factory=list)
     waiting: bool = False
     unplaced: list[str] = field(default_factory=list)
+    moved: bool = False
 
     @property
     def profile_name(self) -> str:
@@ -250,6 +267,7 @@ class _ModelPlanner:
         replicas = [r for r in self.observed.of_model(self.profile_name) if not r.stopped]
         live = [r for r in replicas if r.job_id not in self.observed.draining]
         outdated = {r.job_id for r in live if self.judged[r.job_id].outdated}
+        crowded = {r.job_id for r in live if self.judged[r.job_id].shares_node_with}
         ready = {r.job_id for r in live if self.judged[r.job_id].ready}
         used = {r.replica for r in self.observed.of_model(self.profile_name)}
         target = self.desired.count
@@ -261,9 +279,11 @@ class _ModelPlanner:
             if gate.ready:
                 self._scale_up(live, used, target - len(live))
         elif len(live) > target:
-            self._scale_down(live, outdated, ready, len(live) - target)
+            self._scale_down(live, outdated | crowded, ready, len(live) - target)
         elif outdated and gate.ready:
             self._surge(live, used, outdated, ready)
+        elif crowded and gate.ready and len(ready) == len(live):
+            self._separate(live, used, crowded)
         self._note_unplaced(live)
         return ModelReport(
             model=self.profile_name,
@@ -367,11 +387,14 @@ class _ModelPlanner:
                 break
             if is_ready_victim:
                 ready_left -= 1
-            why = (
-                "outdated spec, replaced by a ready replica"
-                if replica.job_id in outdated
-                else (f"{len(live)} live > {self.desired.count} desired")
-            )
+            why = f"{len(live)} live > {self.desired.count} desired"
+            if replica.job_id in outdated:
+                shares = self.judged[replica.job_id].shares_node_with
+                why = (
+                    f"shares its node with {shares}, replaced by a ready replica placed apart"
+                    if shares and not self.judged[replica.job_id].outdated
+                    else "outdated spec, replaced by a ready replica"
+                )
             self.actions.append(
                 StartDrain(
                     job_id=replica.job_id,
@@ -405,11 +428,59 @@ class _ModelPlanner:
         )
         self.waiting = True
 
+    def _separate(self, live: list[ObservedReplica], used: set[int], crowded: set[str]) -> None:
+        """Rule 7: place a new replica apart from every sibling; rule 2 drains a crowded one."""
+        if self.moved_at is not None and self.now - self.moved_at < self.settings.move_backoff_s:
+            return
+        [index] = _free_indices(used, 1)
+        body = self.render(index, live)
+        free = free_nodes(body, self.observed, {self.judged[r.job_id].node for r in live})
+        if not free:
+            return
+        first = min(crowded, key=lambda job_id: self.judged[job_id].replica)
+        judged = self.judged[first]
+        self.actions.append(
+            Register(
+                job_id=replica_job_id(self.profile_name, index),
+                model=self.profile_name,
+                replica=index,
+                body=body,
+                reason=(
+                    f"{first} shares node {judged.node} with {judged.shares_node_with}: "
+                    f"a replica is placed apart ({len(free)} free node(s)), then {first} drains"
+                ),
+                enforce_index=self._enforce_index(replica_job_id(self.profile_name, index)),
+            )
+        )
+        self.moved = True
+        self.waiting = True
+
     def _note_unplaced(self, live: list[ObservedReplica]) -> None:
         for replica in live:
             if self.judged[replica.job_id].node is None:
                 self.unplaced.append(replica.job_id)
                 self.waiting = True
+
+
+def free_nodes(body: Mapping[str, Any], observed: Observation, taken: set[str | None]) -> list[str]:
+    """Ready, eligible nodes in the job's datacenters and node pool that run none of `taken`.
+
+    Resources and constraints are Nomad's to judge; this only says whether a
+    move has somewhere to go at all.
+    """
+    job = body["Job"]
+    datacenters = job.get("Datacenters") or ["*"]
+    pool = job.get("NodePool") or "default"
+    return sorted(
+        node.id
+        for node in observed.nodes.values()
+        if node.ready
+        and node.eligibility == "eligible"
+        and not node.drain
+        and node.id not in taken
+        and any(fnmatch.fnmatchcase(node.datacenter, dc) for dc in datacenters)
+        and pool in {"all", node.node_pool}
+    )
 
 
 def _finish_drains(observed: Observation, now: float) -> list[Action]:
@@ -516,13 +587,25 @@ def plan(
     reports: list[ModelReport] = []
     errors: dict[str, str] = {}
     waiting = False
+    moved = {
+        name: at
+        for name, at in memory.moved_at.items()
+        if name in desired and now - at < settings.move_backoff_s
+    }
     for name in sorted(desired):
         assessed = assessment.models[name]
         if assessed.render_error is not None:
             errors[name] = assessed.render_error
             continue
         planner = _ModelPlanner(
-            desired[name], observed, assessed, assessment.replicas, config, settings, now
+            desired[name],
+            observed,
+            assessed,
+            assessment.replicas,
+            config,
+            settings,
+            now,
+            moved_at=memory.moved_at.get(name),
         )
         try:
             reports.append(planner.run())
@@ -531,6 +614,8 @@ def plan(
             continue
         actions.extend(planner.actions)
         waiting = waiting or planner.waiting
+        if planner.moved:
+            moved[name] = now
     protected = {**desired, **dict.fromkeys(leave_alone)}
     orphan_actions, orphaned, orphan_wait = _orphans(protected, observed, memory, settings, now)
     actions.extend(orphan_actions)
@@ -547,7 +632,7 @@ def plan(
         if name in orphaned or name in desired
     }
     drain_s.update({name: float(d.profile.drain_s) for name, d in desired.items()})
-    new_memory = PlannerMemory(orphaned_since=orphaned, drain_s=drain_s)
+    new_memory = PlannerMemory(orphaned_since=orphaned, drain_s=drain_s, moved_at=moved)
     return Plan(
         actions=tuple(actions),
         memory=new_memory,

@@ -157,6 +157,11 @@ class SchedulerSettings(BaseSettings):
         ge=0,
         description="how long a new CPU replica waits for its siblings to be placed",
     )
+    move_backoff_s: float = Field(
+        default=600.0,
+        ge=0,
+        description="least time between two moves of a CPU replica off a sibling's node",
+    )
     requeue_s: float = Field(
         default=2.0, gt=0, description="pass again this soon while waiting on placement/readiness"
     )
@@ -217,6 +222,7 @@ class SchedulerSettings(BaseSettings):
             replace_lost_after_s=self.replace_lost_after_s,
             orphan_confirm_s=self.orphan_confirm_s,
             sibling_wait_s=self.sibling_wait_s,
+            move_backoff_s=self.move_backoff_s,
             requeue_s=self.requeue_s,
         )
 

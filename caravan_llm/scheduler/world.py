@@ -148,6 +148,9 @@ class PlannerMemory:
     # The drain window of each model's last known profile, so a deleted
     # model's replicas still drain as long as their profile asked.
     drain_s: Mapping[str, float] = field(default_factory=dict)
+    # When each model's last crowded replica was moved apart (plan rule 7),
+    # kept for the move backoff.
+    moved_at: Mapping[str, float] = field(default_factory=dict)
 
 
 def replica_from_job_stub(stub: JobStub) -> ObservedReplica | None:

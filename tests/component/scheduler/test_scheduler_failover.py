@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import aiohttp
-from conftest import eventually, example, submit
+from conftest import eventually, example, store_of, submit
 
 from caravan_llm.cli.local_stack import LocalStack
 from caravan_llm.common.contract import model_service_name
@@ -162,3 +162,43 @@ async def test_steady_state_makes_no_nomad_writes_over_many_passes(fast_stack: L
     }
     assert actions_before == write_counts()
     assert jobs_before == jobs_after
+
+
+async def test_replicas_crowded_onto_one_node_are_moved_apart(stack: LocalStack):
+    """Two CPU replicas on A and B, the third CPU node C down: killing B makes Nomad
+    reschedule its replica onto A, the only node left (the job's anti-affinity is soft and
+    was rendered for B's old sibling). Once C is back, the scheduler places a new replica
+    there and drains the crowded one, never going below 2 passing on the way."""
+    replicas = {"min": 2, "max": 2, "initial": 2}
+    await submit(stack, example("tiny-llamacpp-cpu.yaml", replicas=replicas, autoscaling=None))
+    await eventually(lambda: _count_is(passing(stack, "tiny-chat"), 2), timeout_s=60)
+    placed = await running_allocs(stack, "caravan-tiny-chat-")
+    nodes = (await stack.scheduler.nomad.list_nodes()).value
+    cpu_nodes = {n.id for n in nodes if n.node_pool == "default"}
+    used = {node for _, node in placed.values()}
+    [spare] = cpu_nodes - used
+    victim = max(used)
+    [survivor] = used - {victim}
+
+    await stack.cluster.nomad.kill_node(spare)
+    await stack.cluster.nomad.kill_node(victim)
+
+    async def crowded() -> bool:
+        now = await running_allocs(stack, "caravan-tiny-chat-")
+        on = {node for _, node in now.values()}
+        return len(now) == 2 and on == {survivor} and len(await passing(stack, "tiny-chat")) == 2
+
+    await eventually(crowded, timeout_s=90)
+    await stack.cluster.nomad.restart_node(spare)
+    fewest = 2
+
+    async def apart() -> bool:
+        nonlocal fewest
+        fewest = min(fewest, len(await passing(stack, "tiny-chat")))
+        draining = set((await store_of(stack).read()).draining)
+        now = await running_allocs(stack, "caravan-tiny-chat-")
+        live = {job: node for job, (_, node) in now.items() if job not in draining}
+        return len(live) == 2 and set(live.values()) == {survivor, spare}
+
+    await eventually(apart, timeout_s=120)
+    assert fewest == 2, "the move took a replica out before its replacement passed"

@@ -24,6 +24,7 @@ from caravan_llm.scheduler.plan import (
     Register,
     Replace,
     StartDrain,
+    free_nodes,
 )
 from caravan_llm.scheduler.world import PlannerMemory
 
@@ -248,3 +249,125 @@ def test_deleted_model_drains_for_its_last_known_drain_window():
     [drain] = confirmed.actions
     assert isinstance(drain, StartDrain)
     assert drain.drain_s == 45.0
+
+
+def crowded_world(*extra, node_map=None):
+    """CPU replicas 0 and 1 on n1 (Nomad rescheduled 1 there), n2 and n3 free."""
+    return world(
+        replica(CPU, 0, alloc("n1")), replica(CPU, 1, alloc("n1")), *extra, node_map=node_map
+    )
+
+
+def test_crowded_cpu_replica_is_moved_apart_before_it_drains():
+    """Two CPU replicas on one node: a third is placed away from both, then the crowded
+    one drains once the new one is ready; after that, nothing."""
+    step1 = run_plan(desired((CPU, 2)), crowded_world())
+    [action] = step1.actions
+    assert isinstance(action, Register)
+    assert action.job_id == "caravan-cpu-2"
+    assert action.body["Job"]["Affinities"][0]["RTarget"] == "n1"
+    assert "caravan-cpu-1 shares node n1 with caravan-cpu-0" in action.reason
+    assert {"cpu": NOW} == dict(step1.memory.moved_at)
+    assert step1.requeue_after_s is not None
+
+    loading = replica(CPU, 2, alloc("n2", "pending", healthy=None), passing=False)
+    step2 = run_plan(desired((CPU, 2)), crowded_world(loading), step1.memory, now=NOW + 2)
+    assert step2.actions == ()
+    assert step2.requeue_after_s is not None
+
+    ready = replica(CPU, 2, alloc("n2"))
+    step3 = run_plan(desired((CPU, 2)), crowded_world(ready), step2.memory, now=NOW + 4)
+    [drain] = step3.actions
+    assert isinstance(drain, StartDrain)
+    assert drain.job_id == "caravan-cpu-1"
+    assert "shares its node with caravan-cpu-0" in drain.reason
+
+    apart = world(replica(CPU, 0, alloc("n1")), ready)
+    step4 = run_plan(desired((CPU, 2)), apart, step3.memory, now=NOW + 6)
+    assert step4.actions == ()
+    assert step4.requeue_after_s is None
+
+
+def test_crowded_replica_stays_when_no_node_is_free():
+    """Every ready, eligible node already runs a replica of the model: no move."""
+    both_used = crowded_world(replica(CPU, 2, alloc("n2")), node_map=nodes("n1", "n2", "n3"))
+    assert run_plan(desired((CPU, 3)), both_used).actions != ()  # n3 is free: it moves
+    node_map = nodes("n1", "n2", "n3", down=("n3",))
+    node_map["n4"] = replace(nodes("n4")["n4"], eligibility="ineligible")
+    node_map["n5"] = replace(nodes("n5")["n5"], drain=True)
+    node_map["n7"] = replace(nodes("n7")["n7"], node_pool="gpu")
+    seen = crowded_world(replica(CPU, 2, alloc("n2")), node_map=node_map)
+    result = run_plan(desired((CPU, 3)), seen)
+    assert result.actions == ()
+    assert result.requeue_after_s is None
+
+
+def test_a_move_is_not_retried_within_the_backoff():
+    """A move that landed on a sibling's node again is not retried at once."""
+    memory = PlannerMemory(moved_at={"cpu": NOW - 10})
+    held = run_plan(desired((CPU, 2)), crowded_world(), memory)
+    assert held.actions == ()
+    assert {"cpu": NOW - 10} == dict(held.memory.moved_at)
+    later = NOW - 10 + PlanSettings().move_backoff_s
+    retried = run_plan(desired((CPU, 2)), crowded_world(), held.memory, now=later)
+    assert kinds(retried.actions) == [("Register", "caravan-cpu-2")]
+    assert {"cpu": later} == dict(retried.memory.moved_at)
+
+
+def test_no_move_while_a_replica_is_not_ready_or_outdated():
+    """A move waits for the model to be whole and current: an update comes first."""
+    starting = world(
+        replica(CPU, 0, alloc("n1")),
+        replica(CPU, 1, alloc("n1", "pending", healthy=None), passing=False),
+    )
+    assert run_plan(desired((CPU, 2)), starting).actions == ()
+    outdated = world(replica(CPU, 0, alloc("n1")), replica(CPU, 1, alloc("n1"), outdated=True))
+    [surge] = run_plan(desired((CPU, 2)), outdated).actions
+    assert isinstance(surge, Register)
+    assert "rolling update" in surge.reason
+
+
+def test_gpu_replicas_sharing_a_node_stay_packed():
+    """GPU replicas bin-pack on purpose: two on one node is not crowding."""
+    seen = world(replica(GPU, 0, alloc("n1")), replica(GPU, 1, alloc("n1")))
+    assert run_plan(desired((GPU, 2)), seen).actions == ()
+
+
+def test_scale_down_drains_a_crowded_replica_first():
+    """Fewer replicas wanted: the one sharing a sibling's node goes, not the newest."""
+    seen = crowded_world(replica(CPU, 2, alloc("n2")))
+    assert kinds(run_plan(desired((CPU, 2)), seen).actions) == [("StartDrain", "caravan-cpu-1")]
+
+
+def test_crowded_replicas_end_on_distinct_nodes():
+    """Applied to a simulated Nomad, three replicas crowded on one node end on three nodes."""
+    sim = SimulatedNomad(
+        world(*(replica(CPU, i, alloc("n1")) for i in range(3)), node_map=nodes("n1", "n2", "n3"))
+    )
+    memory, now = PlannerMemory(), NOW
+    settings = PlanSettings(move_backoff_s=0)
+    for _ in range(20):
+        result = run_plan(desired((CPU, 3)), sim.observation, memory, now=now, settings=settings)
+        memory = result.memory
+        sim.apply(result.actions, now)
+        now += 60
+    live = [
+        r
+        for r in sim.observation.replicas.values()
+        if not r.stopped and r.job_id not in sim.observation.draining
+    ]
+    assert sorted(r.allocs[-1].node_id for r in live) == ["n1", "n2", "n3"]
+
+
+def test_free_nodes_follow_the_jobs_datacenters_and_pool():
+    """A move only counts nodes the job could run on: its datacenters (globs) and pool."""
+    node_map = {
+        "a": replace(nodes("a")["a"], datacenter="dc1"),
+        "b": replace(nodes("b")["b"], datacenter="dc2", node_pool="cpu"),
+        "c": replace(nodes("c")["c"], datacenter="east"),
+    }
+    seen = world(node_map=node_map)
+    body = {"Job": {"Datacenters": ["dc*"], "NodePool": "default"}}
+    assert free_nodes(body, seen, set()) == ["a"]
+    assert free_nodes({"Job": {"Datacenters": ["dc*"], "NodePool": "all"}}, seen, {"a"}) == ["b"]
+    assert free_nodes({"Job": {}}, seen, set()) == ["a", "c"]

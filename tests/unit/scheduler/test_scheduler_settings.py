@@ -48,6 +48,7 @@ def test_every_tunable_comes_from_the_environment(monkeypatch: pytest.MonkeyPatc
         "REPLACE_LOST_AFTER_S": "13",
         "ORPHAN_CONFIRM_S": "14",
         "SIBLING_WAIT_S": "16",
+        "MOVE_BACKOFF_S": "17",
         "REQUEUE_S": "3",
         "AUTOSCALE_TICK_S": "4",
         "AUTOSCALE_SCRAPE_TIMEOUT_S": "1.5",
@@ -65,7 +66,11 @@ def test_every_tunable_comes_from_the_environment(monkeypatch: pytest.MonkeyPatc
     assert (
         ControllerSettings(
             plan=PlanSettings(
-                replace_lost_after_s=13, orphan_confirm_s=14, sibling_wait_s=16, requeue_s=3
+                replace_lost_after_s=13,
+                orphan_confirm_s=14,
+                sibling_wait_s=16,
+                move_backoff_s=17,
+                requeue_s=3,
             ),
             resync_s=7,
             apply_concurrency=9,
