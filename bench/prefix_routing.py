@@ -38,7 +38,10 @@ Targets, every one on the same trace, interleaved and rotated per repetition:
   default budget routes one whose tokenizing is not done in time
   (`cached_prefix`): on the digests of its leading ids the router's
   tokenizer had seen before (the chat up to the previous answer, which the
-  router never tokenized), its token count the whole prompt's.
+  router never tokenized), its token count the whole prompt's;
+  `precise-leading-predicted` (offline only): the same with the count the
+  live router uses instead, predicted from the leading ids' tokens per
+  character (`model_tokenizer.estimated_tokens`).
 
 Reported per cell: routing_quality's TTFT percentiles, fleet prefix-cache
 hit rate (the engines' `vllm:prefix_cache_hits/queries`), prefix missed,
@@ -106,12 +109,15 @@ TARGETS = (
     # Offline only: every request routed on its leading ids only (`cached_prefix`).
     "precise-leading",
     "precise-leading-x3",
+    # Offline only: the same with the token count the live router predicts.
+    "precise-leading-predicted",
 )
 OFFLINE_ONLY = (
     "precise-events-only",
     "precise-events-only-x3",
     "precise-leading",
     "precise-leading-x3",
+    "precise-leading-predicted",
 )
 
 
@@ -213,6 +219,27 @@ class EngineTokens:
                 break
             same += 1
         return list(token_ids[:same])
+
+    def rendered_chars(
+        self, messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool = True
+    ) -> int:
+        """The characters of the chat as the template renders it (what the router counts)."""
+        from caravan_llm.devcluster.engine.text import ChatMessage, render_chatml  # noqa: PLC0415
+
+        chat = [ChatMessage(role, content) for role, content in messages]
+        if self._hf is not None:
+            return len(self._hf.render_chat(chat, add_generation_prompt=add_generation_prompt))
+        return len(render_chatml(chat, add_generation_prompt=add_generation_prompt))
+
+    def predicted_tokens(self, messages: Sequence[tuple[str, str]], leading: int) -> int:
+        """The prompt's token count as the live router predicts it from `leading` ids."""
+        from caravan_llm.router.tokens.model_tokenizer import estimated_tokens  # noqa: PLC0415
+
+        earlier = list(messages[:-1])
+        if earlier and earlier[-1][0] == "assistant":
+            earlier.pop()
+        leading_chars = self.rendered_chars(earlier, add_generation_prompt=False)
+        return estimated_tokens(leading, leading_chars, self.rendered_chars(messages))
 
     def count(self, text: str) -> int:
         from caravan_llm.devcluster.engine.text import count_tokens  # noqa: PLC0415
@@ -1157,11 +1184,16 @@ def offline_cell(
                 shape = prompt_shape({"messages": messages}, config.cost.shape)
                 exact = None
                 view: Any = None
-                if kind == "precise-leading":
+                if kind.startswith("precise-leading"):
                     leading = tokens_of.leading_ids(request.messages, token_ids)
+                    count = (
+                        tokens_of.predicted_tokens(request.messages, len(leading))
+                        if kind == "precise-leading-predicted"
+                        else len(token_ids)
+                    )
                     exact = dataclasses.replace(
                         exact_prompt(leading, keys={SERVICE: key}, kinds=[(SERVICE, block)]),
-                        tokens=len(token_ids),
+                        tokens=count,
                     )
                     view = router.kv
                 elif kind != "approx":
@@ -1196,7 +1228,7 @@ def offline_cell(
                         max_age_s=config.load_max_age_s,
                         peer=peer_rate_of(snapshot, router.live, MODEL), events=events_now,
                     )  # fmt: skip
-                if kind in ("precise", "precise-wait", "precise-leading"):
+                if kind in ("precise", "precise-wait") or kind.startswith("precise-leading"):
                     held = endpoint_digests(router.kv, endpoint, exact)
                     router.kv.hold(endpoint.id, held)
             started_at[data] = now

@@ -27,6 +27,17 @@ ones named below), then, with one client (raw asyncio sockets, this process):
    `--hold-s`, every connection sends a second request on the same socket,
    which shows it was still open.
 
+4. Bursts of held requests, on router D: `--bursts` times, `--burst`
+   streaming requests for a second model whose one replica takes one
+   request at a time (`capacity` 1) and holds it until the bench opens its
+   gate, so the others wait in D's admission queue, as requests do while a
+   model has no replica; then the gate opens and all are answered. D's RSS
+   is read before the first burst, with each burst held, and after each.
+   It shows what a burst leaves behind: the first one raises RSS by the
+   allocator's high-water for that many requests, which CPython keeps for
+   reuse, and later bursts of the same size reuse it (a leak would add
+   another step each time).
+
 Every router and the client raise their soft RLIMIT_NOFILE to the hard limit;
 the run stops with a message if the hard limit cannot fit the connections.
 """
@@ -47,6 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,6 +68,9 @@ if str(REPO) not in sys.path:
 from bench.processes import started  # noqa: E402 - needs the repository on sys.path
 
 MODEL = "bench"
+# The model of the held-request bursts (part 4): one request at a time, held at a gate.
+HELD_MODEL = "bench-held"
+HELD_CHUNKS = 20
 WARM_UP_STREAMS = 20
 # Descriptors the client keeps for itself beyond its connections.
 _CLIENT_RESERVE = 256
@@ -79,12 +94,31 @@ def run_upstream(token_interval_s: float) -> None:
     """An engine whose streams either go idle after the first chunk or flow without end."""
     raise_soft_nofile()
 
+    gate = asyncio.Event()
+    gate.set()
+
+    async def set_gate(request: web.Request) -> web.Response:
+        if (await request.json())["open"]:
+            gate.set()
+        else:
+            gate.clear()
+        return web.json_response({"open": gate.is_set()})
+
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        idle = "idle" in body["messages"][-1]["content"]
+        content = body["messages"][-1]["content"]
+        idle = "idle" in content
+        if "held" in content:
+            await gate.wait()
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         await response.write(_chunk("first"))
+        if "held" in content:
+            for _ in range(HELD_CHUNKS):
+                await response.write(_chunk(" word"))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
         if idle:
             # Open, nothing flowing, until the client (the router) goes away.
             await asyncio.Event().wait()
@@ -101,6 +135,7 @@ def run_upstream(token_interval_s: float) -> None:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/bench/gate", set_gate)
     for path in ("/health", "/metrics", "/v1/models"):
         app.router.add_get(path, plain)
 
@@ -115,7 +150,9 @@ def run_upstream(token_interval_s: float) -> None:
     asyncio.run(main())
 
 
-async def register_upstream(consul_addr: str, port: int) -> None:
+async def register_upstream(
+    consul_addr: str, port: int, *, model: str = MODEL, capacity: int = 100_000
+) -> None:
     from caravan_llm.common.consul_api import (  # noqa: PLC0415 - only the orchestrator needs it
         ConsulClient,
         ConsulSettings,
@@ -127,17 +164,17 @@ async def register_upstream(consul_addr: str, port: int) -> None:
     async with ConsulClient(ConsulSettings(host=host, port=int(consul_port))) as consul:
         await consul.agent_service_register(
             ServiceRegistration(
-                name=f"caravan-{MODEL}",
-                service_id=f"caravan-{MODEL}-0",
+                name=f"caravan-{model}",
+                service_id=f"caravan-{model}-0",
                 address="127.0.0.1",
                 port=port,
                 tags=("caravan",),
                 meta={
-                    "caravan_model": MODEL,
-                    "served_models": MODEL,
+                    "caravan_model": model,
+                    "served_models": model,
                     "engine": "vllm",
                     "replica": "0",
-                    "capacity": "100000",
+                    "capacity": str(capacity),
                     "metrics_path": "/metrics",
                 },
                 checks=(HttpCheck(url=f"http://127.0.0.1:{port}/health", interval_s=1.0),),
@@ -188,18 +225,22 @@ async def settled_rss(pid: int, samples: int = 5, interval_s: float = 0.2) -> in
 # -- the client ------------------------------------------------------------------------------
 
 
-def _stream_request(kind: str, number: int) -> bytes:
+def _stream_request(
+    content: str, *, model: str = MODEL, max_tokens: int = 100_000, close: bool = False
+) -> bytes:
+    """A raw streaming chat request (`close`: asking the router to close after it)."""
     body = json.dumps(
         {
-            "model": MODEL,
+            "model": model,
             "stream": True,
-            "max_tokens": 100_000,
-            "messages": [{"role": "user", "content": f"{kind} stream {number}"}],
+            "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": content}],
         }
     ).encode()
     head = (
         "POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        + ("Connection: close\r\n" if close else "")
+        + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
 
@@ -214,7 +255,7 @@ class Stream:
 async def open_stream(port: int, kind: str, number: int) -> Stream:
     """A stream through the router, once its first chunk arrived; active ones keep reading."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(_stream_request(kind, number))
+    writer.write(_stream_request(f"{kind} stream {number}"))
     seen = b""
     async with asyncio.timeout(30):
         while b"data: " not in seen:
@@ -363,6 +404,75 @@ async def keepalive_connections(pid: int, port: int, count: int, hold_s: float) 
     }
 
 
+async def held_request(port: int, burst: int, number: int) -> bool:
+    """One streaming request for the held model, on its own connection; whether it was
+    answered whole."""
+    request = _stream_request(
+        f"held burst {burst} request {number}", model=HELD_MODEL, max_tokens=100, close=True
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        raw = await reader.read()
+    finally:
+        writer.close()
+    return raw.startswith(b"HTTP/1.1 200") and b"[DONE]" in raw
+
+
+async def set_gate(upstream_port: int, *, is_open: bool) -> None:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"http://127.0.0.1:{upstream_port}/bench/gate", json={"open": is_open}
+        ) as response,
+    ):
+        response.raise_for_status()
+
+
+async def queue_depth(port: int) -> float:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{port}/metrics") as response,
+    ):
+        text = await response.text()
+    match = re.search(
+        rf'^caravan_router_queue_depth{{model="{HELD_MODEL}"}} (\S+)$', text, re.MULTILINE
+    )
+    return float(match.group(1)) if match else 0.0
+
+
+async def held_bursts(
+    pid: int, port: int, upstream_port: int, size: int, bursts: int
+) -> dict[str, Any]:
+    """Router D's RSS before, during and after each burst of `size` queued requests."""
+    warm = await asyncio.gather(*(held_request(port, -1, n) for n in range(WARM_UP_STREAMS)))
+    if not all(warm):
+        raise RuntimeError(f"warm-up: {warm.count(False)} held requests not answered")
+    before = await settled_rss(pid)
+    rows = []
+    for burst in range(bursts):
+        await set_gate(upstream_port, is_open=False)
+        tasks = [asyncio.create_task(held_request(port, burst, n)) for n in range(size)]
+        deadline = time.monotonic() + 60
+        # All but the one the replica took (a few more may be on their way in).
+        while (depth := await queue_depth(port)) < size - 4:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"burst {burst}: only {depth:.0f} queued after 60 s")
+            await asyncio.sleep(0.2)
+        held = await settled_rss(pid)
+        await set_gate(upstream_port, is_open=True)
+        answered = sum(await asyncio.gather(*tasks))
+        rows.append(
+            {
+                "queued": depth,
+                "held_rss_bytes": held,
+                "after_rss_bytes": await settled_rss(pid, samples=10, interval_s=0.3),
+                "answered": answered,
+            }
+        )
+    return {"size": size, "rss_before_bytes": before, "bursts": rows}
+
+
 # -- orchestration ---------------------------------------------------------------------------
 
 
@@ -410,12 +520,20 @@ async def measure(args: argparse.Namespace, routers: dict[str, tuple[int, int]])
     keepalive = await keepalive_connections(
         keepalive_pid, keepalive_port, args.connections, args.hold_s
     )
-    return {"idle": idle, "active": active, "newcomers": newcomers, "keepalive": keepalive}
+    bursts_pid, bursts_port = routers["bursts"]
+    bursts = await held_bursts(bursts_pid, bursts_port, args.upstream_port, args.burst, args.bursts)
+    return {
+        "idle": idle,
+        "active": active,
+        "newcomers": newcomers,
+        "keepalive": keepalive,
+        "bursts": bursts,
+    }
 
 
 def orchestrate(args: argparse.Namespace) -> int:
     soft = raise_soft_nofile()
-    needed = args.connections + 2 * args.streams + args.newcomers + _CLIENT_RESERVE
+    needed = args.connections + 2 * args.streams + args.newcomers + args.burst + _CLIENT_RESERVE
     if soft < needed:
         print(f"error: the client needs {needed} open files; RLIMIT_NOFILE allows {soft}")
         return 2
@@ -444,7 +562,11 @@ def orchestrate(args: argparse.Namespace) -> int:
             )
         )
         consul_addr = consul.group(1)
-        asyncio.run(register_upstream(consul_addr, int(up.group(1))))
+        args.upstream_port = int(up.group(1))
+        asyncio.run(register_upstream(consul_addr, args.upstream_port))
+        asyncio.run(
+            register_upstream(consul_addr, args.upstream_port, model=HELD_MODEL, capacity=1)
+        )
         settings = {
             # A: its idle streams stay open while measured.
             "idle": {"stream_idle_timeout_s": "600"},
@@ -454,6 +576,12 @@ def orchestrate(args: argparse.Namespace) -> int:
             "keepalive": {
                 "max_connections": str(args.connections + 64),
                 "keepalive_timeout_s": str(max(600.0, 4 * args.hold_s)),
+            },
+            # D: every request of a burst waits in its queue, however long the burst.
+            "bursts": {
+                "max_connections": str(args.burst + 64),
+                "queue_max_per_model": str(args.burst + 16),
+                "queue_timeout_s": "300",
             },
         }
         routers: dict[str, tuple[int, int]] = {}
@@ -507,6 +635,30 @@ def report(results: dict[str, Any]) -> None:
         f"limit of {keepalive['router_soft_nofile']}; {keepalive['reused_after_hold']} reused "
         "on the same socket after the hold"
     )
+    bursts = results["bursts"]
+    before = bursts["rss_before_bytes"]
+    print(
+        f"\n{len(bursts['bursts'])} bursts of {bursts['size']} held requests (router D): "
+        f"RSS before {before / kib / kib:.1f} MiB"
+    )
+    print("| burst | queued | RSS held | RSS after | after - before | answered |")
+    print("|---|---|---|---|---|---|")
+    for number, row in enumerate(bursts["bursts"], 1):
+        print(
+            f"| {number} | {row['queued']:.0f} | {row['held_rss_bytes'] / kib / kib:.1f} MiB "
+            f"| {row['after_rss_bytes'] / kib / kib:.1f} MiB "
+            f"| {(row['after_rss_bytes'] - before) / kib / kib:+.1f} MiB | {row['answered']} |"
+        )
+    rows = bursts["bursts"]
+    if len(rows) > 1:
+        first = rows[0]["after_rss_bytes"] - before
+        later = rows[-1]["after_rss_bytes"] - rows[0]["after_rss_bytes"]
+        print(
+            f"  step of the first burst {first / kib / kib:.1f} MiB; bursts 2-{len(rows)} "
+            f"added {later / kib / kib:+.1f} MiB ({later / first:.2f} of the first step)"
+            if first
+            else f"  no step after burst 1; bursts 2-{len(rows)} added {later / kib:+.0f} KiB"
+        )
 
 
 def main() -> int:
@@ -518,6 +670,8 @@ def main() -> int:
     parser.add_argument("--hold-s", type=float, default=30.0)
     parser.add_argument("--newcomers", type=int, default=50)
     parser.add_argument("--newcomer-timeout-s", type=float, default=5.0)
+    parser.add_argument("--burst", type=int, default=500, help="held requests per burst")
+    parser.add_argument("--bursts", type=int, default=4)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     if args.command == "upstream":

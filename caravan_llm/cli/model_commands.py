@@ -559,6 +559,12 @@ def format_status(model: dict[str, Any], now: float) -> str:
             for r in replicas
             if r.get("pending_reason")
         )
+        lines.extend(
+            f"  replica {r['replica']} shares its node with {r['shares_node_with']}: "
+            "the scheduler places a replica apart, then drains this one"
+            for r in replicas
+            if r.get("shares_node_with")
+        )
         for r in replicas:
             said = engine_stderr_lines(r)
             if said:

@@ -65,6 +65,9 @@ class ReplicaStatus:
     # the scheduler's plan wants it to hold; None: not reported (LoRA off, not ready).
     adapters_loaded: tuple[str, ...] | None = None
     adapters_desired: tuple[str, ...] | None = None
+    # CPU models: the sibling job already on this replica's node (the scheduler
+    # moves this one apart, plan rule 7); None: it has a node to itself.
+    shares_node_with: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +185,7 @@ def replica_status(
         since_s=round(max(now - modified, 0.0), 1) if modified else None,
         last_event=_last_event(chosen),
         failed=judged.failed,
+        shares_node_with=judged.shares_node_with,
         **_engine_stderr(judged),
     )
 

@@ -81,6 +81,18 @@ def test_status_explains_pending_replicas_and_autoscaler_decisions():
     assert "autoscaler last decision 10s ago: up to 2: in-flight 9 > 4" in lines
 
 
+def test_status_says_which_replica_shares_a_node_and_what_happens_to_it():
+    """A CPU replica on a sibling's node gets a line under the table; others none."""
+    crowded = replica(1, shares_node_with="caravan-qwen-0")
+    lines = format_status(model(replicas=[replica(0), crowded]), now=100.0).splitlines()
+    assert (
+        "  replica 1 shares its node with caravan-qwen-0: the scheduler places a replica "
+        "apart, then drains this one"
+    ) in lines
+    alone = format_status(model(replicas=[replica(0), replica(1)]), now=100.0)
+    assert "shares its node" not in alone
+
+
 def test_status_shows_the_weights_prefetch():
     text = format_status(model(prefetch="failed: Terminated: Exit Code: 1"), now=100.0)
     assert "prefetch: failed: Terminated: Exit Code: 1" in text.splitlines()

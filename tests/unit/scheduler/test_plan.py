@@ -19,6 +19,8 @@ from world_builders import (
 )
 
 from caravan_llm.common.contract import DrainRecord
+from caravan_llm.scheduler.assess import assess
+from caravan_llm.scheduler.cluster_config import ClusterConfig
 from caravan_llm.scheduler.plan import (
     PlanSettings,
     Register,
@@ -26,6 +28,7 @@ from caravan_llm.scheduler.plan import (
     StartDrain,
     free_nodes,
 )
+from caravan_llm.scheduler.status import replica_status
 from caravan_llm.scheduler.world import PlannerMemory
 
 GPU = make_vllm(name="gpu", replicas={"min": 0, "max": 8})
@@ -371,3 +374,14 @@ def test_free_nodes_follow_the_jobs_datacenters_and_pool():
     assert free_nodes(body, seen, set()) == ["a"]
     assert free_nodes({"Job": {"Datacenters": ["dc*"], "NodePool": "all"}}, seen, {"a"}) == ["b"]
     assert free_nodes({"Job": {}}, seen, set()) == ["a", "c"]
+
+
+def test_status_names_the_sibling_a_crowded_replica_shares_its_node_with():
+    """`caravan status` reads the same judgement the planner moves on."""
+    seen = crowded_world()
+    judged = assess(desired((CPU, 2)), seen, ClusterConfig(), NOW)
+    shown = {
+        job_id: replica_status(judged.replicas[job_id], observed, seen, NOW).shares_node_with
+        for job_id, observed in seen.replicas.items()
+    }
+    assert {"caravan-cpu-0": None, "caravan-cpu-1": "caravan-cpu-0"} == shown
