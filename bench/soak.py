@@ -358,18 +358,23 @@ def fill(folder: Path, *, limit_bytes: int = NODE_TMPFS_BYTES) -> Path:
         msg = f"{folder} is not on a node tmpfs of {NODE_TMPFS} ({size} bytes): not filled"
         raise RuntimeError(msg)
     filler = folder / ".soak-filler"
-    with filler.open("wb") as out:
-        free = stats.f_bavail * stats.f_frsize
-        if free > 0:
+    try:
+        # Unbuffered: a write past the end fails in the loop below, where it is expected,
+        # never in a flush on close (a run once reported a filled folder as not filled).
+        with filler.open("wb", buffering=0) as out:
+            free = stats.f_bavail * stats.f_frsize
+            if free > 0:
+                with contextlib.suppress(OSError):
+                    os.posix_fallocate(out.fileno(), 0, free)
+            chunk = b"\0" * 65536
+            written = 0
             with contextlib.suppress(OSError):
-                os.posix_fallocate(out.fileno(), 0, free)
-        chunk = b"\0" * 65536
-        written = 0
-        with contextlib.suppress(OSError):
-            while written <= size:
-                out.write(chunk)
-                out.flush()
-                written += len(chunk)
+                while written <= size:
+                    written += out.write(chunk) or len(chunk)
+    except BaseException:
+        # Not injected: nothing left behind, since no undo frees it.
+        filler.unlink(missing_ok=True)
+        raise
     return filler
 
 

@@ -100,7 +100,7 @@ from caravan_llm.router.core.errors import (
     RouteNotServed,
 )
 from caravan_llm.router.core.live_state import Lease, Outcome, finish_request, start_request
-from caravan_llm.router.core.prompt_digests import endpoint_digests, events_cached
+from caravan_llm.router.core.prompt_digests import ExactPrompt, endpoint_digests, events_cached
 from caravan_llm.router.core.replacement import still_excluded
 from caravan_llm.router.core.routing_state import KnownModel, RoutingState
 from caravan_llm.router.feeds.model_failures import ModelFailures
@@ -250,6 +250,8 @@ class AdmissionGate:
         self._memory = PickerMemory(rng=rng or random.Random())
         self._queues = AdmissionQueues(admission.max_queue_per_model)
         self._waiters: dict[int, _Waiter] = {}
+        # Blocks held late for an admitted request (`hold_whole`), by its `id`, until `finish`.
+        self._late_held: dict[int, tuple[BlockDigest, ...]] = {}
         self._failures = failures if failures is not None else ModelFailures()
         state.subscribe(self.capacity_changed)
         self._failures.subscribe(self.failures_changed)
@@ -374,6 +376,9 @@ class AdmissionGate:
             )
         if admitted.held:
             self._state.kv.release(admitted.endpoint.id, admitted.held)
+        late = self._late_held.pop(id(admitted), None)
+        if late:
+            self._state.kv.release(admitted.endpoint.id, late)
         finish_request(
             self._state.live, admitted.lease, outcome, self._balancer.breaker, self._clock()
         )
@@ -495,6 +500,34 @@ class AdmissionGate:
             model = waiter.ticket.model
             self._metrics.rebuild_held.labels(model).dec()
             self._metrics.rebuild_holds.labels(model, outcome.value).inc()
+
+    def hold_whole(self, admitted: Admitted, whole: asyncio.Future[ExactPrompt | None]) -> None:
+        """Hold the rest of a request's blocks on its endpoint once its whole prompt is known.
+
+        A request routed on its leading ids' digests (`prompt_digests`: past
+        the tokenizing budget) holds only those; when the tokenizer is done,
+        the blocks past them are held too, until `finish`. Nothing when the
+        request has ended by then, or the tokenizing failed.
+        """
+        key = id(admitted)
+        self._late_held[key] = ()
+
+        def held(done: asyncio.Future[ExactPrompt | None]) -> None:
+            if key not in self._late_held or done.cancelled() or done.exception() is not None:
+                return
+            prompt = done.result()
+            if prompt is None:
+                return
+            kv = self._state.kv
+            already = set(admitted.held)
+            rest = tuple(
+                d for d in endpoint_digests(kv, admitted.endpoint, prompt) if d not in already
+            )
+            if rest:
+                kv.hold(admitted.endpoint.id, rest)
+                self._late_held[key] = rest
+
+        whole.add_done_callback(held)
 
     def _pick(self, features: RequestFeatures, now: float) -> PickResult:
         state = self._state

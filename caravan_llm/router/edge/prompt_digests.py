@@ -35,7 +35,13 @@ is then the tokenizer's prediction from those ids (their tokens per
 character), so the new text still weighs its prefill. Without a full block
 of them it is routed on the approximate index (`prefix_source: approximate`,
 `over_budget`). Either way the tokenizing goes on in the background, so the
-segment cache holds the pieces for the conversation's next turn. At most
+segment cache holds the pieces for the conversation's next turn; and a
+request routed on its leading ids gets its whole prompt's digests when the
+tokenizer is done (`Digested.whole`), which the admission gate then holds as
+in flight on the replica it went to (`AdmissionGate.hold_whole`): the next
+turn of a conversation, often sent while this one is still queued there,
+sees its whole history on that replica, not only the part this turn's pick
+knew about. At most
 `max_pending` prompts of one model are being tokenized at once; a request
 beyond that is not tokenized at all (its model's worker thread is behind:
 waiting would only add latency). Each request is counted by outcome in
@@ -47,7 +53,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from caravan_llm.common.block_digest import DigestKey
@@ -112,6 +118,15 @@ class PromptTokens(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class Digested:
+    """A request's digests for its pick, and, when those are its leading ids' only, the
+    whole prompt's once the tokenizer is done (None: it fails, or the ids are invalid)."""
+
+    prompt: ExactPrompt | None
+    whole: asyncio.Future[ExactPrompt | None] | None = None
+
+
 class PromptDigester:
     """Computes a request's `ExactPrompt` for the replicas of its model that have a KV stream."""
 
@@ -136,6 +151,8 @@ class PromptDigester:
         self._invalid_logged: set[str] = set()
         # Per model, its prompts being tokenized (some past their request's budget).
         self._pending: dict[str, set[asyncio.Task[Sequence[int] | None]]] = {}
+        # The whole prompts' digests being made for requests routed on their leading ids.
+        self._wholes: set[asyncio.Future[ExactPrompt | None]] = set()
 
     async def exact_prompt(
         self,
@@ -144,6 +161,16 @@ class PromptDigester:
         *,
         route: EngineRoute,
     ) -> ExactPrompt | None:
+        """`digest`'s digests for the pick alone."""
+        return (await self.digest(model, payload, route=route)).prompt
+
+    async def digest(
+        self,
+        model: str,
+        payload: Mapping[str, Any],
+        *,
+        route: EngineRoute,
+    ) -> Digested:
         """The prompt's digests per (service, block size); None when no replica can use them.
 
         Waits at most the budget for the token ids (module docstring). Past
@@ -153,15 +180,15 @@ class PromptDigester:
         """
         known = self._state.view.profiles.get(model)
         if known is None or known.view is None:
-            return None  # an adapter or an undeclared model: its blocks are not the base's
+            return _NOTHING  # an adapter or an undeclared model: its blocks are not the base's
         plan = self._plan(model)
         if plan is None:
-            return None
+            return _NOTHING
         kinds, keys = plan
         pending = self._pending.setdefault(model, set())
         if len(pending) >= self._max_pending:
             self._count("busy")
-            return None
+            return _NOTHING
         leading: list[tuple[Sequence[int], int]] = []
 
         def on_prefix(ids: Sequence[int], tokens: int) -> None:
@@ -174,17 +201,36 @@ class PromptDigester:
         task.add_done_callback(lambda done: self._finished(model, done))
         if self._budget_s <= 0:
             self._count("over_budget")
-            return None
+            return _NOTHING
         done, _ = await asyncio.wait((task,), timeout=self._budget_s)
         if not done:
-            return self._from_leading(model, leading, keys, kinds)
+            prompt = self._from_leading(model, leading, keys, kinds)
+            if prompt is None:
+                return _NOTHING
+            whole = asyncio.ensure_future(self._whole(model, task, keys, kinds))
+            # Kept until done: the loop holds tasks weakly, and the request may end first.
+            self._wholes.add(whole)
+            whole.add_done_callback(self._wholes.discard)
+            return Digested(prompt, whole)
         token_ids = _result(task, log_failure=False)  # `_finished` logged a failure
         if token_ids is None:
             self._count("not_exact")
-            return None
+            return _NOTHING
         prompt = self._digests(model, token_ids, keys, kinds)
         self._count("not_exact" if prompt is None else "exact")
-        return prompt
+        return Digested(prompt)
+
+    async def _whole(
+        self,
+        model: str,
+        task: asyncio.Task[Sequence[int] | None],
+        keys: Mapping[str, DigestKey],
+        kinds: set[DigestKind],
+    ) -> ExactPrompt | None:
+        """The whole prompt's digests once its tokenizing (past the budget) is done."""
+        await asyncio.wait((task,))
+        token_ids = _result(task, log_failure=False)  # `_finished` logged a failure
+        return None if token_ids is None else self._digests(model, token_ids, keys, kinds)
 
     def _from_leading(
         self,
@@ -288,6 +334,9 @@ class PromptDigester:
         key = DigestKey.from_secret(secret)
         self._digest_keys[service] = (secret, key)
         return key
+
+
+_NOTHING = Digested(None)
 
 
 def _result(task: asyncio.Task[Sequence[int] | None], *, log_failure: bool) -> Sequence[int] | None:

@@ -97,6 +97,7 @@ from caravan_llm.router.core.input_fault import (
 )
 from caravan_llm.router.core.live_state import Outcome, blame
 from caravan_llm.router.core.prefix_index import prompt_shape
+from caravan_llm.router.core.prompt_digests import ExactPrompt
 from caravan_llm.router.core.replacement import replacement_outcome, waits_for_replacement
 from caravan_llm.router.core.routing_state import RoutingState
 from caravan_llm.router.edge.adapter_loader import AdapterLoader
@@ -261,6 +262,8 @@ class Exchange:
     headers: Headers
     attempts: Attempts = field(default_factory=Attempts)
     reply: ClientReply = field(default_factory=ClientReply)
+    # Routed on its leading ids' digests: the whole prompt's, once tokenized (`prompt_digests`).
+    whole_prompt: asyncio.Future[ExactPrompt | None] | None = None
 
     @property
     def kind(self) -> StreamKind | None:
@@ -468,14 +471,18 @@ class Proxy:
         # approximate index.
         if features.prompt is None or features.adapter is not None or self._digester is None:
             return exchange
-        exact = await self._digester.exact_prompt(
+        digested = await self._digester.digest(
             exchange.parsed.model,
             exchange.parsed.payload,
             route=exchange.spec.route,
         )
-        if exact is None:
+        if digested.prompt is None:
             return exchange
-        return replace(exchange, features=replace(features, exact=exact))
+        return replace(
+            exchange,
+            features=replace(features, exact=digested.prompt),
+            whole_prompt=digested.whole,
+        )
 
     def _adapters_want(self, route: AdapterRoute) -> AdapterWant | None:
         """The balancer's view of a request for the adapter (the loader counts it as demand)."""
@@ -1029,6 +1036,8 @@ class Proxy:
         except ReplacementTimeout:
             exchange.attempts.replacement_timed_out = True
             raise
+        if exchange.whole_prompt is not None:
+            self._gate.hold_whole(admitted, exchange.whole_prompt)
         exchange.attempts.count += 1
         exchange.attempts.endpoint_id = admitted.endpoint.id
         exchange.attempts.current = admitted

@@ -6,6 +6,7 @@ import importlib.util
 import itertools
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -340,9 +341,7 @@ class TestJudge:
         assert [None, None, None] == [v.passed for v in verdicts[2:]]
 
 
-def test_disk_full_never_fills_a_file_system_bigger_than_a_node_tmpfs(tmp_path: Path) -> None:
-    # tmp_path is on the machine's own disk (as a node folder is once its tmpfs is
-    # unmounted): the fault refuses it, and leaves no file behind.
+def soak_script() -> Any:
     path = Path(__file__).resolve().parents[3] / "bench" / "soak.py"
     spec = importlib.util.spec_from_file_location("soak_bench_script", path)
     assert spec is not None
@@ -350,6 +349,29 @@ def test_disk_full_never_fills_a_file_system_bigger_than_a_node_tmpfs(tmp_path: 
     soak = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("soak_bench_script", soak)  # its dataclasses look their module up
     spec.loader.exec_module(soak)
+    return soak
+
+
+def test_disk_full_never_fills_a_file_system_bigger_than_a_node_tmpfs(tmp_path: Path) -> None:
+    # tmp_path is on the machine's own disk (as a node folder is once its tmpfs is
+    # unmounted): the fault refuses it, and leaves no file behind.
+    soak = soak_script()
     with pytest.raises(RuntimeError, match="not on a node tmpfs"):
         soak.fill(tmp_path, limit_bytes=1024 * 1024)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_disk_full_that_fails_leaves_no_filler_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fill that fails is reported as not injected, and no undo would free its file: it
+    removes the file itself."""
+    soak = soak_script()
+
+    def broken(_fd: int, _offset: int, _length: int) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(soak.os, "posix_fallocate", broken)
+    with pytest.raises(RuntimeError, match="boom"):
+        soak.fill(tmp_path, limit_bytes=2**62)
     assert list(tmp_path.iterdir()) == []

@@ -8,6 +8,7 @@ from dataclasses import replace
 from types import MappingProxyType
 
 import pytest
+from polling import eventually
 from prometheus_client import CollectorRegistry
 from router_builders import MODEL, endpoint_entry, snapshot_of
 
@@ -185,10 +186,9 @@ async def test_demand_is_written_at_most_once_per_interval() -> None:
     assert [1, 4] == [value["waiting"] for _, value in store.writes]
 
 
-async def test_a_leased_prompt_is_held_in_the_exact_index_until_the_request_ends() -> None:
-    """The next request sharing the prefix sees it on the endpoint before the engine's events."""
-    entry = endpoint_entry("e0")
-    gate, state, _, _ = make_gate(entry)
+def streamed_gate() -> tuple[AdmissionGate, RoutingState, str]:
+    """A gate with one endpoint that has a KV stream (block size 16); its service's name."""
+    gate, state, _, _ = make_gate(endpoint_entry("e0"))
     snapshot = state.view.snapshot
     placed = {eid: replace(e, kv_port=9000) for eid, e in snapshot.by_id.items()}
     models = {
@@ -197,13 +197,20 @@ async def test_a_leased_prompt_is_held_in_the_exact_index_until_the_request_ends
     }
     view = RoutingView(snapshot=replace(snapshot, by_id=placed, models=models))
     state.swap(view, state.live, synced=True)
-    key = DigestKey.from_secret("engine-key")
-    tokens = list(range(100, 100 + 64))
-    service = placed["e0"].service
     state.kv.apply_snapshot(
         "e0", KvSnapshot(epoch=1, seq=0, block_size=16, digests=frozenset()), 0.0
     )
-    exact = exact_prompt(tokens, keys={service: key}, kinds=[(service, 16)])
+    return gate, state, placed["e0"].service
+
+
+KEY = DigestKey.from_secret("engine-key")
+PROMPT = list(range(100, 100 + 64))
+
+
+async def test_a_leased_prompt_is_held_in_the_exact_index_until_the_request_ends() -> None:
+    """The next request sharing the prefix sees it on the endpoint before the engine's events."""
+    gate, state, service = streamed_gate()
+    exact = exact_prompt(PROMPT, keys={service: KEY}, kinds=[(service, 16)])
     digests = exact.digests[service, 16]
 
     admitted = await gate.admit(RequestFeatures(MODEL, exact=exact), priority=0)
@@ -212,3 +219,63 @@ async def test_a_leased_prompt_is_held_in_the_exact_index_until_the_request_ends
     after = state.kv.cached_blocks("e0", digests, block_size=16, now=1.0)
 
     assert (4, 0) == (during, after)
+
+
+async def done_callbacks_ran(future: asyncio.Future[object]) -> None:
+    """Return once the callbacks the future had when it was set have run (they run in order,
+    each scheduled with `call_soon`, so one added now runs after them)."""
+    ran = asyncio.Event()
+    future.add_done_callback(lambda _: ran.set())
+    await ran.wait()
+
+
+async def test_a_request_routed_on_leading_ids_holds_its_whole_prompt_once_known() -> None:
+    """Routed on its first 2 blocks, the request holds them; when the tokenizer hands over
+    the whole prompt, all 4 are held there, and all are released at its end."""
+    gate, state, service = streamed_gate()
+    leading = exact_prompt(PROMPT[:32], keys={service: KEY}, kinds=[(service, 16)])
+    whole = exact_prompt(PROMPT, keys={service: KEY}, kinds=[(service, 16)])
+    digests = whole.digests[service, 16]
+    later: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+
+    admitted = await gate.admit(RequestFeatures(MODEL, exact=leading), priority=0)
+    gate.hold_whole(admitted, later)  # type: ignore[arg-type]
+    before = state.kv.cached_blocks("e0", digests, block_size=16, now=1.0)
+    later.set_result(whole)
+    # The future's callbacks run on a later turn of the loop.
+    during = await eventually(
+        lambda: state.kv.cached_blocks("e0", digests, block_size=16, now=1.0) == 4 and 4,
+        5.0,
+        "the whole prompt held",
+        interval_s=0.001,
+    )
+    gate.finish(admitted, Outcome.SUCCESS)
+    after = state.kv.cached_blocks("e0", digests, block_size=16, now=1.0)
+
+    assert (2, 4, 0) == (before, during, after)
+    assert 0 == state.kv.in_flight_count("e0")
+
+
+async def test_a_whole_prompt_known_after_the_request_ended_holds_nothing() -> None:
+    """The tokenizer finishing late, or failing, leaves nothing held."""
+    gate, state, service = streamed_gate()
+    leading = exact_prompt(PROMPT[:32], keys={service: KEY}, kinds=[(service, 16)])
+    whole = exact_prompt(PROMPT, keys={service: KEY}, kinds=[(service, 16)])
+    loop = asyncio.get_running_loop()
+
+    ended: asyncio.Future[object] = loop.create_future()
+    admitted = await gate.admit(RequestFeatures(MODEL, exact=leading), priority=0)
+    gate.hold_whole(admitted, ended)  # type: ignore[arg-type]
+    gate.finish(admitted, Outcome.SUCCESS)
+    ended.set_result(whole)
+    await asyncio.wait_for(done_callbacks_ran(ended), 5.0)
+    assert 0 == state.kv.in_flight_count("e0")
+
+    failed: asyncio.Future[object] = loop.create_future()
+    admitted = await gate.admit(RequestFeatures(MODEL, exact=leading), priority=0)
+    gate.hold_whole(admitted, failed)  # type: ignore[arg-type]
+    failed.set_result(None)
+    await asyncio.wait_for(done_callbacks_ran(failed), 5.0)
+    assert 2 == state.kv.in_flight_count("e0")
+    gate.finish(admitted, Outcome.SUCCESS)
+    assert 0 == state.kv.in_flight_count("e0")

@@ -255,6 +255,41 @@ async def test_past_the_budget_the_leading_ids_at_hand_name_the_prompts_first_bl
     assert {"cached_prefix": 1.0} == outcomes(metrics)
 
 
+async def test_routed_on_leading_ids_the_whole_prompts_digests_follow_when_tokenized() -> None:
+    """`digest` gives the leading ids' digests for the pick and, once the tokenizer is done,
+    the whole prompt's (which extend them); a prompt tokenized in time has no such sequel."""
+    leading = TOKENS[:40]
+    tokens = Tokens(held=True, leading=leading)
+    digester = PromptDigester(tokens, state_with(relayed("e0"), {"e0": 16}), Keys(), budget_s=0.05)
+
+    digested = await digester.digest(MODEL, PAYLOAD, route=CHAT)
+    assert digested.prompt is not None
+    assert digested.whole is not None
+    assert not digested.whole.done()
+    tokens.release.set()
+    whole = await asyncio.wait_for(digested.whole, 5.0)
+
+    key = DigestKey.from_secret(KEY)
+    assert whole is not None
+    assert {(SERVICE, 16): block_digests(TOKENS, block_size=16, key=key)} == dict(whole.digests)
+    assert whole.digests[SERVICE, 16][:2] == digested.prompt.digests[SERVICE, 16]
+    in_time = await digester.digest(MODEL, PAYLOAD, route=CHAT)
+    assert in_time.prompt is not None
+    assert in_time.whole is None
+
+
+async def test_the_whole_prompt_is_none_when_the_tokenizer_fails_late() -> None:
+    """Past the budget, then the tokenizer gives up: the pick keeps its leading digests and
+    the sequel says None (nothing more to hold)."""
+    tokens = Tokens(None, held=True, leading=TOKENS[:40])
+    digester = PromptDigester(tokens, state_with(relayed("e0"), {"e0": 16}), Keys(), budget_s=0.05)
+    digested = await digester.digest(MODEL, PAYLOAD, route=CHAT)
+    assert digested.prompt is not None
+    assert digested.whole is not None
+    tokens.release.set()
+    assert await asyncio.wait_for(digested.whole, 5.0) is None
+
+
 async def test_of_two_hand_overs_the_longest_leading_ids_count() -> None:
     """The history found on the loop, then the thread's shorter cached ids: the longest win."""
 
