@@ -129,7 +129,6 @@ SCHEDULER_ENV = {
     "CARAVAN_SCHEDULER_REQUEUE_S": "1",
     "CARAVAN_SCHEDULER_LEADER_TTL_S": "10",
     "CARAVAN_SCHEDULER_LEADER_LOCK_DELAY_S": "1",
-    "CARAVAN_SCHEDULER_LOG_LEVEL": "warning",
 }
 TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
 
@@ -1026,7 +1025,12 @@ async def _soak(
                     "--no-autoscale",
                 ],
                 r"caravan scheduler listening on",
-                {**base_env, **SCHEDULER_ENV, "CARAVAN_SCHEDULER_API_TOKENS": token},
+                {
+                    **base_env,
+                    **SCHEDULER_ENV,
+                    "CARAVAN_SCHEDULER_API_TOKENS": token,
+                    "CARAVAN_SCHEDULER_LOG_LEVEL": args.scheduler_log_level,
+                },
                 logs,
             )
             for name, port in scheduler_ports.items()
@@ -1161,6 +1165,7 @@ async def _soak(
             "warmup_minutes": args.warmup_minutes,
             "seed": args.seed,
             "router_log_level": args.router_log_level,
+            "scheduler_log_level": args.scheduler_log_level,
             "fault_interval_s": list(args.fault_interval),
             "faults": list(args.faults),
             "load_fraction": args.load_fraction,
@@ -1482,6 +1487,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="info",
         choices=("debug", "info", "warning"),
         help="info (default): a request line per request, the report's request ids findable",
+    )
+    parser.add_argument(
+        "--scheduler-log-level",
+        default="info",
+        choices=("debug", "info", "warning"),
+        help="info (default): each plan action with its reason (a replica moved apart, drained)",
     )
     return parser
 
