@@ -160,6 +160,14 @@ def fleet_for(trace: Sequence[rq.TraceRequest], cache_share: float) -> rq.Fleet:
 # -- the engine's tokens ----------------------------------------------------------------------
 
 
+def _before_last_answer(messages: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The chat up to its previous answer: what the router tokenized in its earlier turn."""
+    earlier = list(messages[:-1])
+    if earlier and earlier[-1][0] == "assistant":
+        earlier.pop()
+    return earlier
+
+
 class EngineTokens:
     """The simulated vLLM's prompt tokens for a chat request, as the engine computes them.
 
@@ -209,9 +217,7 @@ class EngineTokens:
         turn's question; the previous answer and the new question are new
         text. Cut at the common prefix with the whole prompt's ids.
         """
-        earlier = list(messages[:-1])
-        if earlier and earlier[-1][0] == "assistant":
-            earlier.pop()
+        earlier = _before_last_answer(messages)
         rendered = self.ids(self.engine_tokens(earlier, add_generation_prompt=False))
         same = 0
         for ours, whole in zip(rendered, token_ids, strict=False):
@@ -235,9 +241,7 @@ class EngineTokens:
         """The prompt's token count as the live router predicts it from `leading` ids."""
         from caravan_llm.router.tokens.model_tokenizer import estimated_tokens  # noqa: PLC0415
 
-        earlier = list(messages[:-1])
-        if earlier and earlier[-1][0] == "assistant":
-            earlier.pop()
+        earlier = _before_last_answer(messages)
         leading_chars = self.rendered_chars(earlier, add_generation_prompt=False)
         return estimated_tokens(leading, leading_chars, self.rendered_chars(messages))
 

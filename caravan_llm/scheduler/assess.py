@@ -225,16 +225,15 @@ def _replica(
 def _crowding(judged: list[ReplicaAssessment]) -> list[ReplicaAssessment]:
     """Mark each live replica whose node already runs a live sibling with a lower index."""
     first_on: dict[str, str] = {}
-    marked: list[ReplicaAssessment] = []
+    shares: dict[str, str] = {}
     for replica in sorted(judged, key=lambda r: r.replica):
-        if not replica.live or replica.node is None:
-            marked.append(replica)
-            continue
-        first = first_on.setdefault(replica.node, replica.job_id)
-        shares = None if first == replica.job_id else first
-        marked.append(replace(replica, shares_node_with=shares))
-    order = {r.job_id: i for i, r in enumerate(judged)}
-    return sorted(marked, key=lambda r: order[r.job_id])
+        if replica.live and replica.node is not None:
+            first = first_on.setdefault(replica.node, replica.job_id)
+            if first != replica.job_id:
+                shares[replica.job_id] = first
+    return [
+        replace(r, shares_node_with=shares[r.job_id]) if r.job_id in shares else r for r in judged
+    ]
 
 
 def _prefetch(

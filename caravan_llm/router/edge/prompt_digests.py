@@ -151,8 +151,6 @@ class PromptDigester:
         self._invalid_logged: set[str] = set()
         # Per model, its prompts being tokenized (some past their request's budget).
         self._pending: dict[str, set[asyncio.Task[Sequence[int] | None]]] = {}
-        # The whole prompts' digests being made for requests routed on their leading ids.
-        self._wholes: set[asyncio.Future[ExactPrompt | None]] = set()
 
     async def exact_prompt(
         self,
@@ -207,11 +205,7 @@ class PromptDigester:
             prompt = self._from_leading(model, leading, keys, kinds)
             if prompt is None:
                 return _NOTHING
-            whole = asyncio.ensure_future(self._whole(model, task, keys, kinds))
-            # Kept until done: the loop holds tasks weakly, and the request may end first.
-            self._wholes.add(whole)
-            whole.add_done_callback(self._wholes.discard)
-            return Digested(prompt, whole)
+            return Digested(prompt, self._whole(model, task, keys, kinds))
         token_ids = _result(task, log_failure=False)  # `_finished` logged a failure
         if token_ids is None:
             self._count("not_exact")
@@ -220,17 +214,26 @@ class PromptDigester:
         self._count("not_exact" if prompt is None else "exact")
         return Digested(prompt)
 
-    async def _whole(
+    def _whole(
         self,
         model: str,
         task: asyncio.Task[Sequence[int] | None],
         keys: Mapping[str, DigestKey],
         kinds: set[DigestKind],
-    ) -> ExactPrompt | None:
-        """The whole prompt's digests once its tokenizing (past the budget) is done."""
-        await asyncio.wait((task,))
-        token_ids = _result(task, log_failure=False)  # `_finished` logged a failure
-        return None if token_ids is None else self._digests(model, token_ids, keys, kinds)
+    ) -> asyncio.Future[ExactPrompt | None]:
+        """The whole prompt's digests, set when its tokenizing (past the budget) is done."""
+        whole: asyncio.Future[ExactPrompt | None] = asyncio.get_running_loop().create_future()
+
+        def tokenized(done: asyncio.Task[Sequence[int] | None]) -> None:
+            if whole.done():  # cancelled by a caller
+                return
+            token_ids = _result(done, log_failure=False)  # `_finished` logged a failure
+            whole.set_result(
+                None if token_ids is None else self._digests(model, token_ids, keys, kinds)
+            )
+
+        task.add_done_callback(tokenized)
+        return whole
 
     def _from_leading(
         self,
