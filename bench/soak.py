@@ -16,9 +16,11 @@ sequences per replica so the engines, not the machine, bound the capacity).
    (closed loop, half streaming) until a model's throughput stops growing by
    10%; its capacity is the best throughput seen (`--capacity` skips this).
 2. Load: `--load-fraction` (0.7) of each model's capacity, Poisson arrivals,
-   half of them streaming, sent round robin to the routers that a
-   health-checking balancer keeps in rotation (/health 200, checked every
-   second); a connection refused goes to the other router.
+   half of them streaming, sent to the routers that a health-checking
+   balancer keeps in rotation (/health 200, checked every second), to the
+   one with the fewest requests outstanding (`--balancer least-request`, as
+   HAProxy's leastconn; `round-robin` alternates); a connection refused goes
+   to the other router.
 3. Faults: one every `--fault-interval` seconds (60-180), drawn from `--seed`
    out of `--faults` (all by default):
    node_kill (powered off, back empty after 30-60 s), alloc_crash (SIGKILL;
@@ -78,12 +80,14 @@ if str(REPO) not in sys.path:
 
 from bench.processes import Proc, started  # noqa: E402 - needs the repository on sys.path
 from bench.soak_plan import (  # noqa: E402
+    BALANCERS,
     FAULT_KINDS,
     PlannedFault,
     ProcessSample,
     ReadySample,
     RequestRecord,
     account_periods,
+    balance_order,
     classify_failure,
     is_classified,
     judge,
@@ -391,6 +395,8 @@ class Load:
     stream_fraction: float
     t0: float
     session: aiohttp.ClientSession
+    # How the balancer in front of the routers picks (bench.soak_plan.BALANCERS).
+    balancer: str = "least-request"
     records: list[RequestRecord] = field(default_factory=list)
     in_flight: int = 0
     router_failovers: int = 0
@@ -399,17 +405,18 @@ class Load:
     # The load balancer's view (health_checks): routers it sends to, routers drained.
     in_rotation: set[str] = field(default_factory=set)
     draining: set[str] = field(default_factory=set)
+    # Requests sent to each router and not yet answered (least-request reads them).
+    outstanding: dict[str, int] = field(default_factory=dict)
     _turn: int = 0
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     def router_urls(self) -> list[str]:
-        """The routers in balancing order: those in rotation, round robin (all if none is)."""
+        """The routers in balancing order (`balance_order`): those in rotation (all if none is)."""
         self._turn += 1
         names = [r.name for r in self.routers if r.name in self.in_rotation] or [
             r.name for r in self.routers
         ]
-        first = self._turn % len(names)
-        ordered = names[first:] + names[:first]
+        ordered = balance_order(names, self.outstanding, self._turn, self.balancer)
         return [f"http://127.0.0.1:{self.ports[name]}/v1/chat/completions" for name in ordered]
 
     def router_name(self, url: str) -> str | None:
@@ -451,6 +458,8 @@ class Load:
         urls = self.router_urls()
         url = urls[0]
         for attempt, url in enumerate(urls):
+            router = self.router_name(url) or url
+            self.outstanding[router] = self.outstanding.get(router, 0) + 1
             try:
                 async with self.session.post(url, json=body, headers=headers) as response:
                     if response.status != 200:
@@ -487,6 +496,8 @@ class Load:
                     name = f"TimeoutError (no whole answer within {REQUEST_TIMEOUT_S:.0f} s)"
                 cause = classify_failure(status=None, exception=name)
                 break
+            finally:
+                self.outstanding[router] -= 1
         end = time.monotonic()
         return RequestRecord(
             model,
@@ -1080,6 +1091,7 @@ async def _soak(
                     args.stream_fraction,
                     time.monotonic(),
                     session,
+                    balancer=args.balancer,
                 )
                 balancer = asyncio.create_task(load.health_checks())
                 await wait_in_rotation(load, len(routers))
@@ -1165,6 +1177,7 @@ async def _soak(
             "warmup_minutes": args.warmup_minutes,
             "seed": args.seed,
             "router_log_level": args.router_log_level,
+            "balancer": args.balancer,
             "scheduler_log_level": args.scheduler_log_level,
             "fault_interval_s": list(args.fault_interval),
             "faults": list(args.faults),
@@ -1481,6 +1494,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--keep-work", action="store_true", help="keep the work folder (process and engine logs)"
+    )
+    parser.add_argument(
+        "--balancer",
+        default="least-request",
+        choices=BALANCERS,
+        help="how the balancer in front of the routers picks one (least-request: the fewest "
+        "outstanding, as HAProxy's leastconn; round-robin)",
     )
     parser.add_argument(
         "--router-log-level",

@@ -1,6 +1,7 @@
 """The soak's arithmetic, apart from its I/O (bench/soak.py runs it; tests/unit/bench hold it).
 
 - `plan_faults`: the fault timeline from a seed (kind, when, how long, which target);
+- `balance_order`: the routers a request tries, in order, as the balancer in front picks;
 - `classify_failure`: one failed request -> its cause, a short stable string;
 - `periods` / `account_periods`: the run cut at each fault; per period and model
   the fewest ready replicas seen, the requests and the failures by cause;
@@ -134,6 +135,31 @@ def pick_target(candidates: Sequence[str], pick: float) -> str | None:
     if not ordered:
         return None
     return ordered[min(int(pick * len(ordered)), len(ordered) - 1)]
+
+
+BALANCERS = ("least-request", "round-robin")
+
+
+def balance_order(
+    names: Sequence[str], outstanding: Mapping[str, int], turn: int, balancer: str
+) -> list[str]:
+    """The routers one request tries, first to last (the next on a refused connection).
+
+    `round-robin`: the rotation moved on by one each request (`turn`).
+    `least-request`: the router with the fewest requests outstanding first, as
+    HAProxy's `leastconn` and nginx's `least_conn` pick; equals in the
+    rotation's order, so an idle fleet still alternates.
+    """
+    if not names:
+        return []
+    if balancer not in BALANCERS:
+        raise ValueError(f"balancer must be one of {', '.join(BALANCERS)}, got {balancer!r}")
+    first = turn % len(names)
+    rotated = [*names[first:], *names[:first]]
+    if balancer == "round-robin":
+        return rotated
+    # sorted() is stable: among equals the rotation's order stands.
+    return sorted(rotated, key=lambda name: outstanding.get(name, 0))
 
 
 # -- failures ----------------------------------------------------------------------------------

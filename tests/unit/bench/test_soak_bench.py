@@ -27,6 +27,7 @@ ProcessSample = soak_plan.ProcessSample
 ReadySample = soak_plan.ReadySample
 RequestRecord = soak_plan.RequestRecord
 account_periods = soak_plan.account_periods
+balance_order = soak_plan.balance_order
 classify_failure = soak_plan.classify_failure
 is_classified = soak_plan.is_classified
 judge = soak_plan.judge
@@ -117,6 +118,42 @@ def test_pick_target_is_stable_over_candidate_order() -> None:
     assert pick_target(["c", "a", "b"], 0.5) == pick_target(["b", "c", "a"], 0.5) == "b"
     assert "c" == pick_target(["a", "b", "c"], 0.999)
     assert pick_target([], 0.3) is None
+
+
+class TestBalanceOrder:
+    def test_round_robin_moves_the_rotation_on_each_turn(self) -> None:
+        """Round robin ignores what is outstanding: each turn starts one further along."""
+        busy = {"router-a": 300, "router-b": 0}
+        assert balance_order(["router-a", "router-b"], busy, 0, "round-robin") == [
+            "router-a",
+            "router-b",
+        ]
+        assert balance_order(["router-a", "router-b"], busy, 1, "round-robin") == [
+            "router-b",
+            "router-a",
+        ]
+
+    def test_least_request_sends_to_the_router_with_fewer_outstanding(self) -> None:
+        """A router with a backlog (the one that alone carried the load while the other
+        restarted) is tried last whatever the turn, and still tried."""
+        busy = {"router-a": 2, "router-b": 300}
+        for turn in range(4):
+            assert balance_order(["router-a", "router-b"], busy, turn, "least-request") == [
+                "router-a",
+                "router-b",
+            ]
+
+    def test_least_request_alternates_between_equals(self) -> None:
+        """Equal counts (an unseen router counts 0) keep the rotation's order."""
+        names = ["r1", "r2", "r3"]
+        firsts = [balance_order(names, {"r2": 1}, turn, "least-request")[0] for turn in range(4)]
+        assert firsts == ["r1", "r3", "r3", "r1"]
+        assert balance_order(names, {}, 1, "least-request") == ["r2", "r3", "r1"]
+
+    def test_no_router_and_an_unknown_balancer(self) -> None:
+        assert balance_order([], {}, 3, "least-request") == []
+        with pytest.raises(ValueError, match="'random'"):
+            balance_order(["r1"], {}, 0, "random")
 
 
 class TestCauses:
