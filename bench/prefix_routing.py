@@ -817,6 +817,28 @@ async def kv_streams_live(bases: list[str], count: int) -> None:
 PREFIX_SOURCE = re.compile(r'"prefix_source": ?"(\w+)"')
 
 
+REQUEST_LINE = re.compile(r'"request_id": ?"([^"]+)".*?"endpoint": ?"([^"]+)"')
+
+
+def stay_note(cell: rq.Cell) -> str:
+    """Where the later turns went: ' (stayed 0.93: cached 0.97, moved 0.40)', or ''."""
+    if cell.history_stayed is None:
+        return ""
+    fmt = rq._fmt  # noqa: SLF001
+    return (
+        f" (stayed {fmt(cell.history_stayed, 2)}: cached {fmt(cell.history_cached_stayed, 2)},"
+        f" moved {fmt(cell.history_cached_moved, 2)})"
+    )
+
+
+def served_by(log: Path) -> dict[str, str]:
+    """Request id -> the replica that served it, from a router's request lines (info)."""
+    return {
+        match.group(1): match.group(2)
+        for match in REQUEST_LINE.finditer(log.read_text(errors="replace"))
+    }
+
+
 def prefix_sources(log: Path) -> dict[str, int]:
     """A router process's `prefix_source` counts, from its request lines (log level info)."""
     counts: dict[str, int] = {}
@@ -950,6 +972,11 @@ async def run_cell(
             for counts in counted:
                 for source, count in counts.items():
                     sources[source] = sources.get(source, 0) + count
+            served = {}
+            for log in router_logs:
+                served.update(served_by(log))
+            for number, outcome in enumerate(outcomes):
+                outcome.endpoint = served.get(rq.trace_request_id(number))
             total = sum(sources.values())
             cell.events_share = sources.get("events", 0) / total if total else None
             figures = await router_figures(router_bases)
@@ -1181,6 +1208,7 @@ def offline_cell(
             if kind == "rr":
                 engine = cursor % fleet.engines
                 cursor += 1
+                outcomes[data].endpoint = ids[engine]
             else:
                 router = fleet_routers[cursor % routers]
                 cursor += 1
@@ -1222,6 +1250,7 @@ def offline_cell(
                     busy = [c.stats().running + c.stats().waiting for c in cores]
                     endpoint = snapshot.by_id[ids[busy.index(min(busy))]]
                 engine = ids.index(endpoint.id)
+                outcomes[data].endpoint = endpoint.id
                 lease = start_request(router.live, endpoint.id, breaker, now)
                 events_now = None if view is None else events_cached(view, endpoint, exact, now)
                 routed += 1
@@ -1443,7 +1472,7 @@ def orchestrate(args: argparse.Namespace) -> int:
             print(
                 f"  {target}: TTFT p50 {cell.ttft_ms['p50']:.0f} ms, "
                 f"p99 {cell.ttft_ms['p99']:.0f} ms, hit rate {cell.hit_rate:.3f}, "
-                f"history {rq._fmt(cell.history_cached, 3)}",  # noqa: SLF001
+                f"history {rq._fmt(cell.history_cached, 3)}{stay_note(cell)}",  # noqa: SLF001
                 flush=True,
             )
         scratch.cleanup()
@@ -1488,7 +1517,7 @@ def orchestrate(args: argparse.Namespace) -> int:
                 print(
                     f"  {target} rep {rep}: TTFT p50 {cell.ttft_ms['p50']:.0f} ms, "
                     f"p99 {cell.ttft_ms['p99']:.0f} ms, hit rate {cell.hit_rate:.3f}, "
-                    f"history {rq._fmt(cell.history_cached, 3)}, "  # noqa: SLF001
+                    f"history {rq._fmt(cell.history_cached, 3)}{stay_note(cell)}, "  # noqa: SLF001
                     f"events {rq._fmt(cell.events_share, 2)}, errors {cell.errors} "  # noqa: SLF001
                     f"({cell.wall_s:.0f} s)",
                     flush=True,

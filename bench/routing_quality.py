@@ -295,6 +295,8 @@ class Outcome:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     done_at: float | None = None
+    # The replica that served it, where the target can say (caravan's request log, the replay).
+    endpoint: str | None = None
 
 
 def _body(request: TraceRequest, fleet: Fleet) -> bytes:
@@ -309,16 +311,19 @@ def _body(request: TraceRequest, fleet: Fleet) -> bytes:
     ).encode()
 
 
-async def _send(session: aiohttp.ClientSession, url: str, body: bytes) -> Outcome:
+async def _send(
+    session: aiohttp.ClientSession, url: str, body: bytes, request_id: str | None = None
+) -> Outcome:
     loop = asyncio.get_running_loop()
     started = loop.time()
     ttft: float | None = None
     usage: dict[str, Any] | None = None
     pending = b""
     try:
-        async with session.post(
-            url, data=body, headers={"Content-Type": "application/json"}
-        ) as response:
+        headers = {"Content-Type": "application/json"}
+        if request_id is not None:
+            headers["x-request-id"] = request_id
+        async with session.post(url, data=body, headers=headers) as response:
             if response.status != 200:
                 await response.read()
                 return Outcome(ok=False)
@@ -356,6 +361,11 @@ async def _send(session: aiohttp.ClientSession, url: str, body: bytes) -> Outcom
     )
 
 
+def trace_request_id(number: int) -> str:
+    """The `x-request-id` of the trace's request `number` (a router's request log names it)."""
+    return f"trace-{number}"
+
+
 async def play(
     trace: list[TraceRequest], target: str, urls: list[str], fleet: Fleet
 ) -> tuple[list[Outcome], float, int]:
@@ -387,7 +397,7 @@ async def play(
         engine_bases = ENGINE_BASES
         sampler = asyncio.create_task(sample_engines())
 
-        async def one(request: TraceRequest) -> Outcome:
+        async def one(number: int, request: TraceRequest) -> Outcome:
             nonlocal cursor
             body = _body(request, fleet)
             if target == "rr":
@@ -402,17 +412,17 @@ async def play(
                 index = 0
             outstanding[index] += 1
             try:
-                return await _send(session, urls[index], body)
+                return await _send(session, urls[index], body, trace_request_id(number))
             finally:
                 outstanding[index] -= 1
 
         begin = loop.time()
         tasks = []
-        for request in trace:
+        for number, request in enumerate(trace):
             delay = begin + request.at - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(request)))
+            tasks.append(asyncio.create_task(one(number, request)))
         outcomes = list(await asyncio.gather(*tasks))
         stop.set()
         await sampler
@@ -547,6 +557,12 @@ class Cell:
     hit_rate: float = math.nan
     prefix_missed: float | None = None
     history_cached: float | None = None
+    # Of the later turns: the share sent to the replica of the conversation's previous
+    # turn, and the history-cached share among those that stayed and those that moved
+    # (None where the target does not say which replica served a request).
+    history_stayed: float | None = None
+    history_cached_stayed: float | None = None
+    history_cached_moved: float | None = None
     peak_engine_busy: int = 0
     duration_s: float = math.nan  # seconds of arrivals
     wall_s: float = math.nan  # the whole cell: start, play, drain, stop
@@ -580,18 +596,30 @@ def summarise(
             (o.cached_tokens or 0) < (system_tokens[r.system] // block) * block - block  # type: ignore[index]
             for r, o in shared
         ) / len(shared)
-        previous: dict[int, TraceRequest] = {}
+        previous: dict[int, tuple[TraceRequest, Outcome]] = {}
         later = cached = 0
+        # (stayed, found its history) per later turn whose replicas are both known.
+        placed: list[tuple[bool, bool]] = []
         for request, outcome in sorted(shared, key=lambda item: item[0].at):
             conversation = request.conversation
             assert conversation is not None
             if request.turn > 0 and conversation in previous:
+                before, served_before = previous[conversation]
                 later += 1
                 # Every block of the previous turn's prompt that this one can share was cached.
-                history = shareable_history(previous[conversation], request, block)
-                cached += (outcome.cached_tokens or 0) >= history
-            previous[conversation] = request
+                history = shareable_history(before, request, block)
+                found = (outcome.cached_tokens or 0) >= history
+                cached += found
+                if outcome.endpoint is not None and served_before.endpoint is not None:
+                    placed.append((outcome.endpoint == served_before.endpoint, found))
+            previous[conversation] = (request, outcome)
         cell.history_cached = cached / later if later else None
+        if placed and len(placed) == later:
+            stayed = [found for stay, found in placed if stay]
+            moved = [found for stay, found in placed if not stay]
+            cell.history_stayed = len(stayed) / len(placed)
+            cell.history_cached_stayed = sum(stayed) / len(stayed) if stayed else None
+            cell.history_cached_moved = sum(moved) / len(moved) if moved else None
 
 
 def _prompt_tokens(request: TraceRequest) -> list[str]:
