@@ -555,9 +555,13 @@ async def serving_router(
     # The canonical request line is built only when its logger is at info.
     logging.getLogger("router.proxy").setLevel(logging.INFO)
 
+    served: dict[str, str] = {}
+
     def request_log(fields: dict[str, Any]) -> None:
         source = str(fields.get("prefix_source"))
         sources[source] = sources.get(source, 0) + 1
+        if fields.get("endpoint") is not None:
+            served[str(fields.get("request_id"))] = str(fields["endpoint"])
 
     host, _, port = consul_addr.rpartition(":")
     async with ConsulClient(ConsulSettings(host=host, port=int(port))) as consul:
@@ -580,7 +584,12 @@ async def serving_router(
                 state = runtime.state.kv.state(endpoint, now)
                 states[state] = states.get(state, 0) + 1
             return web.json_response(
-                {"prefix_source": sources, "kv_states": states, "cpu_s": time.process_time()}
+                {
+                    "prefix_source": sources,
+                    "kv_states": states,
+                    "cpu_s": time.process_time(),
+                    "served": served,
+                }
             )
 
         app.router.add_get("/bench/stats", stats)
@@ -827,7 +836,8 @@ def stay_note(cell: rq.Cell) -> str:
     fmt = rq._fmt  # noqa: SLF001
     return (
         f" (stayed {fmt(cell.history_stayed, 2)}: cached {fmt(cell.history_cached_stayed, 2)},"
-        f" moved {fmt(cell.history_cached_moved, 2)})"
+        f" moved {fmt(cell.history_cached_moved, 2)};"
+        f" early {fmt(cell.history_early, 2)}: cached {fmt(cell.history_cached_early, 2)})"
     )
 
 
@@ -859,6 +869,7 @@ async def run_cell(
     system_tokens: list[int],
     seed: int,
     tokenizer_dir: str | None,
+    wait_budget_ms: float = 50.0,
 ) -> None:
     python = sys.executable
     bases = [f"http://127.0.0.1:{port}" for port in placed.engine_ports]
@@ -929,7 +940,7 @@ async def run_cell(
                 if kind == "precise-wait":
                     # Long enough for every prompt's tokens on this machine; the
                     # others run at the router's default budget.
-                    env["CARAVAN_ROUTER_EXACT_PREFIX_BUDGET_MS"] = "50"
+                    env["CARAVAN_ROUTER_EXACT_PREFIX_BUDGET_MS"] = f"{wait_budget_ms:g}"
                 else:
                     env.pop("CARAVAN_ROUTER_EXACT_PREFIX_BUDGET_MS", None)
                 proc, found = stack.enter_context(started(argv, pattern, env=env))
@@ -972,14 +983,24 @@ async def run_cell(
             for counts in counted:
                 for source, count in counts.items():
                     sources[source] = sources.get(source, 0) + count
-            served = {}
+            served: dict[str, str] = {}
             for log in router_logs:
                 served.update(served_by(log))
+            if not router_logs:
+                for base in router_bases:
+                    served.update((await get_json(base + "/bench/stats"))["served"])
             for number, outcome in enumerate(outcomes):
                 outcome.endpoint = served.get(rq.trace_request_id(number))
             total = sum(sources.values())
             cell.events_share = sources.get("events", 0) / total if total else None
             figures = await router_figures(router_bases)
+            if os.environ.get("BENCH_DUMP_KV"):
+                async with aiohttp.ClientSession() as dump:
+                    for base in router_bases:
+                        async with dump.get(base + "/metrics") as response:
+                            for line in (await response.text()).splitlines():
+                                if line.startswith(("caravan_router_kv", "caravan_router_req")):
+                                    print("   ", line[:220], flush=True)
             cell.kv_events = figures.get("kv_events") if kind.startswith("precise") else None
             cell.exact_prompts = {
                 k.removeprefix("exact_prompts_"): v
@@ -991,6 +1012,17 @@ async def run_cell(
     cell.kv_blocks = fleet.kv_blocks
     cell.routers = routers if router_bases else 0
     rq.summarise(cell, trace, outcomes, system_tokens, fleet.block_size)
+    dump = os.environ.get("BENCH_DUMP_REQUESTS")
+    if dump:
+        rows = [
+            {
+                "at": r.at, "system": r.system, "conversation": r.conversation, "turn": r.turn,
+                "endpoint": o.endpoint, "cached": o.cached_tokens, "prompt": o.prompt_tokens,
+                "ttft": o.ttft_s,
+            }
+            for r, o in zip(trace, outcomes, strict=True)
+        ]  # fmt: skip
+        Path(f"{dump}-{cell.target}.json").write_text(json.dumps(rows))
 
 
 # -- offline: the same comparison on a virtual clock ----------------------------------------
@@ -1510,6 +1542,7 @@ def orchestrate(args: argparse.Namespace) -> int:
                         cell, trace, consul_addr=consul_addr, nomad_addr=nomad_addr,
                         placed=placed, fleet=fleet, vllm_router=vllm_router,
                         system_tokens=system_tokens, seed=args.seed, tokenizer_dir=tokenizer_dir,
+                        wait_budget_ms=args.wait_budget_ms,
                     )
                 )  # fmt: skip
                 cell.wall_s = time.monotonic() - cell_began
@@ -1564,6 +1597,12 @@ def main() -> int:
         help="tiny: the engines and the router processes use the tiny models' HF tokenizer "
         "(the router as deployed); sim: the simulator's regex tokenizer, routers launched "
         "here with a mirror of it (no tokenizing budget)",
+    )
+    parser.add_argument(
+        "--wait-budget-ms",
+        type=float,
+        default=50.0,
+        help="precise-wait's EXACT_PREFIX_BUDGET_MS (50: every prompt's digests)",
     )
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1)

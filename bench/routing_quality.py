@@ -563,6 +563,13 @@ class Cell:
     history_stayed: float | None = None
     history_cached_stayed: float | None = None
     history_cached_moved: float | None = None
+    # Of the later turns: the share sent before the previous turn's first token (its
+    # prompt not yet computed there), and the history-cached share among those.
+    history_early: float | None = None
+    # Requests per replica (all, and first turns: where new conversations start).
+    per_replica: dict[str, int] = field(default_factory=dict)
+    first_turns_per_replica: dict[str, int] = field(default_factory=dict)
+    history_cached_early: float | None = None
     peak_engine_busy: int = 0
     duration_s: float = math.nan  # seconds of arrivals
     wall_s: float = math.nan  # the whole cell: start, play, drain, stop
@@ -600,6 +607,7 @@ def summarise(
         later = cached = 0
         # (stayed, found its history) per later turn whose replicas are both known.
         placed: list[tuple[bool, bool]] = []
+        early: list[bool] = []
         for request, outcome in sorted(shared, key=lambda item: item[0].at):
             conversation = request.conversation
             assert conversation is not None
@@ -610,11 +618,25 @@ def summarise(
                 history = shareable_history(before, request, block)
                 found = (outcome.cached_tokens or 0) >= history
                 cached += found
+                first_token = served_before.ttft_s
+                if first_token is not None and before.at + first_token > request.at:
+                    early.append(found)
                 if outcome.endpoint is not None and served_before.endpoint is not None:
                     placed.append((outcome.endpoint == served_before.endpoint, found))
             previous[conversation] = (request, outcome)
         cell.history_cached = cached / later if later else None
-        if placed and len(placed) == later:
+        cell.history_early = len(early) / later if later else None
+        for request, outcome in shared:
+            if outcome.endpoint is not None:
+                name = outcome.endpoint
+                cell.per_replica[name] = cell.per_replica.get(name, 0) + 1
+                if request.turn == 0:
+                    first = cell.first_turns_per_replica
+                    first[name] = first.get(name, 0) + 1
+        cell.history_cached_early = sum(early) / len(early) if early else None
+        # A router's last request lines may still be in its log buffer: judged on the
+        # later turns whose two replicas are known, when they are most of them.
+        if placed and len(placed) >= 0.9 * later:
             stayed = [found for stay, found in placed if stay]
             moved = [found for stay, found in placed if not stay]
             cell.history_stayed = len(stayed) / len(placed)

@@ -36,12 +36,17 @@ character), so the new text still weighs its prefill. Without a full block
 of them it is routed on the approximate index (`prefix_source: approximate`,
 `over_budget`). Either way the tokenizing goes on in the background, so the
 segment cache holds the pieces for the conversation's next turn; and a
-request routed on its leading ids gets its whole prompt's digests when the
+request routed past its budget gets its whole prompt's digests when the
 tokenizer is done (`Digested.whole`), which the admission gate then holds as
 in flight on the replica it went to (`AdmissionGate.hold_whole`): the next
 turn of a conversation, often sent while this one is still queued there,
 sees its whole history on that replica, not only the part this turn's pick
-knew about. At most
+knew about; and the requests that follow a new system prompt's first one
+(routed on the approximate index, since no replica can hold a prompt the
+router never saw) find it held on the replica that first one went to, long
+before that replica's events report it (a ~4k-token prefill takes a second
+or more), instead of judging the prompt cached nowhere and copying it to a
+second replica. At most
 `max_pending` prompts of one model are being tokenized at once; a request
 beyond that is not tokenized at all (its model's worker thread is behind:
 waiting would only add latency). Each request is counted by outcome in
@@ -120,8 +125,9 @@ class PromptTokens(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Digested:
-    """A request's digests for its pick, and, when those are its leading ids' only, the
-    whole prompt's once the tokenizer is done (None: it fails, or the ids are invalid)."""
+    """A request's digests for its pick (None: routed on the approximate index) and, when
+    it was routed past its budget, the whole prompt's once the tokenizer is done (the
+    future's None: it failed, or the ids are invalid)."""
 
     prompt: ExactPrompt | None
     whole: asyncio.Future[ExactPrompt | None] | None = None
@@ -173,8 +179,9 @@ class PromptDigester:
 
         Waits at most the budget for the token ids (module docstring). Past
         it, the digests of the prompt's leading ids the tokenizer had at hand,
-        if any; their `tokens` is then the whole prompt's count as the
-        tokenizer predicted it from them.
+        if any (their `tokens` is then the whole prompt's count as the
+        tokenizer predicted it from them), and the whole prompt's digests to
+        come (`Digested.whole`), with or without them.
         """
         known = self._state.view.profiles.get(model)
         if known is None or known.view is None:
@@ -199,12 +206,12 @@ class PromptDigester:
         task.add_done_callback(lambda done: self._finished(model, done))
         if self._budget_s <= 0:
             self._count("over_budget")
-            return _NOTHING
+            return Digested(None, self._whole(model, task, keys, kinds))
         done, _ = await asyncio.wait((task,), timeout=self._budget_s)
         if not done:
+            # Routed on the leading ids' digests, or on the approximate index without
+            # them: either way the whole prompt is held on its replica once known.
             prompt = self._from_leading(model, leading, keys, kinds)
-            if prompt is None:
-                return _NOTHING
             return Digested(prompt, self._whole(model, task, keys, kinds))
         token_ids = _result(task, log_failure=False)  # `_finished` logged a failure
         if token_ids is None:

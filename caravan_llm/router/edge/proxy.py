@@ -476,7 +476,7 @@ class Proxy:
             exchange.parsed.payload,
             route=exchange.spec.route,
         )
-        if digested.prompt is None:
+        if digested.prompt is None and digested.whole is None:
             return exchange
         return replace(
             exchange,

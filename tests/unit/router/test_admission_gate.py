@@ -256,6 +256,27 @@ async def test_a_request_routed_on_leading_ids_holds_its_whole_prompt_once_known
     assert 0 == state.kv.in_flight_count("e0")
 
 
+async def test_a_request_routed_on_the_approximate_index_holds_its_prompt_once_known() -> None:
+    """Past the budget with no leading ids (a system prompt the router never saw): nothing
+    is held at admission, then the whole prompt once tokenized, so that the next request
+    on that prompt finds it on this replica before its events do."""
+    gate, state, service = streamed_gate()
+    whole = exact_prompt(PROMPT, keys={service: KEY}, kinds=[(service, 16)])
+    digests = whole.digests[service, 16]
+    later: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+
+    admitted = await gate.admit(RequestFeatures(MODEL), priority=0)
+    gate.hold_whole(admitted, later)  # type: ignore[arg-type]
+    before = state.kv.cached_blocks("e0", digests, block_size=16, now=1.0)
+    later.set_result(whole)
+    await asyncio.wait_for(done_callbacks_ran(later), 5.0)
+    during = state.kv.cached_blocks("e0", digests, block_size=16, now=1.0)
+    gate.finish(admitted, Outcome.SUCCESS)
+
+    assert (0, 4) == (before, during)
+    assert 0 == state.kv.in_flight_count("e0")
+
+
 async def test_a_whole_prompt_known_after_the_request_ended_holds_nothing() -> None:
     """The tokenizer finishing late, or failing, leaves nothing held."""
     gate, state, service = streamed_gate()

@@ -160,16 +160,25 @@ async def test_no_stream_no_key_no_profile_or_no_tokenizer_means_no_exact_prompt
 async def test_a_prompt_past_the_budget_routes_approximately_and_finishes_in_the_background() -> (
     None
 ):
-    """Over budget: None at once, the tokenizing not cancelled; it ends and frees its place."""
+    """Over budget with no leading ids: no digests for the pick, the tokenizing not
+    cancelled; it ends, frees its place and hands over the whole prompt's digests, which
+    the request's replica then holds (`AdmissionGate.hold_whole`)."""
     metrics = RouterMetrics(CollectorRegistry())
     tokens = Tokens(held=True)
     digester = PromptDigester(
         tokens, state_with(relayed("e0"), {"e0": 16}), Keys(), budget_s=0.01, metrics=metrics
     )
 
-    prompt = await digester.exact_prompt(MODEL, PAYLOAD, route=CHAT)
+    digested = await digester.digest(MODEL, PAYLOAD, route=CHAT)
+    prompt = digested.prompt
     pending_after_budget = digester.pending(MODEL)
+    assert digested.whole is not None
+    assert not digested.whole.done()
     tokens.release.set()
+    whole = await asyncio.wait_for(digested.whole, 5.0)
+    assert whole is not None
+    key = DigestKey.from_secret(KEY)
+    assert {(SERVICE, 16): block_digests(TOKENS, block_size=16, key=key)} == dict(whole.digests)
     await eventually(
         lambda: digester.pending(MODEL) == 0, 5.0, "the background tokenizing done", interval_s=0.01
     )
