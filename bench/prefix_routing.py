@@ -1022,7 +1022,7 @@ async def run_cell(
             }
             for r, o in zip(trace, outcomes, strict=True)
         ]  # fmt: skip
-        Path(f"{dump}-{cell.target}.json").write_text(json.dumps(rows))
+        Path(f"{dump}-{cell.target}.json").write_text(json.dumps(rows))  # noqa: ASYNC240
 
 
 # -- offline: the same comparison on a virtual clock ----------------------------------------
