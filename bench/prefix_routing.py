@@ -841,20 +841,19 @@ def stay_note(cell: rq.Cell) -> str:
     )
 
 
-def served_by(log: Path) -> dict[str, str]:
-    """Request id -> the replica that served it, from a router's request lines (info)."""
-    return {
-        match.group(1): match.group(2)
-        for match in REQUEST_LINE.finditer(log.read_text(errors="replace"))
-    }
+def request_lines(log: Path) -> tuple[dict[str, int], dict[str, str]]:
+    """From a router process's request lines (log level info): its `prefix_source`
+    counts, and request id -> the replica that served it."""
+    text = log.read_text(errors="replace")
+    counts: dict[str, int] = {}
+    for match in PREFIX_SOURCE.finditer(text):
+        counts[match.group(1)] = counts.get(match.group(1), 0) + 1
+    return counts, {match.group(1): match.group(2) for match in REQUEST_LINE.finditer(text)}
 
 
 def prefix_sources(log: Path) -> dict[str, int]:
     """A router process's `prefix_source` counts, from its request lines (log level info)."""
-    counts: dict[str, int] = {}
-    for match in PREFIX_SOURCE.finditer(log.read_text(errors="replace")):
-        counts[match.group(1)] = counts.get(match.group(1), 0) + 1
-    return counts
+    return request_lines(log)[0]
 
 
 async def run_cell(
@@ -870,6 +869,7 @@ async def run_cell(
     seed: int,
     tokenizer_dir: str | None,
     wait_budget_ms: float = 50.0,
+    dump_requests: str = "",
 ) -> None:
     python = sys.executable
     bases = [f"http://127.0.0.1:{port}" for port in placed.engine_ports]
@@ -975,32 +975,21 @@ async def run_cell(
         }
         if router_bases:
             sources: dict[str, int] = {}
-            counted = (
-                [prefix_sources(log) for log in router_logs]
-                if router_logs
-                else [(await get_json(b + "/bench/stats"))["prefix_source"] for b in router_bases]
-            )
-            for counts in counted:
+            served: dict[str, str] = {}
+            if router_logs:
+                read = [request_lines(log) for log in router_logs]
+            else:
+                stats = [await get_json(base + "/bench/stats") for base in router_bases]
+                read = [(stat["prefix_source"], stat["served"]) for stat in stats]
+            for counts, replicas in read:
                 for source, count in counts.items():
                     sources[source] = sources.get(source, 0) + count
-            served: dict[str, str] = {}
-            for log in router_logs:
-                served.update(served_by(log))
-            if not router_logs:
-                for base in router_bases:
-                    served.update((await get_json(base + "/bench/stats"))["served"])
+                served.update(replicas)
             for number, outcome in enumerate(outcomes):
                 outcome.endpoint = served.get(rq.trace_request_id(number))
             total = sum(sources.values())
             cell.events_share = sources.get("events", 0) / total if total else None
             figures = await router_figures(router_bases)
-            if os.environ.get("BENCH_DUMP_KV"):
-                async with aiohttp.ClientSession() as dump:
-                    for base in router_bases:
-                        async with dump.get(base + "/metrics") as response:
-                            for line in (await response.text()).splitlines():
-                                if line.startswith(("caravan_router_kv", "caravan_router_req")):
-                                    print("   ", line[:220], flush=True)
             cell.kv_events = figures.get("kv_events") if kind.startswith("precise") else None
             cell.exact_prompts = {
                 k.removeprefix("exact_prompts_"): v
@@ -1012,8 +1001,7 @@ async def run_cell(
     cell.kv_blocks = fleet.kv_blocks
     cell.routers = routers if router_bases else 0
     rq.summarise(cell, trace, outcomes, system_tokens, fleet.block_size)
-    dump = os.environ.get("BENCH_DUMP_REQUESTS")
-    if dump:
+    if dump_requests:
         rows = [
             {
                 "at": r.at, "system": r.system, "conversation": r.conversation, "turn": r.turn,
@@ -1022,7 +1010,7 @@ async def run_cell(
             }
             for r, o in zip(trace, outcomes, strict=True)
         ]  # fmt: skip
-        Path(f"{dump}-{cell.target}.json").write_text(json.dumps(rows))  # noqa: ASYNC240
+        Path(f"{dump_requests}-{cell.target}.json").write_text(json.dumps(rows))  # noqa: ASYNC240
 
 
 # -- offline: the same comparison on a virtual clock ----------------------------------------
@@ -1542,7 +1530,7 @@ def orchestrate(args: argparse.Namespace) -> int:
                         cell, trace, consul_addr=consul_addr, nomad_addr=nomad_addr,
                         placed=placed, fleet=fleet, vllm_router=vllm_router,
                         system_tokens=system_tokens, seed=args.seed, tokenizer_dir=tokenizer_dir,
-                        wait_budget_ms=args.wait_budget_ms,
+                        wait_budget_ms=args.wait_budget_ms, dump_requests=args.dump_requests,
                     )
                 )  # fmt: skip
                 cell.wall_s = time.monotonic() - cell_began
@@ -1603,6 +1591,13 @@ def main() -> int:
         type=float,
         default=50.0,
         help="precise-wait's EXACT_PREFIX_BUDGET_MS (50: every prompt's digests)",
+    )
+    parser.add_argument(
+        "--dump-requests",
+        default="",
+        metavar="PREFIX",
+        help="live cells: write each request's replica, cached tokens and TTFT to "
+        "PREFIX-<target>.json",
     )
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1)

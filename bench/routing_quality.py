@@ -566,10 +566,10 @@ class Cell:
     # Of the later turns: the share sent before the previous turn's first token (its
     # prompt not yet computed there), and the history-cached share among those.
     history_early: float | None = None
+    history_cached_early: float | None = None
     # Requests per replica (all, and first turns: where new conversations start).
     per_replica: dict[str, int] = field(default_factory=dict)
     first_turns_per_replica: dict[str, int] = field(default_factory=dict)
-    history_cached_early: float | None = None
     peak_engine_busy: int = 0
     duration_s: float = math.nan  # seconds of arrivals
     wall_s: float = math.nan  # the whole cell: start, play, drain, stop
@@ -611,6 +611,12 @@ def summarise(
         for request, outcome in sorted(shared, key=lambda item: item[0].at):
             conversation = request.conversation
             assert conversation is not None
+            if outcome.endpoint is not None:
+                served = outcome.endpoint
+                cell.per_replica[served] = cell.per_replica.get(served, 0) + 1
+                if request.turn == 0:
+                    first = cell.first_turns_per_replica
+                    first[served] = first.get(served, 0) + 1
             if request.turn > 0 and conversation in previous:
                 before, served_before = previous[conversation]
                 later += 1
@@ -626,13 +632,6 @@ def summarise(
             previous[conversation] = (request, outcome)
         cell.history_cached = cached / later if later else None
         cell.history_early = len(early) / later if later else None
-        for request, outcome in shared:
-            if outcome.endpoint is not None:
-                name = outcome.endpoint
-                cell.per_replica[name] = cell.per_replica.get(name, 0) + 1
-                if request.turn == 0:
-                    first = cell.first_turns_per_replica
-                    first[name] = first.get(name, 0) + 1
         cell.history_cached_early = sum(early) / len(early) if early else None
         # A router's last request lines may still be in its log buffer: judged on the
         # later turns whose two replicas are known, when they are most of them.

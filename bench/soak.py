@@ -65,7 +65,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -410,19 +409,13 @@ class Load:
     _turn: int = 0
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
-    def router_urls(self) -> list[str]:
+    def router_order(self) -> list[str]:
         """The routers in balancing order (`balance_order`): those in rotation (all if none is)."""
         self._turn += 1
         names = [r.name for r in self.routers if r.name in self.in_rotation] or [
             r.name for r in self.routers
         ]
-        ordered = balance_order(names, self.outstanding, self._turn, self.balancer)
-        return [f"http://127.0.0.1:{self.ports[name]}/v1/chat/completions" for name in ordered]
-
-    def router_name(self, url: str) -> str | None:
-        """The router a URL of `router_urls` points at."""
-        port = urllib.parse.urlsplit(url).port
-        return next((name for name, p in self.ports.items() if p == port), None)
+        return balance_order(names, self.outstanding, self._turn, self.balancer)
 
     async def health_checks(self) -> None:
         """As a load balancer in front of the routers does: every HEALTH_INTERVAL_S, a
@@ -455,10 +448,10 @@ class Load:
         start = time.monotonic()
         ttft: float | None = None
         cause: str | None = None
-        urls = self.router_urls()
-        url = urls[0]
-        for attempt, url in enumerate(urls):
-            router = self.router_name(url) or url
+        routers = self.router_order()
+        router = routers[0]
+        for attempt, router in enumerate(routers):
+            url = f"http://127.0.0.1:{self.ports[router]}/v1/chat/completions"
             self.outstanding[router] = self.outstanding.get(router, 0) + 1
             try:
                 async with self.session.post(url, json=body, headers=headers) as response:
@@ -483,7 +476,7 @@ class Load:
                 break
             except aiohttp.ClientConnectorError as exc:
                 # Never reached a router (one restarting): the next one, as a balancer would.
-                if attempt + 1 < len(urls):
+                if attempt + 1 < len(routers):
                     self.router_failovers += 1
                     continue
                 cause = classify_failure(
@@ -507,7 +500,7 @@ class Load:
             None if ttft is None else round(ttft, 4),
             cause,
             None if cause is None else request_id,
-            None if cause is None else self.router_name(url),
+            None if cause is None else router,
         )
 
     async def _read_stream(
