@@ -497,8 +497,10 @@ def _predicted_ttft(
     the same one; and a cold prefix skips a ring owner whose cache is fuller
     than the emptiest tied one's by more than `cold_fill_slack` (bounded-load
     consistent hashing). A prompt cached somewhere stays with the endpoints
-    that hold the most of it while their estimate is within `warm_tie_factor`
-    times the best: copying it into a second cache to save one prefill
+    that hold the most of it among those whose estimate is within
+    `warm_tie_factor` times the best (when the replica holding a
+    conversation's history is past that, the ones holding its system prompt
+    still go before an empty cache): copying it into a second cache to save one prefill
     evicts another prompt there, whose next request misses and queues a
     prefill, which pushes the next warm prompt away in turn (on two real vLLM
     replicas that loop took the fleet's hit rate from 0.84 down to round
@@ -509,10 +511,13 @@ def _predicted_ttft(
     estimates = ttft_estimates(candidates, request, now, config, kv)
     best = min(item.seconds for item in estimates)
     band = best + max(config.cost.tie_abs_s, config.cost.tie_rel * best)
-    held = max(item.cached_tokens for item in estimates)
-    cold = request.prompt is not None and held <= 0
+    cold = request.prompt is not None and max(item.cached_tokens for item in estimates) <= 0
     cold_band = best * config.cost.cold_tie_factor
     warm_band = best * config.cost.warm_tie_factor
+    # The most of the prompt any endpoint within the warm band holds: when the one
+    # holding a conversation's history is too busy, the ones holding its system
+    # prompt still beat an empty cache.
+    held = max((item.cached_tokens for item in estimates if item.seconds <= warm_band), default=0.0)
     near = [
         (endpoint, state, item)
         for (endpoint, state), item in zip(candidates, estimates, strict=True)

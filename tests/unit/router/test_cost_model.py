@@ -643,6 +643,20 @@ def test_a_warm_prompt_leaves_a_holder_slower_than_the_warm_band() -> None:
     assert "e2" != picked_id(run_pick(snapshot, live, request))
 
 
+def test_past_the_warm_band_a_conversation_goes_to_the_holder_of_its_system_prompt() -> None:
+    """The holder of the whole history (e2) is past the warm band; e3, holding its
+    leading blocks (the system prompt) behind a short prefill, is within it: e3 gets the
+    turn, where an idle replica would have copied the whole prompt into a third cache."""
+    snapshot, live, request = holder_with_queued_prefill(4000)
+    live["e3"].cost.prefix.record(tuple(range(1, 7)), 1000)
+    start_request(live, "e3", CONFIG.breaker, NOW)
+    begin_prefill(live, snapshot.by_id["e3"], PromptShape((), 150, 8), NOW, COST, max_age_s=5.0)
+
+    assert ratio_to_best(snapshot, live, request, "e2") > COST.warm_tie_factor
+    assert 1 + COST.tie_rel < ratio_to_best(snapshot, live, request, "e3") <= COST.warm_tie_factor
+    assert "e3" == picked_id(run_pick(snapshot, live, request))
+
+
 def test_a_cold_prefix_goes_to_its_ring_owner_whatever_the_idle_replicas_learned_rates() -> None:
     """Idle replicas of one model whose learned rates differ by noise (18k vs 27k tokens/s):
     new prefixes follow the ring across all of them, not all to the fastest-looking one."""
