@@ -142,6 +142,11 @@ async def test_sglang_serves_through_the_router(tmp_path: Path) -> None:
             assert 200 == response.status
             assert key not in await response.text()
 
+        # What the failure report above reads, read here too, so that it works when needed.
+        ends = await task_ends(stack, replica_job_id(profile.name, 0))
+        assert ends
+        assert all(end["events"] for end in ends)
+
 
 async def passing_entry(stack: LocalStack, profile: ModelProfile) -> Any:
     consul = stack.scheduler.consul
@@ -169,7 +174,44 @@ async def passing_entry(stack: LocalStack, profile: ModelProfile) -> Any:
                 key: latest.get(key) for key in ("Status", "TriggeredBy", "FailedTGAllocs")
             },
         }
-        pytest.fail(f"{exc}; {json.dumps(detail)[:3000]}")
+        try:
+            detail["tasks"] = await task_ends(stack, job)
+        except Exception as error:  # the report must not hide the failure it reports
+            detail["tasks"] = f"not read: {type(error).__name__}: {error}"
+        pytest.fail(f"{exc}; {json.dumps(detail)[:6000]}")
+
+
+async def task_ends(stack: LocalStack, job: str) -> list[dict[str, Any]]:
+    """Per allocation of the job and task: its last events and the tail of its stderr
+    (an engine that exited says why there: argparse's usage line, a traceback)."""
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"{stack.nomad_addr}/v1/job/{job}/allocations") as response,
+    ):
+        allocations = await response.json()
+    ends = []
+    for allocation in allocations:
+        for task, state in (allocation.get("TaskStates") or {}).items():
+            stderr = b"".join(
+                [
+                    frame.data
+                    async for frame in stack.scheduler.nomad.stream_logs(
+                        allocation["ID"], task, log_type="stderr", origin="end", offset=1500
+                    )
+                ]
+            )
+            ends.append(
+                {
+                    "allocation": allocation["ID"][:8],
+                    "task": task,
+                    "events": [
+                        [event.get("Type"), event.get("ExitCode"), event.get("DisplayMessage")]
+                        for event in (state.get("Events") or [])[-4:]
+                    ],
+                    "stderr": stderr.decode(errors="replace")[-1500:],
+                }
+            )
+    return ends
 
 
 async def engine_key(stack: LocalStack, profile: ModelProfile) -> str:
