@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
+from bench_scripts import load_bench
 
-# bench/ holds scripts, not a package: load the module by its path.
-_BENCH = Path(__file__).resolve().parents[3] / "bench" / "prefix_routing.py"
-_spec = importlib.util.spec_from_file_location("prefix_routing", _BENCH)
-assert _spec is not None
-assert _spec.loader is not None
-prefix_routing = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("prefix_routing", prefix_routing)
-_spec.loader.exec_module(prefix_routing)
+prefix_routing = load_bench("prefix_routing")
 
 
 def cell(target: str, rep: int, hit: float, history: float | None, p50: float | None) -> Any:

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from bench_scripts import load_bench
 
-# bench/ holds scripts, not a package: load the module by its path.
-_PLAN = Path(__file__).resolve().parents[3] / "bench" / "soak_plan.py"
-_spec = importlib.util.spec_from_file_location("soak_plan", _PLAN)
-assert _spec is not None
-assert _spec.loader is not None
-soak_plan = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("soak_plan", soak_plan)
-_spec.loader.exec_module(soak_plan)
+soak_plan = load_bench("soak_plan")
 
 FAULT_DURATIONS_S = soak_plan.FAULT_DURATIONS_S
 FAULT_GAP_S = soak_plan.FAULT_GAP_S
@@ -379,14 +371,7 @@ class TestJudge:
 
 
 def soak_script() -> Any:
-    path = Path(__file__).resolve().parents[3] / "bench" / "soak.py"
-    spec = importlib.util.spec_from_file_location("soak_bench_script", path)
-    assert spec is not None
-    assert spec.loader is not None
-    soak = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("soak_bench_script", soak)  # its dataclasses look their module up
-    spec.loader.exec_module(soak)
-    return soak
+    return load_bench("soak")
 
 
 def test_disk_full_never_fills_a_file_system_bigger_than_a_node_tmpfs(tmp_path: Path) -> None:

@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
-# bench/ holds scripts, not a package: load the bench by its path.
-_BENCH = Path(__file__).resolve().parents[3] / "bench" / "routing_quality.py"
-_spec = importlib.util.spec_from_file_location("routing_quality", _BENCH)
-assert _spec is not None
-assert _spec.loader is not None
-routing_quality = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("routing_quality", routing_quality)
-_spec.loader.exec_module(routing_quality)
+routing_quality = load_bench("routing_quality")
 
 Cell = routing_quality.Cell
 Fleet = routing_quality.Fleet
