@@ -27,9 +27,11 @@ from caravan_llm.common.contract import (
 )
 from caravan_llm.common.engine_metrics import metric_names_as_published, parse_engine_load
 from caravan_llm.router.settings import RouterSettings
+from caravan_llm.scheduler.engine_logs import EngineLogReader
 from caravan_llm.scheduler.engines.registry import Engine, adapter_for
 from caravan_llm.scheduler.model_store import ModelStore
 from caravan_llm.scheduler.profiles import ModelProfile, load_profile
+from caravan_llm.scheduler.world import engine_events
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples/profiles/qwen3-sglang-h100.yaml"
@@ -182,35 +184,23 @@ async def passing_entry(stack: LocalStack, profile: ModelProfile) -> Any:
 
 
 async def task_ends(stack: LocalStack, job: str) -> list[dict[str, Any]]:
-    """Per allocation of the job and task: its last events and the tail of its stderr
-    (an engine that exited says why there: argparse's usage line, a traceback)."""
-    async with (
-        aiohttp.ClientSession() as http,
-        http.get(f"{stack.nomad_addr}/v1/job/{job}/allocations") as response,
-    ):
-        allocations = await response.json()
+    """Per allocation of the job: its engine's last events and the end of its stderr, as
+    `caravan status` reads them (an engine that exited says why there: argparse's usage
+    line, a traceback)."""
+    nomad = stack.scheduler.nomad
+    reader = EngineLogReader(nomad, reader="the test's Nomad token")
     ends = []
-    for allocation in allocations:
-        for task, state in (allocation.get("TaskStates") or {}).items():
-            stderr = b"".join(
-                [
-                    frame.data
-                    async for frame in stack.scheduler.nomad.stream_logs(
-                        allocation["ID"], task, log_type="stderr", origin="end", offset=1500
-                    )
-                ]
-            )
-            ends.append(
-                {
-                    "allocation": allocation["ID"][:8],
-                    "task": task,
-                    "events": [
-                        [event.get("Type"), event.get("ExitCode"), event.get("DisplayMessage")]
-                        for event in (state.get("Events") or [])[-4:]
-                    ],
-                    "stderr": stderr.decode(errors="replace")[-1500:],
-                }
-            )
+    for alloc in (await nomad.list_allocations()).value:
+        if alloc.job_id != job:
+            continue
+        tail = await reader.tail(alloc)
+        ends.append(
+            {
+                "allocation": alloc.id[:8],
+                "events": [[e.type, e.exit_code, e.message] for e in engine_events(alloc)[-4:]],
+                "stderr": tail.unavailable or list(tail.lines),
+            }
+        )
     return ends
 
 

@@ -500,9 +500,9 @@ def _predicted_ttft(
     that hold the most of it among those whose estimate is within
     `warm_tie_factor` times the best (when the replica holding a
     conversation's history is past that, the ones holding its system prompt
-    still go before an empty cache): copying it into a second cache to save one prefill
-    evicts another prompt there, whose next request misses and queues a
-    prefill, which pushes the next warm prompt away in turn (on two real vLLM
+    still go before an empty cache): copying it into a second cache to save
+    one prefill evicts another prompt there, whose next request misses and
+    queues a prefill, which pushes the next warm prompt away in turn (on two real vLLM
     replicas that loop took the fleet's hit rate from 0.84 down to round
     robin's in one run of two). A request with
     no prompt key breaks ties by in-flight relative to capacity, then by
