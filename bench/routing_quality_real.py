@@ -80,7 +80,7 @@ from bench.prefix_routing import (
     KEY,
     Placed,
     place_fleet,
-    prefix_sources,
+    request_lines,
     router_figures,
     streamless_index,
 )
@@ -101,6 +101,7 @@ from bench.routing_quality import (
     free_ports,
     http_ok,
     play,
+    trace_request_id,
     wait_until,
 )
 from caravan_llm.devcluster.vllm_build import API_SERVER_MODULE, CPU_BLOCK_SIZE, find_vllm
@@ -462,7 +463,13 @@ async def streams_live(base: str, count: int) -> None:
 
 
 async def run_cell(
-    cell: Cell, trace: list[TraceRequest], *, fleet: Fleet, real: RealFleet, vllm_router: str | None
+    cell: Cell,
+    trace: list[TraceRequest],
+    *,
+    fleet: Fleet,
+    real: RealFleet,
+    vllm_router: str | None,
+    dump_requests: str = "",
 ) -> None:
     bases = real.bases
     await reset_caches(bases)
@@ -472,7 +479,9 @@ async def run_cell(
         outcomes, _, peak = await play(trace, cell.target, target.urls, fleet)
         after = await counters(bases)
         if target.router is not None and target.log is not None:
-            sources = prefix_sources(target.log)
+            sources, served = request_lines(target.log)
+            for number, outcome in enumerate(outcomes):
+                outcome.endpoint = served.get(trace_request_id(number))
             total = sum(sources.values())
             cell.events_share = sources.get("events", 0) / total if total else None
             figures = await router_figures([target.router])
@@ -484,6 +493,21 @@ async def run_cell(
                 if k.startswith("exact_prompts_")
             }
     summarise(cell, outcomes, before, after, peak)
+    if dump_requests:
+        write_dump(Path(f"{dump_requests}-{cell.target}-{cell.rep}.json"), trace, outcomes)
+
+
+def write_dump(path: Path, trace: list[TraceRequest], outcomes: list[Outcome]) -> None:
+    """Every request of a cell: when it was sent, its system prompt, the replica that
+    served it (caravan's routers: their request log), its prompt and cached tokens, TTFT."""
+    rows = [
+        {
+            "at": r.at, "system": r.system, "endpoint": o.endpoint, "cached": o.cached_tokens,
+            "prompt": o.prompt_tokens, "ttft": o.ttft_s,
+        }
+        for r, o in zip(trace, outcomes, strict=True)
+    ]  # fmt: skip
+    path.write_text(json.dumps(rows))
 
 
 def summarise(
@@ -929,6 +953,7 @@ def orchestrate(args: argparse.Namespace, workload: Workload) -> int:
                 asyncio.run(
                     run_cell(
                         cell, trace, fleet=fleet, real=real, vllm_router=vllm_router,
+                        dump_requests=args.dump_requests,
                     )
                 )  # fmt: skip
                 cell.wall_s = time.monotonic() - cell_began
@@ -990,6 +1015,12 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--out", default="", help="write every cell as JSON here")
+    parser.add_argument(
+        "--dump-requests",
+        default="",
+        metavar="PREFIX",
+        help="write each cell's requests (replica, TTFT) to PREFIX-<target>-<rep>.json",
+    )
     parser.add_argument(
         "--plan-only", action="store_true", help="print the plan and the time estimate, stop"
     )

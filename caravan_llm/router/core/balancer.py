@@ -52,6 +52,7 @@ from caravan_llm.router.core.cost_model import (
     CostConfig,
     Estimate,
     estimate,
+    has_room,
     index_fill,
     load_cost,
     peer_rate,
@@ -496,16 +497,20 @@ def _predicted_ttft(
     their learned prefill rates, which would otherwise send every new prefix to
     the same one; and a cold prefix skips a ring owner whose cache is fuller
     than the emptiest tied one's by more than `cold_fill_slack` (bounded-load
-    consistent hashing). A prompt cached somewhere stays with the endpoints
-    that hold the most of it among those whose estimate is within
-    `warm_tie_factor` times the best (when the replica holding a
-    conversation's history is past that, the ones holding its system prompt
-    still go before an empty cache): copying it into a second cache to save
-    one prefill evicts another prompt there, whose next request misses and
-    queues a prefill, which pushes the next warm prompt away in turn (on two real vLLM
-    replicas that loop took the fleet's hit rate from 0.84 down to round
-    robin's in one run of two). A request with
-    no prompt key breaks ties by in-flight relative to capacity, then by
+    consistent hashing), or that has no room left for it while another tied one
+    has (`has_room`, in the engine's own tokens): placed where it does not fit,
+    it evicts a prefix living there, and the cache it overflows thrashes (on
+    two real vLLM replicas, 7 of 12 system prompts on one cache and 5 on the
+    other kept 0.87 of the prompts cached, 6 and 6 kept 0.90). A prompt cached
+    somewhere stays with the endpoints that hold the most of it among those
+    whose estimate is within `warm_tie_factor` times the best (when the
+    replica holding a conversation's history is past that, the ones holding
+    its system prompt still go before an empty cache): copying it into a
+    second cache to save one prefill evicts another prompt there, whose next
+    request misses and queues a prefill, which pushes the next warm prompt
+    away in turn (on two real vLLM replicas that loop took the fleet's hit
+    rate from 0.84 down to round robin's in one run of two). A request with no
+    prompt key breaks ties by in-flight relative to capacity, then by
     endpoint id. Deterministic: no random draw.
     """
     estimates = ttft_estimates(candidates, request, now, config, kv)
@@ -531,14 +536,21 @@ def _predicted_ttft(
     tied = {endpoint.id: (endpoint, state, item.seconds) for endpoint, state, item in free or near}
     if len(tied) == 1:
         return next(iter(tied.values()))[0]
-    key = request.prompt.ring_key if request.prompt is not None else None
+    prompt = request.prompt
+    key = prompt.ring_key if prompt is not None else None
     if key is not None:
         fill = {eid: index_fill(state, config.cost) for eid, (_, state, _) in tied.items()}
         limit = min(fill.values()) + config.cost.cold_fill_slack if cold else 1.0
+        owners = [eid for eid in tied if fill[eid] <= limit]
+        if cold and prompt is not None:
+            # A new prefix goes where it fits whole, if any tied endpoint has room.
+            room = [
+                eid for eid in owners if has_room(tied[eid][1], len(prompt.blocks), config.cost)
+            ]
+            owners = room or owners
         for endpoint_id in model_endpoints.ring.walk(key):
-            chosen = tied.get(endpoint_id)
-            if chosen is not None and fill[endpoint_id] <= limit:
-                return chosen[0]
+            if endpoint_id in owners:
+                return tied[endpoint_id][0]
     return min(
         tied.values(),
         key=lambda item: (

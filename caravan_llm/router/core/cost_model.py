@@ -57,7 +57,12 @@ if TYPE_CHECKING:
 VLLM_CACHE_CONFIG = "vllm:cache_config_info"
 VLLM_PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 VLLM_PREFIX_HITS = "vllm:prefix_cache_hits_total"
-CACHE_FIGURE_NAMES = (VLLM_CACHE_CONFIG, VLLM_PREFIX_QUERIES, VLLM_PREFIX_HITS)
+# Histogram of finished requests' prompt tokens: its _sum and _count give the engine's
+# mean prompt in real tokens (`CostState.engine_prompt_tokens`).
+VLLM_PROMPT_TOKENS = "vllm:request_prompt_tokens"
+CACHE_FIGURE_NAMES = (VLLM_CACHE_CONFIG, VLLM_PREFIX_QUERIES, VLLM_PREFIX_HITS, VLLM_PROMPT_TOKENS)
+# The engine's real tokens per estimated token are believed within these bounds.
+TOKEN_RATIO_BOUNDS = (0.25, 4.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +142,9 @@ class CacheFigures:
     kv_cache_tokens: int | None
     prefix_queries: float | None  # counter, tokens
     prefix_hits: float | None  # counter, tokens
+    # The prompt-tokens histogram's sum (tokens) and count (finished requests).
+    prompt_tokens: float | None = None
+    prompt_requests: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +185,9 @@ class CostState:
     mean_prompt_tokens: float | None = None
     # The engine's KV capacity and prefix-cache counters at the last scrape.
     cache: CacheFigures | None = None
+    # The engine's mean prompt in its own tokens: since it started at the first
+    # scrape, then over each scrape interval (`record_cache_figures`).
+    engine_prompt_tokens: float | None = None
     # Engine-confirmed share of the index's predicted hits, in [0, 1].
     cache_hit_factor: float = 1.0
     # What the index predicted since the last cache figures (tokens hit, queried).
@@ -205,7 +216,8 @@ class EndpointView(Protocol):
 
 
 def parse_cache_figures(text: str) -> CacheFigures:
-    """vLLM's KV capacity (cache_config_info's num_gpu_blocks x block_size) and prefix counters.
+    """vLLM's KV capacity (cache_config_info's num_gpu_blocks x block_size), prefix
+    counters and prompt-tokens histogram (sum and count).
 
     Label sets (engine cores) are summed. Raises EngineMetricsParseError on bad text.
     """
@@ -221,9 +233,7 @@ def parse_cache_figures(text: str) -> CacheFigures:
                     if blocks is not None and size is not None:
                         kv_tokens += blocks * size
                         kv_seen = True
-                elif sample.name in (VLLM_PREFIX_QUERIES, VLLM_PREFIX_HITS) and not math.isnan(
-                    sample.value
-                ):
+                elif sample.name in _SUMMED and not math.isnan(sample.value):
                     totals[sample.name] = totals.get(sample.name, 0.0) + float(sample.value)
     except (ValueError, IndexError, KeyError, TypeError) as exc:
         raise EngineMetricsParseError(f"malformed Prometheus exposition text: {exc}") from exc
@@ -231,7 +241,17 @@ def parse_cache_figures(text: str) -> CacheFigures:
         kv_cache_tokens=kv_tokens if kv_seen and kv_tokens > 0 else None,
         prefix_queries=totals.get(VLLM_PREFIX_QUERIES),
         prefix_hits=totals.get(VLLM_PREFIX_HITS),
+        prompt_tokens=totals.get(VLLM_PROMPT_TOKENS + "_sum"),
+        prompt_requests=totals.get(VLLM_PROMPT_TOKENS + "_count"),
     )
+
+
+_SUMMED = (
+    VLLM_PREFIX_QUERIES,
+    VLLM_PREFIX_HITS,
+    VLLM_PROMPT_TOKENS + "_sum",
+    VLLM_PROMPT_TOKENS + "_count",
+)
 
 
 def _int_label(value: str | None) -> int | None:
@@ -266,6 +286,29 @@ def prefill_rate(
     return default_rate(endpoint, config)
 
 
+def learning_prior(
+    endpoint: Endpoint, state: EndpointView, peer_rate: float | None
+) -> float | None:
+    """Where an endpoint's learned rate starts: its peers' rate, else its declared one.
+
+    The first time to first token a replica reports is often its slowest (an
+    engine's first steps after a start or a cache reset; a stall of the host)
+    and is one sample: taken alone, one slow first answer made a replica look
+    up to 8x slower than it was on two real vLLM engines, so that no new
+    prefix went to it and no sample could correct it (its cached prompts teach
+    nothing: too little work). It is blended into what the replica's fellows
+    learned or what its Meta declares, as any later sample is. None when the
+    endpoint has learned (its own rate is the start) or nothing informs a
+    start (the fallback default is a guess: the first observation stands).
+    """
+    if state.cost.prefill_rate_tps is not None:
+        return None
+    if peer_rate is not None:
+        return peer_rate
+    declared = endpoint.prefill_tokens_per_s
+    return None if declared is None else float(declared)
+
+
 def peer_rate(states: Iterable[EndpointView]) -> float | None:
     """The mean learned prefill rate of these endpoints; None when none has learned one."""
     learned = [
@@ -279,15 +322,42 @@ def index_fill(state: EndpointView, config: CostConfig) -> float:
     return len(state.cost.prefix) / max(1, index_capacity_blocks(state, config))
 
 
+def has_room(state: EndpointView, blocks: int, config: CostConfig) -> bool:
+    """Whether the endpoint's cache (as its index believes) takes `blocks` more whole."""
+    return len(state.cost.prefix) + blocks <= index_capacity_blocks(state, config)
+
+
 def index_capacity_blocks(state: EndpointView, config: CostConfig) -> int:
-    """How many blocks the index may hold for this endpoint (its engine's KV capacity)."""
+    """How many blocks the index may hold for this endpoint (its engine's KV capacity).
+
+    The engine counts its capacity in its own tokens, the index in estimated
+    ones (`ShapeConfig`): the capacity is converted by `token_ratio`.
+    """
     figures = state.cost.cache
     tokens = (
         figures.kv_cache_tokens
         if figures is not None and figures.kv_cache_tokens is not None
         else config.default_kv_cache_tokens
     )
-    return int(tokens // config.shape.block_tokens)
+    return int(tokens / token_ratio(state) // config.shape.block_tokens)
+
+
+def token_ratio(state: EndpointView) -> float:
+    """The engine's own tokens per token the router estimates; 1 while either is unknown.
+
+    The engine's mean prompt (its prompt-tokens histogram) over the mean prompt
+    this router estimated for what it sent there, within `TOKEN_RATIO_BOUNDS`.
+    The estimate is characters / 4, which a tokenizer can be far from (the tiny
+    test model's takes 2 characters a token; code and many languages differ
+    too): an index sized in the wrong unit believes a cache twice its size,
+    keeps prefixes the engine evicted and places new ones where they do not fit.
+    """
+    cost = state.cost
+    engine, estimated = cost.engine_prompt_tokens, cost.mean_prompt_tokens
+    if engine is None or estimated is None or estimated <= 0:
+        return 1.0
+    low, high = TOKEN_RATIO_BOUNDS
+    return min(max(engine / estimated, low), high)
 
 
 def cached_tokens(
@@ -492,6 +562,9 @@ class Prefill:
     default_rate: float
     # When its first token is expected (the endpoint's drain clock at send time).
     expected_at: float
+    # What the endpoint's first learned rate starts from (`learning_prior`); None: the
+    # first observation stands.
+    prior_rate: float | None = None
     # Where the endpoint's cached prefix of the prompt was read from (the request log's field).
     prefix_source: PrefixSource = "approximate"
     done: bool = False
@@ -547,6 +620,7 @@ def begin_prefill(
         sent_at=now,
         default_rate=default_rate(endpoint, config),
         expected_at=cost.prefill_busy_until,
+        prior_rate=learning_prior(endpoint, state, peer),
         prefix_source="events" if events is not None else "approximate",
     )
     cost.prefilling += 1
@@ -604,8 +678,9 @@ def end_prefill(
         # The engine is as early or late on everything behind this request.
         cost.prefill_busy_until = max(now, cost.prefill_busy_until + now - prefill.expected_at)
     if first_token:
+        previous = cost.prefill_rate_tps
         rate = learned_rate(
-            cost.prefill_rate_tps,
+            prefill.prior_rate if previous is None else previous,
             work_tokens=prefill.work_tokens,
             running=prefill.running,
             observed_s=now - prefill.sent_at,
@@ -614,6 +689,30 @@ def end_prefill(
         )
         if rate is not None:
             cost.prefill_rate_tps = rate
+
+
+def engine_prompt_mean(
+    current: float | None,
+    previous: CacheFigures | None,
+    figures: CacheFigures,
+    config: CostConfig,
+) -> float | None:
+    """The engine's mean prompt tokens after a scrape: since the engine started when
+    nothing is known, then moved toward each interval's mean (requests that finished
+    between two scrapes) by `cache_factor_alpha`. A counter gone down (restart) or
+    an interval with no finished request leaves it unchanged."""
+    total, count = figures.prompt_tokens, figures.prompt_requests
+    if total is None or count is None:
+        return current
+    if current is None:
+        return total / count if count > 0 else None
+    if previous is None or previous.prompt_tokens is None or previous.prompt_requests is None:
+        return current
+    finished = count - previous.prompt_requests
+    tokens = total - previous.prompt_tokens
+    if finished <= 0 or tokens < 0:
+        return current
+    return current + config.cache_factor_alpha * (tokens / finished - current)
 
 
 def record_cache_figures(
@@ -632,6 +731,9 @@ def record_cache_figures(
     cost = state.cost
     previous = cost.cache
     cost.cache = figures
+    cost.engine_prompt_tokens = engine_prompt_mean(
+        cost.engine_prompt_tokens, previous, figures, config
+    )
     cost.prefix.shrink(index_capacity_blocks(state, config))
     if (
         previous is not None

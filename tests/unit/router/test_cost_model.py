@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from router_builders import MODEL, endpoint_entry, live_for, snapshot_of
+from router_builders import MODEL, endpoint_entry, health_entry, live_for, service_meta, snapshot_of
 
 from caravan_llm.common.engine_metrics import EngineLoad, EngineMetricsParseError
 from caravan_llm.router.core.balancer import (
@@ -24,6 +24,7 @@ from caravan_llm.router.core.balancer import (
     pick,
 )
 from caravan_llm.router.core.cost_model import (
+    TOKEN_RATIO_BOUNDS,
     CacheFigures,
     CostConfig,
     CostState,
@@ -31,17 +32,23 @@ from caravan_llm.router.core.cost_model import (
     cache_hit_factor,
     default_rate,
     end_prefill,
+    engine_prompt_mean,
     estimate,
     foreign_queue,
+    index_capacity_blocks,
+    index_fill,
     learned_rate,
     parse_cache_figures,
     peer_rate_of,
     record_cache_figures,
+    token_ratio,
 )
 from caravan_llm.router.core.endpoints import EndpointSnapshot
 from caravan_llm.router.core.live_state import (
     EndpointLiveState,
     LiveStates,
+    Outcome,
+    finish_request,
     own_counts,
     record_load,
     start_request,
@@ -187,6 +194,36 @@ class TestLearning:
         assert (live["e1"].cost.prefilling, live["e1"].cost.queued_prefill_tokens) == (0, 0)
         assert live["e1"].cost.prefill_rate_tps == pytest.approx(4000)
 
+    def test_a_first_observation_is_blended_into_the_declared_rate(self) -> None:
+        """One slow first answer (8x the declared time) moves a replica's rate by
+        `rate_alpha` from what its Meta declares, not all the way."""
+        snapshot = declared_pair(40000)
+        live = live_for(snapshot)
+        shape = PromptShape(blocks=(), tokens=1000, ring_key=1)
+        start_request(live, "e0", CONFIG.breaker, NOW)
+        prefill = begin_prefill(live, snapshot.by_id["e0"], shape, NOW, COST, max_age_s=5)
+        assert prefill is not None
+        end_prefill(live, prefill, NOW + COST.base_s + 8 * 1000 / 40000, COST, first_token=True)
+        sample = 40000 / 8
+        assert live["e0"].cost.prefill_rate_tps == pytest.approx(
+            40000 + COST.rate_alpha * (sample - 40000)
+        )
+
+    def test_a_first_observation_is_blended_into_what_the_peers_learned(self) -> None:
+        snapshot = declared_pair(40000)
+        live = live_for(snapshot)
+        live["e1"].cost.prefill_rate_tps = 20000.0
+        shape = PromptShape(blocks=(), tokens=1000, ring_key=1)
+        start_request(live, "e0", CONFIG.breaker, NOW)
+        prefill = begin_prefill(
+            live, snapshot.by_id["e0"], shape, NOW, COST, max_age_s=5, peer=20000.0
+        )
+        assert prefill is not None
+        end_prefill(live, prefill, NOW + COST.base_s + 1000 / 10000, COST, first_token=True)
+        assert live["e0"].cost.prefill_rate_tps == pytest.approx(
+            20000 + COST.rate_alpha * (10000 - 20000)
+        )
+
     def test_a_failed_attempt_teaches_nothing(self) -> None:
         snapshot = four()
         live = live_for(snapshot)
@@ -220,6 +257,46 @@ class TestEngineCacheFigures:
         assert len(live["e0"].cost.prefix) == 100
         record_cache_figures(live, "e0", CacheFigures(32 * 16, None, None), COST)
         assert len(live["e0"].cost.prefix) * SHAPE.block_tokens <= 32 * 16
+
+    def test_the_prompt_tokens_histogram_is_summed_over_engine_cores(self) -> None:
+        text = "".join(
+            f'vllm:request_prompt_tokens_{part}{{engine="{core}",model_name="m"}} {value}\n'
+            for core in (0, 1)
+            for part, value in (("sum", 900.0), ("count", 3.0))
+        )
+        text += 'vllm:request_prompt_tokens_bucket{engine="0",le="+Inf",model_name="m"} 3.0\n'
+        figures = parse_cache_figures(text)
+        assert (figures.prompt_tokens, figures.prompt_requests) == (1800.0, 6.0)
+
+    def test_the_engines_mean_prompt_starts_from_its_lifetime_then_follows_intervals(
+        self,
+    ) -> None:
+        def at(total: float, count: float) -> CacheFigures:
+            return CacheFigures(None, None, None, prompt_tokens=total, prompt_requests=count)
+
+        assert engine_prompt_mean(None, None, at(0, 0), COST) is None
+        assert engine_prompt_mean(None, None, at(3000, 10), COST) == 300
+        after = engine_prompt_mean(300, at(3000, 10), at(3900, 11), COST)
+        assert after == pytest.approx(300 + COST.cache_factor_alpha * (900 - 300))
+        assert engine_prompt_mean(300, at(3000, 10), at(3000, 10), COST) == 300  # none finished
+        assert engine_prompt_mean(300, at(3000, 10), at(50, 1), COST) == 300  # restarted
+        assert engine_prompt_mean(300, at(3000, 10), CacheFigures(None, 0, 0), COST) == 300
+
+    def test_the_index_is_sized_in_the_engines_tokens(self) -> None:
+        """An engine whose prompts are 2x the router's estimate holds half the estimated
+        tokens its capacity says: the index believes half the blocks (within bounds)."""
+        snapshot = four()
+        live = live_for(snapshot)
+        shape = PromptShape(blocks=tuple(range(100)), tokens=800, ring_key=1)
+        start_request(live, "e0", CONFIG.breaker, NOW)
+        begin_prefill(live, snapshot.by_id["e0"], shape, NOW, COST, max_age_s=5)
+        figures = CacheFigures(4000 * 8, 0, 0, prompt_tokens=1600.0 * 5, prompt_requests=5.0)
+        record_cache_figures(live, "e0", figures, COST)
+        assert token_ratio(live["e0"]) == pytest.approx(2.0)
+        assert index_capacity_blocks(live["e0"], COST) == 2000
+        live["e0"].cost.engine_prompt_tokens = 800.0 * 100
+        assert token_ratio(live["e0"]) == TOKEN_RATIO_BOUNDS[1]
+        assert token_ratio(live["e1"]) == 1.0  # nothing sent there: nothing to compare
 
     def test_engine_hit_counters_scale_the_belief_down_only(self) -> None:
         assert cache_hit_factor(
@@ -675,6 +752,103 @@ def test_a_cold_prefix_goes_to_its_ring_owner_whatever_the_idle_replicas_learned
 
     assert all(picks[key] == next(ring.walk(key)) for key in keys)
     assert {"e0", "e1", "e2", "e3"} == set(picks.values())
+
+
+def declared_pair(rate: int) -> EndpointSnapshot:
+    """Two replicas whose Meta declares `rate` prefill tokens/s, as the scheduler renders."""
+    return snapshot_of(
+        *(
+            health_entry(
+                f"e{i}",
+                meta=service_meta(served_models=MODEL, prefill_tokens_per_s=str(rate)),
+                port=23456,
+            )
+            for i in range(2)
+        )
+    )
+
+
+def test_one_slow_first_answer_does_not_keep_new_prefixes_off_a_replica() -> None:
+    """Two idle replicas declaring 40k tokens/s; e0's first answer takes 8x the declared
+    time (seen on two real vLLM engines after a cache reset). New prefixes still follow
+    the ring across both: with the first sample taken alone e0 looked 5x slower, past
+    the cold band, every new prefix went to e1 and its cache overflowed."""
+    snapshot = declared_pair(40000)
+    ring = snapshot.models[MODEL].ring
+    live = live_for(snapshot)
+    first = PromptShape((), 1000, 1)
+    for endpoint_id, slowdown in (("e1", 1), ("e0", 8)):  # e1 answers as declared
+        lease = start_request(live, endpoint_id, CONFIG.breaker, NOW)
+        prefill = begin_prefill(live, snapshot.by_id[endpoint_id], first, NOW, COST, max_age_s=5)
+        assert prefill is not None
+        took = COST.base_s + slowdown * 1000 / 40000
+        end_prefill(live, prefill, NOW + took, COST, first_token=True)
+        finish_request(live, lease, Outcome.SUCCESS, CONFIG.breaker, NOW + 0.3)
+    keys = range(1, 2**64, 2**58)
+    picks = {
+        key: picked_id(
+            run_pick(snapshot, live, RequestFeatures(MODEL, prompt=PromptShape((), 1000, key)))
+        )
+        for key in keys
+    }
+
+    assert all(picks[key] == next(ring.walk(key)) for key in keys)
+    assert {"e0", "e1"} == set(picks.values())
+
+
+def test_a_cold_prefix_goes_where_it_fits_whole() -> None:
+    """Two idle replicas; the ring owner's cache is within `cold_fill_slack` of the
+    other's but has no room for the new prompt's blocks: it goes to the one with room
+    (6 and 6 system prompts on two real vLLM caches of 48 blocks, not 7 and 5). A prompt
+    that fits stays with the ring owner."""
+    snapshot = declared_pair(40000)
+    ring = snapshot.models[MODEL].ring
+    key = next(k for k in range(0, 2**64, 2**50) if next(ring.walk(k)) == "e1")
+    live = live_for(snapshot)
+    capacity = int(COST.default_kv_cache_tokens // SHAPE.block_tokens)
+    other = capacity - 3 - int(0.2 * capacity)
+    live["e1"].cost.prefix.record(tuple(range(1, capacity - 3 + 1)), capacity)
+    live["e0"].cost.prefix.record(tuple(range(10**6, 10**6 + other)), capacity)
+    assert index_fill(live["e1"], COST) - index_fill(live["e0"], COST) < COST.cold_fill_slack
+
+    def cold(blocks: int) -> RequestFeatures:
+        ids = tuple(range(10**7, 10**7 + blocks))
+        return RequestFeatures(MODEL, prompt=PromptShape(ids, blocks * 128, key))
+
+    assert "e0" == picked_id(run_pick(snapshot, live, cold(5)))
+    assert "e1" == picked_id(run_pick(snapshot, live, cold(3)))
+
+
+def test_twelve_prompts_that_fit_two_caches_are_split_six_and_six() -> None:
+    """Two idle replicas of 48 blocks of 128 tokens, an engine tokenizer that takes
+    2 characters a token (the router estimates 4), twelve system prompts of 7 engine
+    blocks, all of whose ring keys name e0: bounded loads alone gave 7 and 5 (49 blocks
+    on a cache of 48); sized in the engine's tokens, the twelfth goes where it fits."""
+    snapshot = declared_pair(40000)
+    ring = snapshot.models[MODEL].ring
+    live = live_for(snapshot)
+    real, estimated = 7 * 128, 7 * 64  # one prompt, in the engine's tokens and estimated
+    for endpoint_id in ("e0", "e1"):
+        figures = CacheFigures(48 * 128, 0, 0, prompt_tokens=10.0 * real, prompt_requests=10.0)
+        record_cache_figures(live, endpoint_id, figures, COST)
+        live[endpoint_id].cost.mean_prompt_tokens = float(estimated)
+    keys = [k for k in range(1, 2**64, 2**52) if next(ring.walk(k)) == "e0"][:12]
+    placed: dict[str, int] = {"e0": 0, "e1": 0}
+    for number, key in enumerate(keys):
+        blocks = tuple(range(1000 * number, 1000 * number + estimated // int(SHAPE.block_tokens)))
+        request = RequestFeatures(MODEL, prompt=PromptShape(blocks, estimated, key))
+        chosen = picked_id(run_pick(snapshot, live, request))
+        lease = start_request(live, chosen, CONFIG.breaker, NOW)
+        assert request.prompt is not None
+        prefill = begin_prefill(
+            live, snapshot.by_id[chosen], request.prompt, NOW, COST, max_age_s=5
+        )
+        assert prefill is not None
+        end_prefill(live, prefill, NOW + 0.05, COST, first_token=True)
+        finish_request(live, lease, Outcome.SUCCESS, CONFIG.breaker, NOW + 0.06)
+        placed[chosen] += 1
+
+    assert placed == {"e0": 6, "e1": 6}
 
 
 def test_a_cold_prefix_still_avoids_a_replica_with_prefill_queued() -> None:
