@@ -734,6 +734,16 @@ def test_past_the_warm_band_a_conversation_goes_to_the_holder_of_its_system_prom
     assert "e3" == picked_id(run_pick(snapshot, live, request))
 
 
+def cold_picks(snapshot: EndpointSnapshot, live: LiveStates) -> dict[int, str]:
+    """Where a 1000-token prompt cached nowhere goes, for ring keys spread over the ring."""
+    return {
+        key: picked_id(
+            run_pick(snapshot, live, RequestFeatures(MODEL, prompt=PromptShape((), 1000, key)))
+        )
+        for key in range(1, 2**64, 2**58)
+    }
+
+
 def test_a_cold_prefix_goes_to_its_ring_owner_whatever_the_idle_replicas_learned_rates() -> None:
     """Idle replicas of one model whose learned rates differ by noise (18k vs 27k tokens/s):
     new prefixes follow the ring across all of them, not all to the fastest-looking one."""
@@ -742,15 +752,9 @@ def test_a_cold_prefix_goes_to_its_ring_owner_whatever_the_idle_replicas_learned
     live = live_for(snapshot)
     for index, state in enumerate(live.values()):
         state.cost.prefill_rate_tps = 27000.0 if index == 0 else 18000.0
-    keys = range(1, 2**64, 2**58)
-    picks = {
-        key: picked_id(
-            run_pick(snapshot, live, RequestFeatures(MODEL, prompt=PromptShape((), 1000, key)))
-        )
-        for key in keys
-    }
+    picks = cold_picks(snapshot, live)
 
-    assert all(picks[key] == next(ring.walk(key)) for key in keys)
+    assert all(picks[key] == next(ring.walk(key)) for key in picks)
     assert {"e0", "e1", "e2", "e3"} == set(picks.values())
 
 
@@ -784,15 +788,9 @@ def test_one_slow_first_answer_does_not_keep_new_prefixes_off_a_replica() -> Non
         took = COST.base_s + slowdown * 1000 / 40000
         end_prefill(live, prefill, NOW + took, COST, first_token=True)
         finish_request(live, lease, Outcome.SUCCESS, CONFIG.breaker, NOW + 0.3)
-    keys = range(1, 2**64, 2**58)
-    picks = {
-        key: picked_id(
-            run_pick(snapshot, live, RequestFeatures(MODEL, prompt=PromptShape((), 1000, key)))
-        )
-        for key in keys
-    }
+    picks = cold_picks(snapshot, live)
 
-    assert all(picks[key] == next(ring.walk(key)) for key in keys)
+    assert all(picks[key] == next(ring.walk(key)) for key in picks)
     assert {"e0", "e1"} == set(picks.values())
 
 
