@@ -60,7 +60,17 @@ VLLM_PREFIX_HITS = "vllm:prefix_cache_hits_total"
 # Histogram of finished requests' prompt tokens: its _sum and _count give the engine's
 # mean prompt in real tokens (`CostState.engine_prompt_tokens`).
 VLLM_PROMPT_TOKENS = "vllm:request_prompt_tokens"
-CACHE_FIGURE_NAMES = (VLLM_CACHE_CONFIG, VLLM_PREFIX_QUERIES, VLLM_PREFIX_HITS, VLLM_PROMPT_TOKENS)
+VLLM_PROMPT_TOKENS_SUM = VLLM_PROMPT_TOKENS + "_sum"
+VLLM_PROMPT_TOKENS_COUNT = VLLM_PROMPT_TOKENS + "_count"
+# The sample names parse_cache_figures reads (the load scraper keeps only these lines:
+# not the histogram's buckets).
+CACHE_FIGURE_NAMES = (
+    VLLM_CACHE_CONFIG,
+    VLLM_PREFIX_QUERIES,
+    VLLM_PREFIX_HITS,
+    VLLM_PROMPT_TOKENS_SUM,
+    VLLM_PROMPT_TOKENS_COUNT,
+)
 # The engine's real tokens per estimated token are believed within these bounds.
 TOKEN_RATIO_BOUNDS = (0.25, 4.0)
 
@@ -241,17 +251,12 @@ def parse_cache_figures(text: str) -> CacheFigures:
         kv_cache_tokens=kv_tokens if kv_seen and kv_tokens > 0 else None,
         prefix_queries=totals.get(VLLM_PREFIX_QUERIES),
         prefix_hits=totals.get(VLLM_PREFIX_HITS),
-        prompt_tokens=totals.get(VLLM_PROMPT_TOKENS + "_sum"),
-        prompt_requests=totals.get(VLLM_PROMPT_TOKENS + "_count"),
+        prompt_tokens=totals.get(VLLM_PROMPT_TOKENS_SUM),
+        prompt_requests=totals.get(VLLM_PROMPT_TOKENS_COUNT),
     )
 
 
-_SUMMED = (
-    VLLM_PREFIX_QUERIES,
-    VLLM_PREFIX_HITS,
-    VLLM_PROMPT_TOKENS + "_sum",
-    VLLM_PROMPT_TOKENS + "_count",
-)
+_SUMMED = (VLLM_PREFIX_QUERIES, VLLM_PREFIX_HITS, VLLM_PROMPT_TOKENS_SUM, VLLM_PROMPT_TOKENS_COUNT)
 
 
 def _int_label(value: str | None) -> int | None:

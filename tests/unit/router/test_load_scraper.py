@@ -24,6 +24,12 @@ VLLM_TEXT = """\
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
 vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:cache_config_info{block_size="128",engine="0",num_gpu_blocks="48"} 1.0
+# TYPE vllm:request_prompt_tokens histogram
+vllm:request_prompt_tokens_bucket{engine="0",le="1000.0",model_name="m"} 3.0
+vllm:request_prompt_tokens_bucket{engine="0",le="+Inf",model_name="m"} 4.0
+vllm:request_prompt_tokens_count{engine="0",model_name="m"} 4.0
+vllm:request_prompt_tokens_sum{engine="0",model_name="m"} 3800.0
 """
 
 
@@ -110,6 +116,16 @@ async def test_load_is_recorded_with_the_engine_key(engine: Engine, scraping: Sc
     assert NOW == scraping.state.live["ep-0"].load_scraped_at
     assert [f"Bearer {KEY}"] == engine.authorizations
     assert 0 == scraping.failures()
+
+
+async def test_the_cache_figures_reach_the_cost_model(scraping: Scraping) -> None:
+    """The KV capacity and the engine's mean prompt (its prompt-tokens histogram)."""
+    await scraping.scraper.scrape_once()
+
+    cost = scraping.state.live["ep-0"].cost
+    assert cost.cache is not None
+    assert (cost.cache.kv_cache_tokens, cost.cache.prompt_requests) == (48 * 128, 4.0)
+    assert 950.0 == cost.engine_prompt_tokens
 
 
 async def test_a_timeout_keeps_the_last_load_to_age_out(engine: Engine, scraping: Scraping) -> None:
