@@ -1002,15 +1002,7 @@ async def run_cell(
     cell.routers = routers if router_bases else 0
     rq.summarise(cell, trace, outcomes, system_tokens, fleet.block_size)
     if dump_requests:
-        rows = [
-            {
-                "at": r.at, "system": r.system, "conversation": r.conversation, "turn": r.turn,
-                "endpoint": o.endpoint, "cached": o.cached_tokens, "prompt": o.prompt_tokens,
-                "ttft": o.ttft_s,
-            }
-            for r, o in zip(trace, outcomes, strict=True)
-        ]  # fmt: skip
-        Path(f"{dump_requests}-{cell.target}.json").write_text(json.dumps(rows))  # noqa: ASYNC240
+        rq.write_requests(Path(f"{dump_requests}-{cell.target}.json"), trace, outcomes)
 
 
 # -- offline: the same comparison on a virtual clock ----------------------------------------

@@ -361,6 +361,21 @@ async def _send(
     )
 
 
+def write_requests(path: Path, trace: list[TraceRequest], outcomes: list[Outcome]) -> None:
+    """Every request of a cell (`--dump-requests`): when it was sent, its system prompt,
+    conversation and turn, the replica that served it (where the target can say), its
+    prompt and cached tokens, and its TTFT."""
+    rows = [
+        {
+            "at": r.at, "system": r.system, "conversation": r.conversation, "turn": r.turn,
+            "endpoint": o.endpoint, "cached": o.cached_tokens, "prompt": o.prompt_tokens,
+            "ttft": o.ttft_s,
+        }
+        for r, o in zip(trace, outcomes, strict=True)
+    ]  # fmt: skip
+    path.write_text(json.dumps(rows))
+
+
 def trace_request_id(number: int) -> str:
     """The `x-request-id` of the trace's request `number` (a router's request log names it)."""
     return f"trace-{number}"

@@ -103,6 +103,7 @@ from bench.routing_quality import (
     play,
     trace_request_id,
     wait_until,
+    write_requests,
 )
 from caravan_llm.devcluster.vllm_build import API_SERVER_MODULE, CPU_BLOCK_SIZE, find_vllm
 from caravan_llm.devcluster.vllm_build import missing_build_message as _missing_build
@@ -494,20 +495,7 @@ async def run_cell(
             }
     summarise(cell, outcomes, before, after, peak)
     if dump_requests:
-        write_dump(Path(f"{dump_requests}-{cell.target}-{cell.rep}.json"), trace, outcomes)
-
-
-def write_dump(path: Path, trace: list[TraceRequest], outcomes: list[Outcome]) -> None:
-    """Every request of a cell: when it was sent, its system prompt, the replica that
-    served it (caravan's routers: their request log), its prompt and cached tokens, TTFT."""
-    rows = [
-        {
-            "at": r.at, "system": r.system, "endpoint": o.endpoint, "cached": o.cached_tokens,
-            "prompt": o.prompt_tokens, "ttft": o.ttft_s,
-        }
-        for r, o in zip(trace, outcomes, strict=True)
-    ]  # fmt: skip
-    path.write_text(json.dumps(rows))
+        write_requests(Path(f"{dump_requests}-{cell.target}-{cell.rep}.json"), trace, outcomes)
 
 
 def summarise(

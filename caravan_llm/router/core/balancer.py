@@ -537,18 +537,17 @@ def _predicted_ttft(
     if len(tied) == 1:
         return next(iter(tied.values()))[0]
     prompt = request.prompt
-    key = prompt.ring_key if prompt is not None else None
-    if key is not None:
+    if prompt is not None and prompt.ring_key is not None:
         fill = {eid: index_fill(state, config.cost) for eid, (_, state, _) in tied.items()}
         limit = min(fill.values()) + config.cost.cold_fill_slack if cold else 1.0
-        owners = [eid for eid in tied if fill[eid] <= limit]
-        if cold and prompt is not None:
+        owners = {eid for eid in tied if fill[eid] <= limit}
+        if cold:
             # A new prefix goes where it fits whole, if any tied endpoint has room.
-            room = [
-                eid for eid in owners if has_room(tied[eid][1], len(prompt.blocks), config.cost)
-            ]
-            owners = room or owners
-        for endpoint_id in model_endpoints.ring.walk(key):
+            blocks = len(prompt.blocks)
+            owners = {
+                eid for eid in owners if has_room(tied[eid][1], blocks, config.cost)
+            } or owners
+        for endpoint_id in model_endpoints.ring.walk(prompt.ring_key):
             if endpoint_id in owners:
                 return tied[endpoint_id][0]
     return min(

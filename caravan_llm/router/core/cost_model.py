@@ -62,15 +62,10 @@ VLLM_PREFIX_HITS = "vllm:prefix_cache_hits_total"
 VLLM_PROMPT_TOKENS = "vllm:request_prompt_tokens"
 VLLM_PROMPT_TOKENS_SUM = VLLM_PROMPT_TOKENS + "_sum"
 VLLM_PROMPT_TOKENS_COUNT = VLLM_PROMPT_TOKENS + "_count"
-# The sample names parse_cache_figures reads (the load scraper keeps only these lines:
-# not the histogram's buckets).
-CACHE_FIGURE_NAMES = (
-    VLLM_CACHE_CONFIG,
-    VLLM_PREFIX_QUERIES,
-    VLLM_PREFIX_HITS,
-    VLLM_PROMPT_TOKENS_SUM,
-    VLLM_PROMPT_TOKENS_COUNT,
-)
+# The samples parse_cache_figures sums over engine cores, and every sample it reads
+# (the load scraper keeps only these lines: not the histogram's buckets).
+_SUMMED = (VLLM_PREFIX_QUERIES, VLLM_PREFIX_HITS, VLLM_PROMPT_TOKENS_SUM, VLLM_PROMPT_TOKENS_COUNT)
+CACHE_FIGURE_NAMES = (VLLM_CACHE_CONFIG, *_SUMMED)
 # The engine's real tokens per estimated token are believed within these bounds.
 TOKEN_RATIO_BOUNDS = (0.25, 4.0)
 
@@ -254,9 +249,6 @@ def parse_cache_figures(text: str) -> CacheFigures:
         prompt_tokens=totals.get(VLLM_PROMPT_TOKENS_SUM),
         prompt_requests=totals.get(VLLM_PROMPT_TOKENS_COUNT),
     )
-
-
-_SUMMED = (VLLM_PREFIX_QUERIES, VLLM_PREFIX_HITS, VLLM_PROMPT_TOKENS_SUM, VLLM_PROMPT_TOKENS_COUNT)
 
 
 def _int_label(value: str | None) -> int | None:
