@@ -15,6 +15,10 @@ sequences per replica so the engines, not the machine, bound the capacity).
 1. Capacity: both models are loaded together at 1, 2, 4, ... clients each
    (closed loop, half streaming) until a model's throughput stops growing by
    10%; its capacity is the best throughput seen (`--capacity` skips this).
+   Then (`--saturate-queues`, on by default) each router's admission queue
+   of each model is filled to its bound once, one model at a time
+   (`saturate_queues`: the router's RSS steps up once, the first time a
+   queue fills, and stays; this puts that step in the warm-up).
 2. Load: `--load-fraction` (0.7) of each model's capacity, Poisson arrivals,
    half of them streaming, sent to the routers that a health-checking
    balancer keeps in rotation (/health 200, checked every second), to the
@@ -37,7 +41,8 @@ sequences per replica so the engines, not the machine, bound the capacity).
    "unavailable" at start and skipped, never failing the run.
 4. Sampling every `--sample-interval` s: ready (passing) replicas per model
    from Consul, and for every caravan process its RSS and open descriptors
-   (/proc) and `caravan_process_asyncio_tasks` (its /metrics).
+   (/proc), `caravan_process_asyncio_tasks` and `caravan_process_python_blocks`
+   (its /metrics).
 
 The report (printed, and `--out` as JSON): the fault timeline; per period
 between faults and per model the fewest ready replicas, the requests and the
@@ -108,6 +113,8 @@ from caravan_llm.cli.local_stack import (  # noqa: E402
 )
 from caravan_llm.common.contract import KVLayout, model_service_name  # noqa: E402
 from caravan_llm.common.log_format import configure_logging  # noqa: E402
+from caravan_llm.common.process_metrics import ASYNCIO_TASKS, PYTHON_BLOCKS  # noqa: E402
+from caravan_llm.router.settings import RouterSettings  # noqa: E402
 from caravan_llm.scheduler.model_store import ModelStore  # noqa: E402
 from caravan_llm.scheduler.profiles import ModelProfile, load_profile  # noqa: E402
 
@@ -124,6 +131,9 @@ HEALTH_INTERVAL_S = 1.0
 ROUTER_DRAIN_S = 5.0
 REQUEST_TIMEOUT_S = 180.0
 CAPACITY_CLIENTS = (1, 2, 4, 8, 16, 32)
+# The warm-up's saturation: requests sent at once to one router per model, past its
+# admission queue's bound (the router's default QUEUE_MAX_PER_MODEL) by this many.
+SATURATION_EXTRA = 128
 # The demo stack's scheduler timings (caravan_llm/cli/local_stack.py StackOptions).
 SCHEDULER_ENV = {
     "CARAVAN_SCHEDULER_RESYNC_S": "5",
@@ -606,6 +616,119 @@ async def measure_capacity(
     return best
 
 
+@dataclass(frozen=True, slots=True)
+class Saturation:
+    """One router's warm-up saturation: RSS before and after, what each model's burst got."""
+
+    router: str
+    rss_before_bytes: float | None
+    rss_after_bytes: float | None
+    deepest_queue: dict[str, float]
+    statuses: dict[str, dict[str, int]]
+
+    @property
+    def filled(self) -> bool:
+        """Every model's queue reached its bound (some of its burst refused as queue_full)."""
+        return all(counts.get("429 queue_full", 0) > 0 for counts in self.statuses.values())
+
+
+async def saturate_queues(
+    load: Load, models: list[str], *, queue_max: int, max_tokens: int, metrics_token: str
+) -> list[Saturation]:
+    """Fill each router's admission queue of each model to its bound, once, before the load.
+
+    A queued request holds about 17-19 KiB (its connection, parser, parsed
+    body, handler task and queue entry: docs/benchmarks.md "Bursts of held
+    requests"), and CPython keeps that memory after the burst (an arena goes
+    back only when every object in it is gone), so a router's RSS steps up
+    once, the first time its queue fills, and stays there. Filling each
+    queue during warm-up puts that step before the judged window, which then
+    shows growth past the process's bounded high water: a leak, not the
+    timing of its first overload (attempt 8: the first full queue came at
+    minute 26 and the line failed; attempt 7: at minute 3 and it passed).
+    The interpreter's blocks (`caravan_process_python_blocks`) are judged
+    too, since the memory freed after this burst is reused before RSS grows.
+    """
+    rows = []
+    for router in load.routers:
+        port = load.ports[router.name]
+        before = proc_stats(router.pid)[0]
+        deepest = dict.fromkeys(models, 0.0)
+        statuses: dict[str, dict[str, int]] = {m: {} for m in models}
+        watcher = asyncio.create_task(_deepest_queues(load.session, port, metrics_token, deepest))
+        try:
+            # One model at a time: a router's high water is one full queue (the soak's
+            # faults fill one model's at a time), not every model's at once.
+            for model in models:
+                labels = await asyncio.gather(
+                    *(
+                        _saturating_request(load, port, model, number, max_tokens)
+                        for number in range(queue_max + SATURATION_EXTRA)
+                    )
+                )
+                for label in labels:
+                    statuses[model][label] = statuses[model].get(label, 0) + 1
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        row = Saturation(router.name, before, proc_stats(router.pid)[0], deepest, statuses)
+        rows.append(row)
+        say(
+            f"  {router.name}: RSS {_num(before, 2**20)} -> "
+            f"{_num(row.rss_after_bytes, 2**20)} MiB; "
+            + "; ".join(
+                f"{m}: deepest queue {deepest[m]:.0f}, "
+                + ", ".join(f"{k} x{v}" for k, v in sorted(statuses[m].items()))
+                for m in models
+            )
+            + ("" if row.filled else "  (NOT FILLED)")
+        )
+    return rows
+
+
+async def _saturating_request(
+    load: Load, port: int, model: str, number: int, max_tokens: int
+) -> str:
+    """One request of a saturating burst: its status, with the error code if any."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": f"saturation {number}: tell a story"}],
+        "max_tokens": max_tokens,
+    }
+    headers = {"Authorization": f"Bearer {load.key}"}
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    try:
+        async with load.session.post(url, json=body, headers=headers) as response:
+            raw = await response.read()
+            label = str(response.status)
+            if response.status != 200:
+                with contextlib.suppress(ValueError, LookupError, TypeError):
+                    label += " " + str(json.loads(raw)["error"]["code"])
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        label = type(exc).__name__
+    return label
+
+
+async def _deepest_queues(
+    session: aiohttp.ClientSession, port: int, token: str, deepest: dict[str, float]
+) -> None:
+    """Keep `deepest` at the deepest admission queue the router's /metrics showed per model."""
+    while True:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with session.get(
+                f"http://127.0.0.1:{port}/metrics",
+                headers={"Authorization": f"Bearer {token}"},
+                timeout=aiohttp.ClientTimeout(total=2),
+            ) as response:
+                text = await response.text()
+            for model, seen in deepest.items():
+                depth = metric_value(text, f'caravan_router_queue_depth{{model="{model}"}}')
+                if depth is not None:
+                    deepest[model] = max(seen, depth)
+        await asyncio.sleep(0.2)
+
+
 # -- the faults --------------------------------------------------------------------------------
 
 
@@ -889,7 +1012,7 @@ async def sample_forever(
             ready.append(ReadySample(at, served, count))
         for managed in processes:
             rss, fds = proc_stats(managed.pid)
-            tasks = None
+            tasks = blocks = None
             if managed.pid is not None:
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                     async with session.get(
@@ -898,10 +1021,12 @@ async def sample_forever(
                         timeout=aiohttp.ClientTimeout(total=2),
                     ) as response:
                         if response.status == 200:
-                            tasks = metric_value(
-                                await response.text(), "caravan_process_asyncio_tasks"
-                            )
-            samples.append(ProcessSample(at, managed.name, managed.incarnation, rss, fds, tasks))
+                            text = await response.text()
+                            tasks = metric_value(text, ASYNCIO_TASKS)
+                            blocks = metric_value(text, PYTHON_BLOCKS)
+            samples.append(
+                ProcessSample(at, managed.name, managed.incarnation, rss, fds, tasks, blocks)
+            )
         await asyncio.sleep(max(0.0, t0 + at + interval_s - time.monotonic()))
 
 
@@ -936,6 +1061,7 @@ class Outcome:
     empty_answers: int
     tracebacks: dict[str, int]
     engine: str
+    saturation: list[Saturation] = field(default_factory=list)
 
 
 async def soak(args: argparse.Namespace) -> Outcome:
@@ -1096,6 +1222,21 @@ async def _soak(
                     capacity = await measure_capacity(
                         load, list(models), args.capacity_step_seconds, rng
                     )
+                saturation: list[Saturation] = []
+                if args.saturate_queues:
+                    # The soak's routers run with the default bound.
+                    queue_max = int(RouterSettings.model_fields["queue_max_per_model"].default)
+                    say(
+                        f"saturating each router's admission queue of each model once, one "
+                        f"model at a time ({queue_max} held, +{SATURATION_EXTRA} refused):"
+                    )
+                    saturation = await saturate_queues(
+                        load,
+                        list(models),
+                        queue_max=queue_max,
+                        max_tokens=args.max_tokens,
+                        metrics_token=token,
+                    )
                 missing = sorted(set(models) - set(capacity))
                 if missing:
                     raise SystemExit(f"--capacity lacks {missing}")
@@ -1178,6 +1319,7 @@ async def _soak(
             "stream_fraction": args.stream_fraction,
             "max_tokens": args.max_tokens,
             "sample_interval_s": args.sample_interval,
+            "saturate_queues": args.saturate_queues,
             "cores": os.cpu_count(),
         },
         capacity=capacity,
@@ -1192,6 +1334,7 @@ async def _soak(
         empty_answers=load.empty_answers,
         tracebacks=tracebacks,
         engine=stack.engine.description,
+        saturation=saturation,
     )
 
 
@@ -1264,6 +1407,16 @@ def report(outcome: Outcome, args: argparse.Namespace) -> dict[str, Any]:
         if r.cause is not None:
             failures[r.cause] = failures.get(r.cause, 0) + 1
 
+    if outcome.saturation:
+        say("\n== warm-up saturation (each router's admission queues filled once before the load)")
+        for row in outcome.saturation:
+            say(
+                f"  {row.router}: RSS {_num(row.rss_before_bytes, 2**20)} -> "
+                f"{_num(row.rss_after_bytes, 2**20)} MiB, queues filled: "
+                + ("yes" if row.filled else "NO")
+                + "; deepest "
+                + ", ".join(f"{m} {d:.0f}" for m, d in sorted(row.deepest_queue.items()))
+            )
     say("\n== fault timeline")
     say(f"{'#':>3} {'at':>8} {'kind':<15} {'lasted':>7}  target / note")
     for e in outcome.events:
@@ -1350,7 +1503,8 @@ def report(outcome: Outcome, args: argparse.Namespace) -> dict[str, Any]:
         assert p.window is not None
         say(
             f"  {p.process}#{p.incarnation} {p.window[0]:.0f}-{p.window[1]:.0f}s: "
-            f"RSS {_trend(p.rss, 2**20, 'MiB')}, fds {_trend(p.fds)}, tasks {_trend(p.tasks)}"
+            f"RSS {_trend(p.rss, 2**20, 'MiB')}, fds {_trend(p.fds)}, tasks {_trend(p.tasks)}, "
+            f"Python blocks {_trend(p.blocks)}"
         )
     say("\n== tracebacks in the processes' logs")
     say("  " + (", ".join(f"{k}: {v}" for k, v in outcome.tracebacks.items() if v) or "none"))
@@ -1389,6 +1543,7 @@ def report(outcome: Outcome, args: argparse.Namespace) -> dict[str, Any]:
         "ready_samples": [asdict(s) for s in outcome.ready],
         "process_samples": [asdict(s) for s in outcome.samples],
         "process_trends": [asdict(p) for p in processes],
+        "saturation": [{**asdict(r), "filled": r.filled} for r in outcome.saturation],
         "tracebacks": outcome.tracebacks,
         "acceptance": verdicts_json,
     }
@@ -1479,6 +1634,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--ready-timeout", type=float, default=240.0, help="for the replicas at start (240 s)"
+    )
+    parser.add_argument(
+        "--saturate-queues",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fill each router's admission queues to their bound once before the load, so the "
+        "judged window starts above that high water (on)",
     )
     parser.add_argument(
         "--simulated-llama",

@@ -418,6 +418,8 @@ class ProcessSample:
     rss_bytes: float | None
     fds: float | None
     tasks: float | None
+    # `caravan_process_python_blocks`: objects alive, which allocator slack cannot hide.
+    blocks: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -473,6 +475,10 @@ def trend(points: Sequence[tuple[float, float]]) -> Trend | None:
 
 # RSS may grow by less than this over the judged window (issue 26's acceptance).
 RSS_GROWTH_LIMIT = 0.05
+# The interpreter's allocated blocks (its objects) likewise: RSS stays at a burst's
+# high water (memory the allocator keeps is reused before it grows), so a leak smaller
+# than that slack shows here first.
+BLOCKS_GROWTH_LIMIT = 0.05
 # Descriptors and tasks are "flat" when their level rises by at most this
 # much across the window: the larger of an absolute and a relative allowance
 # (both move with the requests in flight at a sampling instant). A fall is no
@@ -493,6 +499,7 @@ class ProcessVerdict:
     fds: Trend | None
     tasks: Trend | None
     reason: str  # why not judged, or ""
+    blocks: Trend | None = None
 
     @property
     def judged(self) -> bool:
@@ -503,6 +510,12 @@ class ProcessVerdict:
         if self.rss is None or self.rss.relative is None:
             return None
         return self.rss.relative < RSS_GROWTH_LIMIT
+
+    @property
+    def blocks_ok(self) -> bool | None:
+        if self.blocks is None or self.blocks.relative is None:
+            return None
+        return self.blocks.relative < BLOCKS_GROWTH_LIMIT
 
     @property
     def fds_flat(self) -> bool | None:
@@ -564,6 +577,7 @@ def judge_processes(
                 line((s.at_s, s.fds) for s in window),
                 line((s.at_s, s.tasks) for s in window),
                 "",
+                line((s.at_s, s.blocks) for s in window),
             )
         )
     return tuple(verdicts)
@@ -627,6 +641,15 @@ def judge(rows: Sequence[PeriodModel], processes: Sequence[ProcessVerdict]) -> t
             f"RSS of each caravan process grows less than {RSS_GROWTH_LIMIT:.0%} after warm-up",
             lambda p: p.rss_ok,
             lambda p: f"{p.process}#{p.incarnation} {_pct(p.rss)}",
+        )
+    )
+    verdicts.append(
+        line(
+            f"Python heap blocks of each caravan process grow less than "
+            f"{BLOCKS_GROWTH_LIMIT:.0%} after warm-up (added: objects kept alive, which the "
+            "allocator's slack hides from RSS)",
+            lambda p: p.blocks_ok,
+            lambda p: f"{p.process}#{p.incarnation} {_pct(p.blocks)}",
         )
     )
     verdicts.append(

@@ -10,6 +10,13 @@ same names, so one query covers every caravan process:
 - `caravan_process_asyncio_tasks`: the tasks alive on the event loop that
   serves `/metrics` (counted at scrape time; absent when a scrape runs outside
   a loop). A number that keeps growing under steady load is a task leak.
+- `caravan_process_python_blocks`: the memory blocks the interpreter holds
+  allocated (`sys.getallocatedblocks()`: its objects and their buffers),
+  counted at each scrape. It leaves out what RSS cannot: memory the
+  allocator keeps after a burst is freed (CPython returns a 1 MiB arena
+  only when every object in it is gone, so RSS stays at a burst's high
+  water), so a number that keeps growing under steady load is a leak of
+  objects even while RSS stands still.
 
 A long soak (bench/soak.py) reads them over time: each should level off
 after warm-up.
@@ -18,12 +25,14 @@ after warm-up.
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 ASYNCIO_TASKS = "caravan_process_asyncio_tasks"
+PYTHON_BLOCKS = "caravan_process_python_blocks"
 
 
 class AsyncioTaskCollector:
@@ -42,7 +51,19 @@ class AsyncioTaskCollector:
         )
 
 
+class PythonBlocksCollector:
+    """`caravan_process_python_blocks`: the interpreter's allocated memory blocks at each scrape."""
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            PYTHON_BLOCKS,
+            "memory blocks the Python interpreter holds allocated (sys.getallocatedblocks)",
+            value=sys.getallocatedblocks(),
+        )
+
+
 def register_process_metrics(registry: CollectorRegistry) -> None:
-    """Add the process collector and the asyncio task gauge to `registry`."""
+    """Add the process collector, the asyncio task gauge and the Python blocks gauge."""
     ProcessCollector(registry=registry)
     registry.register(AsyncioTaskCollector())
+    registry.register(PythonBlocksCollector())

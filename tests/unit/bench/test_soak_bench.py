@@ -309,6 +309,29 @@ class TestProcesses:
         assert (False, True) == (verdicts["router-a"].rss_ok, verdicts["router-b"].rss_ok)
         assert verdicts["router-b"].fds_flat
 
+    def test_objects_growing_under_a_level_rss_fail_the_blocks_line(self) -> None:
+        """RSS level (the allocator reuses a burst's slack) while the Python blocks grow 8%:
+        the blocks line fails, RSS's passes; a process without the gauge is not judged on it."""
+        level = series("router-a", 0, 0, 3600, lambda t: 100e6)
+        growing = [
+            ProcessSample(
+                s.at_s,
+                s.process,
+                0,
+                s.rss_bytes,
+                s.fds,
+                s.tasks,
+                1e6 * (1 + 0.08 * max(0.0, s.at_s - 600) / 3000),
+            )
+            for s in level
+        ]
+        (verdict,) = judge_processes(growing, 600, 3600, 1500)
+        assert (True, False) == (verdict.rss_ok, verdict.blocks_ok)
+        (unknown,) = judge_processes(level, 600, 3600, 1500)
+        assert unknown.blocks_ok is None
+        names = [v.name for v in judge([], [verdict]) if v.passed is False]
+        assert any("Python heap blocks" in name for name in names)
+
     def test_a_restarted_process_warms_up_from_its_own_start(self) -> None:
         """Incarnation 1, started at 1200 s, is judged from 1800 s; a late one is not judged."""
         samples = [
@@ -367,7 +390,7 @@ class TestJudge:
         """When no incarnation lived long enough after warm-up, the process lines are unknown."""
         samples = series("router-a", 0, 0, 100, lambda t: 1e8)
         verdicts = judge([], judge_processes(samples, 600, 100, 60))
-        assert [None, None, None] == [v.passed for v in verdicts[2:]]
+        assert [None, None, None, None] == [v.passed for v in verdicts[2:]]
 
 
 def soak_script() -> Any:

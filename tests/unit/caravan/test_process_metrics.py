@@ -8,7 +8,11 @@ import sys
 import pytest
 from prometheus_client import CollectorRegistry
 
-from caravan_llm.common.process_metrics import ASYNCIO_TASKS, register_process_metrics
+from caravan_llm.common.process_metrics import (
+    ASYNCIO_TASKS,
+    PYTHON_BLOCKS,
+    register_process_metrics,
+)
 
 
 def registry() -> CollectorRegistry:
@@ -33,6 +37,21 @@ async def test_the_task_gauge_counts_the_loops_live_tasks():
 def test_no_task_sample_outside_a_loop():
     """A scrape outside any event loop has no task sample: unknown, not zero."""
     assert registry().get_sample_value(ASYNCIO_TASKS) is None
+
+
+def test_the_blocks_gauge_follows_the_objects_alive():
+    """The blocks gauge rises with objects kept alive and falls back when they are freed."""
+    scraped = registry()
+    before = scraped.get_sample_value(PYTHON_BLOCKS)
+    kept = [[number] for number in range(20_000)]
+    held = scraped.get_sample_value(PYTHON_BLOCKS)
+    del kept
+    after = scraped.get_sample_value(PYTHON_BLOCKS)
+    assert before is not None
+    assert held is not None
+    assert after is not None
+    assert held - before >= 20_000
+    assert after - before < 2_000
 
 
 @pytest.mark.skipif(
