@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
 from bench_scripts import load_bench
 
 soak_plan = load_bench("soak_plan")
@@ -420,3 +425,71 @@ def test_a_disk_full_that_fails_leaves_no_filler_behind(
     with pytest.raises(RuntimeError, match="boom"):
         soak.fill(tmp_path, limit_bytes=2**62)
     assert list(tmp_path.iterdir()) == []
+
+
+class _QueueingRouter:
+    """A router stand-in: of each model's burst of `burst` requests, the first `room` wait
+    until the whole burst has arrived, the rest are refused `429 queue_full`; /metrics
+    shows the waiting ones as the queue depth."""
+
+    def __init__(self, room: int, burst: int) -> None:
+        self.room, self.burst = room, burst
+        self.waiting: dict[str, int] = {}
+        self.seen: dict[str, int] = {}
+        self.arrived: dict[str, asyncio.Event] = {}
+
+    async def chat(self, request: web.Request) -> web.Response:
+        model = (await request.json())["model"]
+        arrived = self.arrived.setdefault(model, asyncio.Event())
+        self.seen[model] = self.seen.get(model, 0) + 1
+        if self.seen[model] == self.burst:
+            arrived.set()
+        if self.waiting.get(model, 0) >= self.room:
+            error = {"message": "queue is full", "type": "x", "code": "queue_full"}
+            return web.json_response({"error": error}, status=429)
+        self.waiting[model] = self.waiting.get(model, 0) + 1
+        await arrived.wait()
+        self.waiting[model] -= 1
+        return web.json_response({"choices": [{"message": {"content": "x"}}]})
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        lines = [f'caravan_router_queue_depth{{model="{m}"}} {n}' for m, n in self.waiting.items()]
+        return web.Response(text="\n".join(lines) + "\n")
+
+
+async def test_saturation_counts_each_models_answers_and_sees_the_queue_fill() -> None:
+    """Each model's burst gets `room` answers and the rest 429 queue_full: filled; a router
+    that never refuses (its queue never reached the bound) is reported as not filled."""
+    soak = soak_script()
+    burst = 4 + soak.SATURATION_EXTRA
+    fake = _QueueingRouter(room=6, burst=burst)
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", fake.chat)
+    app.router.add_get("/metrics", fake.metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    router = SimpleNamespace(name="router-a", pid=os.getpid())
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            load = soak.Load([router], {"router-a": port}, "key", 4, 0.0, 0.0, session)
+            (row,) = await soak.saturate_queues(
+                load, ["m1", "m2"], queue_max=4, max_tokens=4, metrics_token="t"
+            )
+            fake.room, fake.seen, fake.arrived = burst, {}, {}
+            (unfilled,) = await soak.saturate_queues(
+                load, ["m1"], queue_max=4, max_tokens=4, metrics_token="t"
+            )
+    finally:
+        await runner.cleanup()
+    assert row.statuses == {
+        "m1": {"200": 6, "429 queue_full": burst - 6},
+        "m2": {"200": 6, "429 queue_full": burst - 6},
+    }
+    assert row.filled
+    assert row.rss_before_bytes is not None
+    assert row.deepest_queue["m1"] <= 6
+    assert unfilled.statuses == {"m1": {"200": burst}}
+    assert not unfilled.filled
