@@ -715,18 +715,29 @@ async def _deepest_queues(
 ) -> None:
     """Keep `deepest` at the deepest admission queue the router's /metrics showed per model."""
     while True:
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            async with session.get(
-                f"http://127.0.0.1:{port}/metrics",
-                headers={"Authorization": f"Bearer {token}"},
-                timeout=aiohttp.ClientTimeout(total=2),
-            ) as response:
-                text = await response.text()
-            for model, seen in deepest.items():
-                depth = metric_value(text, f'caravan_router_queue_depth{{model="{model}"}}')
-                if depth is not None:
-                    deepest[model] = max(seen, depth)
+        text = await scrape(session, port, token)
+        for model, seen in deepest.items():
+            depth = (
+                None
+                if text is None
+                else metric_value(text, f'caravan_router_queue_depth{{model="{model}"}}')
+            )
+            if depth is not None:
+                deepest[model] = max(seen, depth)
         await asyncio.sleep(0.2)
+
+
+async def scrape(session: aiohttp.ClientSession, port: int, token: str) -> str | None:
+    """A caravan process's /metrics text; None when it did not answer 200 within 2 s."""
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+        async with session.get(
+            f"http://127.0.0.1:{port}/metrics",
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=aiohttp.ClientTimeout(total=2),
+        ) as response:
+            if response.status == 200:
+                return await response.text()
+    return None
 
 
 # -- the faults --------------------------------------------------------------------------------
@@ -1013,17 +1024,12 @@ async def sample_forever(
         for managed in processes:
             rss, fds = proc_stats(managed.pid)
             tasks = blocks = None
+            text = None
             if managed.pid is not None:
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                    async with session.get(
-                        f"http://127.0.0.1:{ports[managed.name]}/metrics",
-                        headers={"Authorization": f"Bearer {token}"},
-                        timeout=aiohttp.ClientTimeout(total=2),
-                    ) as response:
-                        if response.status == 200:
-                            text = await response.text()
-                            tasks = metric_value(text, ASYNCIO_TASKS)
-                            blocks = metric_value(text, PYTHON_BLOCKS)
+                text = await scrape(session, ports[managed.name], token)
+            if text is not None:
+                tasks = metric_value(text, ASYNCIO_TASKS)
+                blocks = metric_value(text, PYTHON_BLOCKS)
             samples.append(
                 ProcessSample(at, managed.name, managed.incarnation, rss, fds, tasks, blocks)
             )

@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import TestServer
 from bench_scripts import load_bench
 
 soak_plan = load_bench("soak_plan")
@@ -466,24 +467,19 @@ async def test_saturation_counts_each_models_answers_and_sees_the_queue_fill() -
     app = web.Application()
     app.router.add_post("/v1/chat/completions", fake.chat)
     app.router.add_get("/metrics", fake.metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
     router = SimpleNamespace(name="router-a", pid=os.getpid())
-    try:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            load = soak.Load([router], {"router-a": port}, "key", 4, 0.0, 0.0, session)
-            (row,) = await soak.saturate_queues(
-                load, ["m1", "m2"], queue_max=4, max_tokens=4, metrics_token="t"
-            )
-            fake.room, fake.seen, fake.arrived = burst, {}, {}
-            (unfilled,) = await soak.saturate_queues(
-                load, ["m1"], queue_max=4, max_tokens=4, metrics_token="t"
-            )
-    finally:
-        await runner.cleanup()
+    async with (
+        TestServer(app, host="127.0.0.1") as server,
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session,
+    ):
+        load = soak.Load([router], {"router-a": server.port}, "key", 4, 0.0, 0.0, session)
+        (row,) = await soak.saturate_queues(
+            load, ["m1", "m2"], queue_max=4, max_tokens=4, metrics_token="t"
+        )
+        fake.room, fake.seen, fake.arrived = burst, {}, {}
+        (unfilled,) = await soak.saturate_queues(
+            load, ["m1"], queue_max=4, max_tokens=4, metrics_token="t"
+        )
     assert row.statuses == {
         "m1": {"200": 6, "429 queue_full": burst - 6},
         "m2": {"200": 6, "429 queue_full": burst - 6},
