@@ -393,6 +393,16 @@ def fill(folder: Path, *, limit_bytes: int = NODE_TMPFS_BYTES) -> Path:
 # -- the load ----------------------------------------------------------------------------------
 
 
+def chat_body(model: str, name: str, max_tokens: int, *, stream: bool) -> dict[str, Any]:
+    """The chat request every soak client sends, named in its prompt."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": f"{name}: tell a story"}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
+
+
 @dataclass
 class Load:
     """Requests to the routers; every outcome is a RequestRecord."""
@@ -447,12 +457,7 @@ class Load:
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
     async def one(self, model: str, stream: bool, number: int) -> RequestRecord:
-        body = {
-            "model": model,
-            "messages": [{"role": "user", "content": f"soak request {number}: tell a story"}],
-            "max_tokens": self.max_tokens,
-            "stream": stream,
-        }
+        body = chat_body(model, f"soak request {number}", self.max_tokens, stream=stream)
         request_id = f"soak-{number}"
         headers = {"Authorization": f"Bearer {self.key}", "x-request-id": request_id}
         start = time.monotonic()
@@ -691,11 +696,7 @@ async def _saturating_request(
     load: Load, port: int, model: str, number: int, max_tokens: int
 ) -> str:
     """One request of a saturating burst: its status, with the error code if any."""
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": f"saturation {number}: tell a story"}],
-        "max_tokens": max_tokens,
-    }
+    body = chat_body(model, f"saturation {number}", max_tokens, stream=False)
     headers = {"Authorization": f"Bearer {load.key}"}
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     try:
@@ -715,13 +716,9 @@ async def _deepest_queues(
 ) -> None:
     """Keep `deepest` at the deepest admission queue the router's /metrics showed per model."""
     while True:
-        text = await scrape(session, port, token)
+        text = await scrape(session, port, token) or ""
         for model, seen in deepest.items():
-            depth = (
-                None
-                if text is None
-                else metric_value(text, f'caravan_router_queue_depth{{model="{model}"}}')
-            )
+            depth = metric_value(text, f'caravan_router_queue_depth{{model="{model}"}}')
             if depth is not None:
                 deepest[model] = max(seen, depth)
         await asyncio.sleep(0.2)
@@ -1023,13 +1020,11 @@ async def sample_forever(
             ready.append(ReadySample(at, served, count))
         for managed in processes:
             rss, fds = proc_stats(managed.pid)
-            tasks = blocks = None
             text = None
             if managed.pid is not None:
                 text = await scrape(session, ports[managed.name], token)
-            if text is not None:
-                tasks = metric_value(text, ASYNCIO_TASKS)
-                blocks = metric_value(text, PYTHON_BLOCKS)
+            tasks = metric_value(text or "", ASYNCIO_TASKS)
+            blocks = metric_value(text or "", PYTHON_BLOCKS)
             samples.append(
                 ProcessSample(at, managed.name, managed.incarnation, rss, fds, tasks, blocks)
             )

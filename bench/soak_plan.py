@@ -507,15 +507,11 @@ class ProcessVerdict:
 
     @property
     def rss_ok(self) -> bool | None:
-        if self.rss is None or self.rss.relative is None:
-            return None
-        return self.rss.relative < RSS_GROWTH_LIMIT
+        return grew_less(self.rss, RSS_GROWTH_LIMIT)
 
     @property
     def blocks_ok(self) -> bool | None:
-        if self.blocks is None or self.blocks.relative is None:
-            return None
-        return self.blocks.relative < BLOCKS_GROWTH_LIMIT
+        return grew_less(self.blocks, BLOCKS_GROWTH_LIMIT)
 
     @property
     def fds_flat(self) -> bool | None:
@@ -524,6 +520,13 @@ class ProcessVerdict:
     @property
     def tasks_flat(self) -> bool | None:
         return flat(self.tasks)
+
+
+def grew_less(line: Trend | None, limit: float) -> bool | None:
+    """Whether the line's level grew by less than `limit` (a share); None when unknown."""
+    if line is None or line.relative is None:
+        return None
+    return line.relative < limit
 
 
 def flat(line: Trend | None) -> bool | None:
